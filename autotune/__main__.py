@@ -1,0 +1,151 @@
+"""Command line: ``python -m autotune --model MODULE:ATTR [options]``.
+
+Exit codes: 0 with a recommendation, 3 when nothing fits the budget (the JSON is still written),
+2 for bad input (one line on stderr), 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Sequence
+
+from autotune.errors import AutotuneError, UsageError
+
+__all__ = ["main", "build_parser"]
+
+EXIT_OK, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 2, 3, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit code 2, like our own usage errors
+        self.exit(EXIT_USAGE, f"autotune: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m autotune",
+        description="Measure precision modes, gradient-checkpoint plans and batch sizes of a PyTorch model "
+        "on this machine, and recommend the fastest configuration that fits a memory budget.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--model", required=True, metavar="MODULE:ATTR",
+                   help="an nn.Module class or a factory returning one, e.g. autotune.examples:TinyGPT")
+    w.add_argument("--model-kwargs", metavar="JSON", default=None, help="keyword arguments for the model, as a JSON object")
+    w.add_argument("--data", metavar="MODULE:ATTR", default=None,
+                   help="a map-style Dataset (or a factory for one) of (input, target) tuples or dicts; "
+                   "default: the model's example_batch(batch_size) method")
+    w.add_argument("--loss", metavar="MODULE:ATTR", default=None,
+                   help="loss(output, target) for models whose output holds no loss")
+    s = p.add_argument_group("search space and budget")
+    s.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    s.add_argument("--budget", default=None, metavar="SIZE",
+                   help="memory budget such as 24GiB or 512MiB (default: the device's total memory)")
+    s.add_argument("--headroom", type=float, default=0.1,
+                   help="share of the budget the recommendation leaves free")
+    s.add_argument("--precisions", default="auto",
+                   help="comma-separated fp32,fp16,bf16; auto: the modes the device runs well")
+    s.add_argument("--segments", default="auto",
+                   help="checkpoint segment counts, e.g. 0,2,4 (0 is off); auto: 0 and a spread up to the chain length")
+    s.add_argument("--batch-sizes", default="1..512",
+                   help="a range A..B (the powers of two in it) or a list such as 8,16,24")
+    r = p.add_argument_group("search and trials")
+    r.add_argument("--strategy", default="grid", help="grid: every point of the space")
+    r.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per trial (at least 2 are metered on CPU)")
+    r.add_argument("--measure-steps", type=int, default=5, help="timed steps per trial; the median is reported")
+    r.add_argument("--trial-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="stop a trial running longer than this (status timeout)")
+    r.add_argument("--storage", default=None, metavar="URL",
+                   help="Optuna storage URL for the trial store (default: sqlite:///results/<study>.db)")
+    r.add_argument("--study", default=None, help="study name (default: derived from the model and device)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, metavar="PATH", help="JSON report path (default: results/<study>.json)")
+    o.add_argument("--quiet", action="store_true", help="print only the final table and errors")
+    o.add_argument("--verbose", action="store_true", help="log each trial as it starts, too")
+    return p
+
+
+def _check_writable(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"--out {path!r}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"--out {path!r} is not writable: choose another path")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr,
+                        level=logging.WARNING if args.quiet else (logging.DEBUG if args.verbose else logging.INFO))
+    logging.getLogger("autotune").setLevel(logging.WARNING if args.quiet else (logging.DEBUG if args.verbose else logging.INFO))
+
+    import autotune
+    from autotune.units import format_bytes
+
+    counter = {"n": 0}
+
+    def progress(m: autotune.Measurement, reused: bool) -> None:
+        counter["n"] += 1
+        if args.quiet:
+            return
+        detail = f"{format_bytes(m.peak_bytes)}" + (f", {m.step_s:.4f} s/step" if m.step_s else "")
+        if m.error and m.status != "ok":
+            detail += f" ({m.error[:100]})"
+        print(f"autotune: [{counter['n']}] {m.config}: {m.status} {detail}{' (from the store)' if reused else ''}",
+              file=sys.stderr, flush=True)
+
+    try:
+        if args.out:
+            _check_writable(args.out)
+        report = autotune.tune(
+            args.model, model_kwargs=args.model_kwargs, data=args.data, loss=args.loss, device=args.device,
+            budget=args.budget, headroom=args.headroom, precisions=args.precisions, segments=args.segments,
+            batch_sizes=args.batch_sizes, strategy=args.strategy, warmup_steps=args.warmup_steps,
+            measure_steps=args.measure_steps, trial_timeout=args.trial_timeout, storage=args.storage,
+            study=args.study, on_trial=progress,
+        )
+        out = args.out or os.path.join("results", f"{report.search['study']}.json")
+        report.to_json(out)
+    except UsageError as exc:
+        print(f"autotune: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except AutotuneError as exc:
+        print(f"autotune: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("autotune: interrupted; finished trials are kept in the store, run the same command to continue", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(report.table())
+    print(f"autotune: wrote {out}", file=sys.stderr)
+    if report.recommendation is None:
+        print(_nothing_fits_hint(report), file=sys.stderr)
+        return EXIT_NOTHING_FITS
+    return EXIT_OK
+
+
+def _nothing_fits_hint(report) -> str:
+    from autotune.units import format_bytes
+
+    measured = [m for m in report.trials if m.peak_bytes is not None and m.status in ("ok", "oom")]
+    smallest = min(measured, key=lambda m: m.peak_bytes, default=None)
+    tries = []
+    space = report.search["space"]
+    if "bf16" not in space["precisions"] and "fp16" not in space["precisions"]:
+        tries.append("--precisions with bf16 or fp16")
+    if max(space["segments"]) == 0 and report.workload.get("chain"):
+        tries.append("--segments auto")
+    if min(space["batch_sizes"]) > 1:
+        tries.append("smaller --batch-sizes")
+    tries.append("a larger --budget")
+    least = (f"; the smallest peak measured was {format_bytes(smallest.peak_bytes)} ({smallest.config}, {smallest.status})"
+             if smallest else "")
+    statuses = sorted({m.status for m in report.trials})
+    return (f"autotune: nothing fits within {format_bytes(report.budget_bytes)} less {report.headroom:.0%} headroom "
+            f"(trial outcomes: {', '.join(statuses)}){least}: try {', '.join(tries)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

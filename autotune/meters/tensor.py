@@ -1,0 +1,119 @@
+"""A tensor-storage tracker: peak live bytes of tensors on one device, with a hard budget.
+
+Every ATen call inside :meth:`TensorMeter.measure` passes through a ``TorchDispatchMode``. Each
+output tensor's storage is counted once (views share their base's storage) and uncounted by a
+weak-reference finaliser when the storage is freed, so the live total follows parameters,
+gradients, optimizer state, activations and recomputed activations as they come and go.
+Allocations inside a kernel (workspaces) and allocator caching are invisible to it, and every op
+pays a Python call, which is why trials time their steps outside this meter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from typing import Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from autotune.errors import BudgetExceededError, TrialTimeoutError
+from autotune.meters.base import MemoryReading, Measuring, Meter
+
+__all__ = ["TensorMeter"]
+
+
+class _Tracker(TorchDispatchMode):
+    def __init__(self, device_type: str, budget_bytes: int | None, deadline: float | None) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.budget_bytes = budget_bytes
+        self.deadline = deadline
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (nbytes, finaliser)
+
+    def track(self, tensors: Iterable[object]) -> None:
+        """Count the storages of ``tensors`` (non-tensors are ignored); raise past the budget."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            if t.is_sparse or t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):
+                continue
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            known = self._storages.get(storage)
+            if known is not None:
+                if known[0] == nbytes:
+                    continue
+                known[1].detach()  # resized in place: recount at its new size
+                self.live_bytes -= known[0]
+            self._storages[storage] = (nbytes, weakref.finalize(storage, self._free, nbytes))
+            self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
+                raise BudgetExceededError(nbytes, self.live_bytes, self.budget_bytes)
+
+    def _free(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+    def release(self) -> None:
+        """Stop following storages that outlive the region, so the finalisers drop this tracker."""
+        for _, finaliser in list(self._storages.values()):
+            finaliser.detach()
+        self._storages = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise TrialTimeoutError("the trial ran past its time limit (--trial-timeout)")
+        out = func(*args, **(kwargs or {}))
+        self.track(tree_leaves(out))
+        return out
+
+
+class TensorMeter(Meter):
+    """Peak live tensor bytes on one device (any device type), enforcing ``budget_bytes``.
+
+    Tensors that exist before the region (a model built outside it) are counted when passed to
+    :meth:`Measuring.track`; tensors created inside the region are counted automatically.
+    """
+
+    slows_steps = True
+
+    def __init__(self, device: str | torch.device = "cpu", *, budget_bytes: int | None = None) -> None:
+        super().__init__(budget_bytes=budget_bytes)
+        self.device_type = torch.device(device).type
+
+    @contextlib.contextmanager
+    def measure(self, *, deadline: float | None = None) -> Iterator["_TensorMeasuring"]:
+        """Track tensors created in the block; ``deadline`` (``time.monotonic()``) stops it."""
+        tracker = _Tracker(self.device_type, self.budget_bytes, deadline)
+        handle = _TensorMeasuring(tracker)
+        try:
+            with tracker:
+                yield handle
+        finally:
+            handle.reading = MemoryReading(
+                peak_bytes=tracker.peak_bytes,
+                peak_allocated_bytes=tracker.peak_bytes,
+                source="tensor",
+            )
+            tracker.release()
+
+
+class _TensorMeasuring(Measuring):
+    def __init__(self, tracker: _Tracker) -> None:
+        self._tracker = tracker
+
+    def track(self, tensors: Iterable[object]) -> None:
+        """Count tensors that were created before the region, such as a model's parameters."""
+        self._tracker.track(tensors)
+
+    @property
+    def live_bytes(self) -> int:
+        """Tracked bytes alive right now."""
+        return self._tracker.live_bytes

@@ -1,0 +1,63 @@
+"""The trade-off: the Pareto front of throughput vs peak memory, limits and the recommendation."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from autotune.trial import Measurement
+
+__all__ = ["feasible", "pareto_front", "recommend", "batch_limits"]
+
+
+def feasible(measurements: Iterable[Measurement], budget_bytes: int | None) -> list[Measurement]:
+    """Return the trials that ran to the end with a peak within ``budget_bytes``."""
+    return [m for m in measurements if m.fits(budget_bytes) and m.samples_per_s is not None]
+
+
+def pareto_front(measurements: Iterable[Measurement], budget_bytes: int | None) -> list[Measurement]:
+    """Return the feasible trials no other feasible trial beats on both throughput and peak memory.
+
+    A trial is dominated when another is at least as fast and needs no more memory, and is
+    strictly better in one of the two. The front is ordered by ascending peak memory.
+    """
+    points = sorted(feasible(measurements, budget_bytes), key=lambda m: (m.peak_bytes, -m.samples_per_s))
+    front: list[Measurement] = []
+    best_speed = float("-inf")
+    for m in points:  # by ascending memory, a point joins the front only if it is faster than all before it
+        if m.samples_per_s > best_speed:
+            front.append(m)
+            best_speed = m.samples_per_s
+    return front
+
+
+def recommend(measurements: Iterable[Measurement], budget_bytes: int | None, headroom: float = 0.1) -> Measurement | None:
+    """Return the fastest feasible trial whose peak stays within ``budget x (1 - headroom)``, or None.
+
+    The headroom leaves room for what short trials do not see: fragmentation, longer batches,
+    a framework's own buffers. On a tie in throughput the smaller peak wins.
+    """
+    limit = None if budget_bytes is None else budget_bytes * (1.0 - headroom)
+    candidates = [m for m in feasible(measurements, budget_bytes) if limit is None or m.peak_bytes <= limit]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda m: (m.samples_per_s, -m.peak_bytes))
+
+
+def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None) -> list[dict]:
+    """Per (precision, segments): the largest feasible batch size and the smallest infeasible one measured."""
+    plans: dict[tuple[str, int], list[Measurement]] = {}
+    for m in measurements:
+        plans.setdefault(m.config.plan, []).append(m)
+    rows = []
+    for (precision, segments), trials in sorted(plans.items()):
+        fitting = [m.batch_size for m in trials if m.fits(budget_bytes)]
+        too_big = [m.batch_size for m in trials if m.status == "oom" or (m.status == "ok" and not m.fits(budget_bytes))]
+        rows.append(
+            {
+                "precision": precision,
+                "segments": segments,
+                "max_batch_size": max(fitting) if fitting else None,
+                "min_oom_batch_size": min(too_big) if too_big else None,
+            }
+        )
+    return rows

@@ -1,0 +1,101 @@
+"""The search space: precision modes x checkpoint plans x batch sizes, and the parsers for its flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from autotune.errors import UsageError
+from autotune.precision import PRECISIONS
+
+__all__ = ["Config", "SearchSpace", "parse_batch_sizes", "parse_segments", "parse_precisions"]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Config:
+    """One point of the search space: how a single trial trains."""
+
+    precision: str  # "fp32", "fp16" or "bf16"
+    segments: int  # checkpoint segments; 0 is off
+    batch_size: int  # samples per optimizer step
+
+    @property
+    def plan(self) -> tuple[str, int]:
+        """The (precision, segments) pair: configurations that differ only in batch size."""
+        return (self.precision, self.segments)
+
+    def __str__(self) -> str:
+        return f"{self.precision} segments={self.segments} batch={self.batch_size}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """Every combination of the given precisions, segment counts and batch sizes."""
+
+    precisions: tuple[str, ...]
+    segments: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name, values in (("precisions", self.precisions), ("segments", self.segments), ("batch sizes", self.batch_sizes)):
+            if not values:
+                raise UsageError(f"the search space is empty: no {name} to try")
+
+    def configs(self) -> list[Config]:
+        """Return every configuration, by precision, then segments, then ascending batch size."""
+        return [Config(p, s, b) for p in self.precisions for s in self.segments for b in sorted(self.batch_sizes)]
+
+    def __len__(self) -> int:
+        return len(self.precisions) * len(self.segments) * len(self.batch_sizes)
+
+    def to_dict(self) -> dict[str, list]:
+        return {"precisions": list(self.precisions), "segments": list(self.segments), "batch_sizes": list(self.batch_sizes)}
+
+
+_RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """Parse ``"1..512"`` (the powers of two in that range) or a list ``"8,16,24"``."""
+    match = _RANGE.match(text)
+    if match:
+        lo, hi = int(match.group(1)), int(match.group(2))
+        sizes = tuple(2**k for k in range(hi.bit_length() + 1) if lo <= 2**k <= hi)
+        if not sizes:
+            raise UsageError(f"--batch-sizes {text!r} holds no power of two: widen the range, e.g. 1..512, or list sizes, e.g. 24,48")
+        return sizes
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise UsageError(f"cannot read --batch-sizes {text!r}: write a range such as 1..512 or a list such as 8,16,24") from None
+    if not sizes:
+        raise UsageError(f"--batch-sizes {text!r} is empty: write a range such as 1..512 or a list such as 8,16,24")
+    if sizes[0] < 1:
+        raise UsageError(f"--batch-sizes {text!r}: batch sizes must be at least 1")
+    return sizes
+
+
+def parse_segments(text: str) -> tuple[int, ...] | None:
+    """Parse ``"auto"`` (returned as ``None``, resolved against the model's chain) or a list ``"0,2,4"``."""
+    if text.strip() == "auto":
+        return None
+    try:
+        counts = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise UsageError(f"cannot read --segments {text!r}: write auto or a list of counts such as 0,2,4") from None
+    if not counts:
+        raise UsageError(f"--segments {text!r} is empty: write auto or a list of counts such as 0,2,4")
+    if counts[0] < 0:
+        raise UsageError(f"--segments {text!r}: segment counts are 0 (off) or positive")
+    return counts
+
+
+def parse_precisions(text: str) -> tuple[str, ...] | None:
+    """Parse ``"auto"`` (``None``: what the device supports) or a list ``"fp32,bf16"``."""
+    if text.strip() == "auto":
+        return None
+    names = tuple(dict.fromkeys(part.strip().lower() for part in text.split(",") if part.strip()))
+    unknown = [n for n in names if n not in PRECISIONS]
+    if unknown or not names:
+        raise UsageError(f"unknown precision {', '.join(unknown) or repr(text)} in --precisions: choose from {', '.join(PRECISIONS)}")
+    return names

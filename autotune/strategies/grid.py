@@ -1,0 +1,20 @@
+"""Grid: every point of the space, smallest batch first within each (precision, plan)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from autotune.space import Config, SearchSpace
+from autotune.strategies.base import Strategy
+from autotune.trial import Measurement
+
+__all__ = ["GridStrategy"]
+
+
+class GridStrategy(Strategy):
+    """Measure every configuration of the space: the exhaustive reference other strategies are judged by."""
+
+    name = "grid"
+
+    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None) -> Config | None:
+        return next((c for c in space.configs() if c not in measured), None)

@@ -1,0 +1,232 @@
+"""One real, short training run of one configuration: its peak memory, step time and outcome."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from autotune.checkpointing import apply_plan
+from autotune.errors import AutotuneError, TrialTimeoutError, UsageError, is_oom
+from autotune.meters import Meter
+from autotune.precision import get_mode
+from autotune.space import Config
+from autotune.workload import Workload, to_device
+
+__all__ = ["STATUSES", "TrialSettings", "Measurement", "run_trial", "release_memory"]
+
+STATUSES = ("ok", "oom", "timeout", "failed")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialSettings:
+    """How long each trial trains and how it is cut short."""
+
+    warmup_steps: int = 2  # untimed; on the tensor meter they are the metered steps (at least 2)
+    measure_steps: int = 5  # timed with device synchronisation; the median is reported
+    timeout_s: float | None = 300.0  # a trial running longer is stopped with status "timeout"
+    lr: float = 1e-4  # AdamW learning rate; memory and step time do not depend on it
+    seed: int = 0  # the same initial weights and dropout masks for every trial
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What one trial measured. Times in seconds, memory in bytes; ``None`` where not reached."""
+
+    config: Config
+    status: str  # "ok", "oom", "timeout" or "failed"
+    peak_bytes: int | None = None  # compared to the budget: tracked tensors (CPU) or CUDA reserved
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    peak_nvml_bytes: int | None = None
+    memory_source: str = ""  # "tensor" or "cuda"
+    step_s: float | None = None  # median of the measured steps
+    step_times_s: tuple[float, ...] = ()
+    samples_per_s: float | None = None
+    loss_first: float | None = None
+    loss_final: float | None = None
+    nonfinite_losses: int = 0
+    loss_scale_history: tuple[float, ...] = ()  # fp16: the GradScaler's scale after each step
+    skipped_steps: int = 0  # fp16: steps the scaler skipped because gradients held inf/NaN
+    plan: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+    wall_s: float = 0.0
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    @property
+    def segments(self) -> int:
+        return self.config.segments
+
+    @property
+    def batch_size(self) -> int:
+        return self.config.batch_size
+
+    def fits(self, budget_bytes: int | None) -> bool:
+        """True when the trial ran to the end and its peak stays within ``budget_bytes``."""
+        return self.status == "ok" and (budget_bytes is None or (self.peak_bytes or 0) <= budget_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        config = data.pop("config")
+        data["step_times_s"] = list(self.step_times_s)
+        data["loss_scale_history"] = list(self.loss_scale_history)
+        for key in ("loss_first", "loss_final"):  # strict JSON has no NaN or inf: keep them as text
+            if data[key] is not None and not math.isfinite(data[key]):
+                data[key] = str(data[key])
+        return {**config, **data}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Measurement":
+        data = dict(data)
+        config = Config(data.pop("precision"), int(data.pop("segments")), int(data.pop("batch_size")))
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        kwargs["step_times_s"] = tuple(kwargs.get("step_times_s", ()))
+        kwargs["loss_scale_history"] = tuple(kwargs.get("loss_scale_history", ()))
+        for key in ("loss_first", "loss_final"):
+            if isinstance(kwargs.get(key), str):
+                kwargs[key] = float(kwargs[key])
+        return cls(config=config, **kwargs)
+
+
+def release_memory(device: torch.device) -> None:
+    """Free what a finished trial left: reference cycles, and on CUDA the allocator's cache."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # kernels run asynchronously: time them to completion
+
+
+class _Run:
+    """The mutable state of one trial; dropped as a whole when the trial ends."""
+
+    def __init__(self, workload: Workload, config: Config, device: torch.device, settings: TrialSettings) -> None:
+        self.workload, self.config, self.device, self.settings = workload, config, device, settings
+        self.mode = get_mode(config.precision)
+        self.losses: list[float] = []
+        self.scales: list[float] = []
+        self.skipped = 0
+        self.step_times: list[float] = []
+        self.plan: dict[str, Any] = {}
+
+    def build(self) -> None:
+        torch.manual_seed(self.settings.seed)
+        self.model = self.workload.build_model()
+        self.plan = apply_plan(self.model, self.config.segments).to_dict()
+        self.model.to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.settings.lr)
+        self.scaler = self.mode.grad_scaler(self.device.type)
+        self.batch = to_device(self.workload.make_batch(self.model, self.config.batch_size), self.device)
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.mode.autocast(self.device.type):
+            loss = self.workload.loss(self.model, self.batch)
+        if self.scaler is None:
+            loss.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            before = self.scaler.get_scale()
+            self.scaler.update()
+            scale = self.scaler.get_scale()
+            self.scales.append(scale)
+            self.skipped += scale < before  # the scaler halves its scale exactly when it skips a step
+        self.losses.append(float(loss.detach()))
+
+    def timed_steps(self, deadline: float | None) -> None:
+        for _ in range(self.settings.measure_steps):
+            projected = self.step_times[-1] if self.step_times else 0.0
+            if deadline is not None and time.monotonic() + projected > deadline:
+                raise TrialTimeoutError(f"the trial would run past its {self.settings.timeout_s:g} s limit (--trial-timeout)")
+            _sync(self.device)
+            start = time.perf_counter()
+            self.step()
+            _sync(self.device)
+            self.step_times.append(time.perf_counter() - start)
+
+
+def run_trial(
+    workload: Workload,
+    config: Config,
+    *,
+    device: torch.device | str,
+    meter: Meter,
+    settings: TrialSettings = TrialSettings(),
+) -> Measurement:
+    """Train ``config`` for a few steps on a fresh model and optimizer; return what was measured.
+
+    Out-of-memory, time-outs and errors in the user's model are outcomes (status ``oom``,
+    ``timeout``, ``failed``), not exceptions; bad input (:class:`UsageError`) and
+    ``KeyboardInterrupt`` propagate. Memory is released before returning.
+    """
+    device = torch.device(device)
+    started = time.monotonic()
+    deadline = started + settings.timeout_s if settings.timeout_s else None
+    run = _Run(workload, config, device, settings)
+    status, error, handle = "ok", None, None
+    try:
+        with meter.measure(deadline=deadline) as handle:
+            run.build()
+            # The tensor meter slows every op down: timed steps run after it, and it gets two
+            # untimed steps (the optimizer creates its state in the first) to see the steady peak.
+            for _ in range(max(settings.warmup_steps, 2 if meter.slows_steps else 0)):
+                run.step()
+            if not meter.slows_steps:
+                run.timed_steps(deadline)
+        if meter.slows_steps:
+            run.timed_steps(deadline)
+    except UsageError:
+        raise
+    except TrialTimeoutError as exc:
+        status, error = "timeout", str(exc)
+    except Exception as exc:  # noqa: BLE001 - every failure of the user's code is an outcome
+        if is_oom(exc):
+            status, error = "oom", _first_line(exc)
+        else:
+            status, error = "failed", f"{type(exc).__name__}: {_first_line(exc)}"
+    finally:
+        plan, losses, scales, skipped, step_times = run.plan, run.losses, run.scales, run.skipped, run.step_times
+        del run  # model, optimizer, batch and activations go with it
+        release_memory(device)
+    reading = handle.reading if handle is not None else None
+    step_s = statistics.median(step_times) if step_times else None
+    return Measurement(
+        config=config,
+        status=status,
+        peak_bytes=reading.peak_bytes if reading else None,
+        peak_allocated_bytes=reading.peak_allocated_bytes if reading else None,
+        peak_reserved_bytes=reading.peak_reserved_bytes if reading else None,
+        peak_nvml_bytes=reading.peak_nvml_bytes if reading else None,
+        memory_source=reading.source if reading else "",
+        step_s=step_s,
+        step_times_s=tuple(step_times),
+        samples_per_s=config.batch_size / step_s if step_s and status == "ok" else None,
+        loss_first=losses[0] if losses else None,
+        loss_final=losses[-1] if losses else None,
+        nonfinite_losses=sum(not math.isfinite(v) for v in losses),
+        loss_scale_history=tuple(scales),
+        skipped_steps=skipped,
+        plan=plan,
+        error=error,
+        wall_s=time.monotonic() - started,
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,221 @@
+"""``tune()``: the whole pipeline behind one call, shared by the CLI and the Python API."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from autotune._log import logger, notice_once
+from autotune.checkpointing import auto_segment_counts, find_chain
+from autotune.errors import UsageError
+from autotune.meters import make_meter
+from autotune.precision import default_precisions, supported_precisions
+from autotune.report import Report, environment
+from autotune.search import default_storage, default_study_name, fingerprint, run_search
+from autotune.space import SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
+from autotune.strategies import make_strategy
+from autotune.trial import Measurement, TrialSettings
+from autotune.units import format_bytes, parse_size
+from autotune.workload import Workload, to_device
+
+__all__ = ["tune", "resolve_device", "device_total_bytes"]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """Return ``device`` as a ``torch.device`` (default: CUDA when available, else the CPU)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N ({exc})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: this torch sees no CUDA GPU (install a CUDA build of torch, or use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif device.type != "cpu":
+        notice_once(f"device type {device.type!r}: memory is measured with the tensor meter")
+    return device
+
+
+def device_total_bytes(device: torch.device) -> int | None:
+    """Return the device's total memory in bytes (the machine's RAM for the CPU), or None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _as_list(value: str | Sequence | None, parse: Callable) -> tuple | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return parse(value)
+    return tuple(value)
+
+
+def tune(
+    model: str | type | Callable[[], nn.Module],
+    *,
+    model_kwargs: str | dict | None = None,
+    data: Any = None,
+    loss: str | Callable | None = None,
+    device: str | torch.device | None = None,
+    budget: str | int | None = None,
+    headroom: float = 0.1,
+    precisions: str | Sequence[str] | None = None,
+    segments: str | Sequence[int] | None = "auto",
+    batch_sizes: str | Sequence[int] = "1..512",
+    strategy: str = "grid",
+    warmup_steps: int = 2,
+    measure_steps: int = 5,
+    trial_timeout: float | None = 300.0,
+    storage: str | None = None,
+    study: str | None = None,
+    results_dir: str = "results",
+    on_trial: Callable[[Measurement, bool], None] | None = None,
+) -> Report:
+    """Measure training configurations of ``model`` and return the :class:`Report`.
+
+    ``model`` is ``"MODULE:ATTR"`` or the class or factory itself; ``data``, ``loss`` likewise
+    (see :mod:`autotune.workload` for the protocol). ``budget`` is a size such as ``"24GiB"``
+    or bytes (default: the device's memory). ``precisions`` defaults to the modes the device runs
+    well, ``segments="auto"`` to a spread up to the model's chain length. Trials are stored in
+    the Optuna study ``study`` in ``storage`` (default ``results/<study>.db``): running the same
+    call again reuses them. Raises :class:`~autotune.errors.UsageError` for bad input.
+    """
+    if not 0.0 <= headroom < 1.0:
+        raise UsageError(f"--headroom {headroom} must be at least 0 and below 1, e.g. 0.1 for 10%")
+    if warmup_steps < 0 or measure_steps < 1:
+        raise UsageError("--warmup-steps must be 0 or more and --measure-steps 1 or more")
+    if trial_timeout is not None and trial_timeout <= 0:
+        raise UsageError(f"--trial-timeout {trial_timeout} must be a positive number of seconds")
+    dev = resolve_device(device)
+    workload = Workload.from_specs(model, model_kwargs=model_kwargs, data=data, loss=loss)
+    budget_bytes = parse_size(budget) if budget is not None else device_total_bytes(dev)
+    batch_list = _as_list(batch_sizes, parse_batch_sizes)
+    strategy_obj = make_strategy(strategy)
+
+    info = _preflight(workload, dev, budget_bytes, min(batch_list))
+    chain = info["chain"]
+    notices: list[str] = []
+
+    precision_list = _as_list(precisions, parse_precisions) or tuple(default_precisions(dev))
+    supported = supported_precisions(dev)
+    unsupported = [p for p in precision_list if p not in supported]
+    if unsupported:
+        raise UsageError(f"{', '.join(unsupported)} is not supported on {dev}: use --precisions {','.join(supported)}")
+
+    segment_list = _as_list(segments, parse_segments) if segments != "auto" else None
+    if chain is None:
+        if segment_list and any(segment_list):
+            raise UsageError(f"{info['model_class']} has no chain of repeated blocks to checkpoint: use --segments 0")
+        if segment_list is None:
+            notices.append(f"{info['model_class']} has no chain of repeated blocks: checkpointing is not tried (segments 0 only)")
+            logger.warning(notices[-1])
+        segment_list = (0,)
+    elif segment_list is None:
+        segment_list = tuple(auto_segment_counts(chain["length"]))
+    elif max(segment_list) > chain["length"]:
+        raise UsageError(
+            f"--segments {max(segment_list)} is more than the {chain['length']} blocks of {chain['path'] or info['model_class']}: "
+            f"use at most {chain['length']}"
+        )
+    space = SearchSpace(precision_list, segment_list, batch_list)
+
+    settings = TrialSettings(warmup_steps=warmup_steps, measure_steps=measure_steps, timeout_s=trial_timeout)
+    workload_key = fingerprint(model=workload.name, model_kwargs=model_kwargs, data=str(data), loss=str(loss), device=str(dev))
+    options_key = fingerprint(model_kwargs=model_kwargs, data=str(data), loss=str(loss)) if (model_kwargs or data or loss) else None
+    study_name = study or default_study_name(workload, dev, options_key)
+    storage_url = storage or default_storage(study_name, results_dir)
+    meter = make_meter(dev, budget_bytes=budget_bytes)
+    try:
+        result = run_search(
+            workload, space, strategy_obj, device=dev, meter=meter, budget_bytes=budget_bytes, settings=settings,
+            study_name=study_name, storage=storage_url, workload_key=workload_key, on_trial=on_trial,
+        )
+    finally:
+        meter.close()
+    return Report(
+        environment=environment(dev),
+        workload={
+            "model": workload.name,
+            "model_class": info["model_class"],
+            "model_kwargs": model_kwargs if not isinstance(model_kwargs, str) else _json_or_text(model_kwargs),
+            "data": data if isinstance(data, str) or data is None else repr(data),
+            "loss": loss if isinstance(loss, str) or loss is None else repr(loss),
+            "parameter_count": info["parameter_count"],
+            "parameter_bytes": info["parameter_bytes"],
+            "chain": chain,
+        },
+        budget_bytes=budget_bytes,
+        headroom=headroom,
+        search={
+            "strategy": strategy_obj.name,
+            "n_trials": len(result.measurements),
+            "n_run": result.n_run,
+            "n_reused": result.n_reused,
+            "wall_s": round(result.wall_s, 3),
+            "study": result.study_name,
+            "storage": result.storage,
+            "space": space.to_dict(),
+            "warmup_steps": warmup_steps,
+            "measure_steps": measure_steps,
+            "trial_timeout_s": trial_timeout,
+            "memory_meter": meter.__class__.__name__,
+        },
+        trials=result.measurements,
+        notices=tuple(notices),
+    )
+
+
+def _json_or_text(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _preflight(workload: Workload, device: torch.device, budget_bytes: int | None, batch_size: int) -> dict[str, Any]:
+    """Build the model once and run one forward pass: bad input fails here, before any trial."""
+    model = workload.build_model()
+    model_class = type(model).__name__
+    params = list(model.parameters())
+    parameter_count = sum(p.numel() for p in params)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+    if budget_bytes is not None and parameter_bytes >= budget_bytes:
+        raise UsageError(
+            f"--budget {format_bytes(budget_bytes)} is smaller than the model's parameters alone "
+            f"({parameter_count:,} parameters, {format_bytes(parameter_bytes)}); training needs about 4x that "
+            f"with AdamW: raise --budget"
+        )
+    chain = find_chain(model)
+    try:
+        model.to(device)
+        batch = to_device(workload.make_batch(model, batch_size), device)
+        with torch.no_grad():
+            workload.loss(model, batch)
+    except UsageError:
+        raise
+    except Exception as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UsageError(
+            f"{type(model).__name__} failed on a batch of {batch_size}: {type(exc).__name__}: {text} "
+            f"(check --data, --loss and the model's example_batch)"
+        ) from None
+    finally:
+        del model, params
+    return {
+        "model_class": model_class,
+        "parameter_count": parameter_count,
+        "parameter_bytes": parameter_bytes,
+        "chain": None if chain is None else {"path": chain.path, "kind": chain.kind, "length": chain.length, "block_type": chain.block_type},
+    }

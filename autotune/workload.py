@@ -1,0 +1,199 @@
+"""What to train: a model factory, a source of batches and the rule that turns outputs into a loss.
+
+The workload protocol, for models used with autotune:
+
+* ``--model MODULE:ATTR`` names an ``nn.Module`` class or a factory returning a module;
+  ``--model-kwargs`` (JSON) are passed to it. Every trial builds a fresh model from it.
+* Batches come from ``--data MODULE:ATTR``, a map-style ``Dataset`` (or a factory for one) whose
+  items are ``(input, target)`` tuples or dicts, collated with ``default_collate``; without
+  ``--data``, from the model's own ``example_batch(batch_size)`` method, which returns one batch
+  in the same forms.
+* A batch ``(input, target)`` calls ``model(input)`` (``model(**input)`` for a dict input,
+  ``model(*input)`` for a tuple); a dict batch calls ``model(**batch)``.
+* The loss is the output itself when it is a scalar tensor, else its ``.loss`` attribute or
+  ``"loss"`` key, else ``--loss MODULE:ATTR`` called as ``loss(output, target)`` (the dict batch
+  is the target of a dict batch), else the model's own ``loss(output, target)`` method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+from torch.utils.data import Dataset, default_collate
+
+from autotune.errors import UsageError
+
+__all__ = ["Workload", "load_object", "to_device"]
+
+
+def load_object(spec: str, *, flag: str) -> Any:
+    """Import ``MODULE:ATTR`` (ATTR may be dotted) and return the attribute; ``flag`` names the option in errors."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"{flag} {spec!r} must look like MODULE:ATTR, e.g. autotune.examples:TinyGPT")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: the user's own modules import from here
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise UsageError(f"{flag} {spec!r}: no module named {exc.name!r} (check the spelling and that it is importable from here)") from None
+        raise UsageError(f"{flag} {spec!r}: importing {module_name!r} failed: {exc}") from None
+    except Exception as exc:
+        raise UsageError(f"{flag} {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise UsageError(f"{flag} {spec!r}: {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A training workload: builds fresh models and batches and computes the loss of a step."""
+
+    model_factory: Callable[[], nn.Module]
+    name: str  # how reports name the model, e.g. "autotune.examples:TinyGPT"
+    dataset: Dataset | None = None  # where batches come from; None: the model's example_batch()
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+
+    @classmethod
+    def from_specs(
+        cls,
+        model: str | type | Callable[[], nn.Module],
+        *,
+        model_kwargs: str | dict | None = None,
+        data: str | Dataset | Callable[[], Dataset] | None = None,
+        loss: str | Callable | None = None,
+    ) -> "Workload":
+        """Build a workload from ``MODULE:ATTR`` strings (the CLI's flags) or the objects themselves."""
+        name = model if isinstance(model, str) else getattr(model, "__qualname__", type(model).__name__)
+        target = load_object(model, flag="--model") if isinstance(model, str) else model
+        kwargs = _parse_kwargs(model_kwargs)
+        if isinstance(target, nn.Module):
+            raise UsageError(f"--model {name!r} is a module instance: name its class or a function that builds it")
+        if not callable(target):
+            raise UsageError(f"--model {name!r} is a {type(target).__name__}, not an nn.Module class or a factory function")
+        if isinstance(data, str):
+            data_obj = load_object(data, flag="--data")
+        else:
+            data_obj = data
+        dataset = None
+        if data_obj is not None:
+            dataset = data_obj if isinstance(data_obj, Dataset) else _call(data_obj, "--data", data)
+            if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+                raise UsageError(f"--data {data!r} gave a {type(dataset).__name__}, not a map-style Dataset (with __getitem__ and __len__)")
+            if len(dataset) == 0:
+                raise UsageError(f"--data {data!r} is an empty dataset")
+        loss_fn = load_object(loss, flag="--loss") if isinstance(loss, str) else loss
+        if loss_fn is not None and not callable(loss_fn):
+            raise UsageError(f"--loss {loss!r} is not callable: name a function loss(output, target)")
+        return cls(lambda: _call(target, "--model", name, **kwargs), name, dataset, loss_fn)
+
+    def build_model(self) -> nn.Module:
+        """Return a freshly built model (on the CPU, in training mode)."""
+        model = self.model_factory()
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"--model {self.name!r} built a {type(model).__name__}, not a torch.nn.Module")
+        return model.train()
+
+    def make_batch(self, model: nn.Module, batch_size: int) -> Any:
+        """Return one batch of ``batch_size`` samples (on the CPU)."""
+        if self.dataset is not None:
+            n = len(self.dataset)
+            # A batch larger than the dataset repeats items: memory and time depend on shapes only.
+            return default_collate([self.dataset[i % n] for i in range(batch_size)])
+        example_batch = getattr(model, "example_batch", None)
+        if not callable(example_batch):
+            raise UsageError(
+                f"{type(model).__name__} has no example_batch(batch_size) method: pass --data MODULE:ATTR with a dataset"
+            )
+        return example_batch(batch_size)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Run the forward pass on ``batch`` and return the scalar loss."""
+        if isinstance(batch, Mapping):
+            output, target = model(**batch), batch
+        elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+            inputs, target = batch
+            if isinstance(inputs, Mapping):
+                output = model(**inputs)
+            elif isinstance(inputs, (tuple, list)):
+                output = model(*inputs)
+            else:
+                output = model(inputs)
+        elif isinstance(batch, torch.Tensor):
+            output, target = model(batch), None
+        else:
+            raise UsageError(
+                f"a batch is a {type(batch).__name__}: batches must be (input, target) tuples, dicts or tensors"
+            )
+        return self._loss_of(model, output, target)
+
+    def _loss_of(self, model: nn.Module, output: Any, target: Any) -> torch.Tensor:
+        if isinstance(output, torch.Tensor) and output.ndim == 0:
+            return output
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, Mapping):
+            loss = output.get("loss")
+        if loss is None and self.loss_fn is not None:
+            loss = self.loss_fn(output, target)
+        if loss is None and callable(getattr(model, "loss", None)) and target is not None:
+            loss = model.loss(output, target)
+        if loss is None:
+            raise UsageError(
+                f"{type(model).__name__} returned a {type(output).__name__} with no loss: return a scalar, "
+                f"an output with .loss, or pass --loss MODULE:ATTR (called as loss(output, target))"
+            )
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise UsageError(f"the loss is a {type(loss).__name__} of shape {getattr(loss, 'shape', '?')}, not a scalar tensor")
+        return loss
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in ``batch`` (nested tuples, lists, dicts) to ``device``."""
+    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def _parse_kwargs(model_kwargs: str | dict | None) -> dict:
+    if model_kwargs is None:
+        return {}
+    if isinstance(model_kwargs, dict):
+        return model_kwargs
+    try:
+        kwargs = json.loads(model_kwargs)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--model-kwargs is not valid JSON ({exc.msg} at character {exc.pos}): write e.g. '{{\"n_layer\": 4}}'") from None
+    if not isinstance(kwargs, dict):
+        raise UsageError("--model-kwargs must be a JSON object, e.g. '{\"n_layer\": 4}'")
+    return kwargs
+
+
+def _call(factory: Callable, flag: str, spec: Any, **kwargs: Any) -> Any:
+    try:
+        return factory(**kwargs)
+    except TypeError as exc:
+        params = _signature(factory)
+        raise UsageError(f"{flag} {spec!r} could not be called with {kwargs or 'no arguments'}{params}: {exc}") from None
+    except UsageError:
+        raise
+    except Exception as exc:
+        raise UsageError(f"{flag} {spec!r} raised {type(exc).__name__} while building: {exc}") from None
+
+
+def _signature(factory: Callable) -> str:
+    try:
+        return f" (its signature is {inspect.signature(factory)})"
+    except (TypeError, ValueError):
+        return ""
