@@ -119,7 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("autotune: interrupted; finished trials are kept in the store, run the same command to continue", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(report.table())
-    print(f"autotune: wrote {out}", file=sys.stderr)
+    if not args.quiet:
+        print(f"autotune: wrote {out}", file=sys.stderr)
     if report.recommendation is None:
         print(_nothing_fits_hint(report), file=sys.stderr)
         return EXIT_NOTHING_FITS

@@ -23,8 +23,8 @@ __all__ = ["GPTConfig", "TinyGPT", "GPTOutput", "ResNetish", "token_dataset", "i
 @dataclasses.dataclass
 class GPTConfig:
     vocab_size: int = 512  # small vocabulary: the LM head stays cheap next to the blocks
-    block_size: int = 128  # sequence length T; attention memory grows with T^2
-    n_layer: int = 8  # blocks in the chain that checkpoint plans cut into segments
+    block_size: int = 160  # sequence length T; attention memory grows with T^2
+    n_layer: int = 12  # blocks in the chain that checkpoint plans cut into segments
     n_head: int = 8
     n_embd: int = 64
     dropout: float = 0.0
@@ -130,7 +130,7 @@ class _TokenDataset(torch.utils.data.Dataset):
         return {"idx": seq[:-1], "targets": seq[1:]}
 
 
-def token_dataset(size: int = 2048, block_size: int = 128, vocab_size: int = 512) -> torch.utils.data.Dataset:
+def token_dataset(size: int = 2048, block_size: int = 160, vocab_size: int = 512) -> torch.utils.data.Dataset:
     """Return a map-style dataset of ``size`` dict items ``{"idx", "targets"}`` for :class:`TinyGPT`."""
     return _TokenDataset(_token_sequences(size, block_size + 1, vocab_size, seed=0))
 

@@ -152,7 +152,7 @@ def run_search(
             study.enqueue_trial(dataclasses.asdict(config))
             trial = study.ask(distributions)
             config = Config(**trial.params)  # the queued configuration this trial took
-            logger.info("trial %d: %s", trial.number, config)
+            logger.debug("trial %d: %s", trial.number, config)
             try:
                 m = run_trial(workload, config, device=device, meter=meter, settings=settings)
             except BaseException:

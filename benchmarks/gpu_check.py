@@ -1,0 +1,91 @@
+"""GPU check: the CUDA meter, OOM recovery and a small tune, on one NVIDIA GPU, in a few minutes.
+
+Run with ``bash benchmarks/gpu_check.sh`` on a machine with a CUDA build of torch. It prints
+allocated vs reserved vs NVML figures and exits non-zero if a check fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+import autotune
+from autotune.meters.cuda import CudaMeter
+from autotune.space import Config
+from autotune.trial import TrialSettings, run_trial
+from autotune.units import format_bytes
+from autotune.workload import Workload
+
+GiB = 2**30
+failures: list[str] = []
+
+
+def check(ok: bool, what: str) -> None:
+    print(f"  [{'ok' if ok else 'FAIL'}] {what}", flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device visible: this check needs an NVIDIA GPU and a CUDA build of torch")
+        return 2
+    dev = torch.device("cuda", 0)
+    props = torch.cuda.get_device_properties(dev)
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {props.name}, {format_bytes(props.total_memory)}")
+
+    print("1. CUDA meter: a known allocation")
+    meter = CudaMeter(dev)
+    with meter.measure() as h:
+        x = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)  # 256 MiB
+        y = torch.empty(128 * 2**20, dtype=torch.uint8, device=dev)  # 128 MiB
+        del x, y
+    r = h.reading
+    print(f"  allocated {format_bytes(r.peak_allocated_bytes)}, reserved {format_bytes(r.peak_reserved_bytes)}, "
+          f"NVML device-used {format_bytes(r.peak_nvml_bytes)}")
+    check(r.peak_allocated_bytes == 384 * 2**20, "max_memory_allocated is exactly the 384 MiB allocated")
+    check(r.peak_reserved_bytes >= r.peak_allocated_bytes, "reserved >= allocated")
+    check(r.peak_nvml_bytes is None or r.peak_nvml_bytes >= r.peak_reserved_bytes,
+          "NVML device-used >= reserved (it adds the CUDA context)")
+
+    print("2. OOM under a budget, then recovery")
+    workload = Workload.from_specs("autotune.examples:TinyGPT")
+    budget = 2 * GiB
+    meter = CudaMeter(dev, budget_bytes=budget)
+    settings = TrialSettings(warmup_steps=2, measure_steps=3)
+    base = torch.cuda.memory_allocated(dev)
+    statuses = []
+    for _ in range(5):
+        statuses.append(run_trial(workload, Config("fp32", 0, 4096), device=dev, meter=meter, settings=settings).status)
+    ok = run_trial(workload, Config("fp32", 0, 8), device=dev, meter=meter, settings=settings)
+    meter.close()
+    print(f"  5 x batch 4096: {statuses}; then batch 8: {ok.status}, peak reserved {format_bytes(ok.peak_bytes)}, "
+          f"allocated {format_bytes(ok.peak_allocated_bytes)}, NVML {format_bytes(ok.peak_nvml_bytes)}")
+    check(statuses == ["oom"] * 5, "batch 4096 is an oom outcome under a 2 GiB budget, five times")
+    check(ok.status == "ok" and ok.peak_bytes <= budget, "a small trial after the OOMs runs and fits")
+    check(torch.cuda.memory_allocated(dev) == base, "allocated memory back to where it started")
+
+    print("3. A small tune")
+    start = time.monotonic()
+    report = autotune.tune("autotune.examples:TinyGPT", device="cuda", budget="4GiB", precisions="fp32,fp16,bf16",
+                           segments="0,3", batch_sizes="8..512", measure_steps=5, storage="sqlite:///gpu_check.db",
+                           study=f"gpu-check-{int(time.time())}")
+    print(report.table())
+    print(f"  tune took {time.monotonic() - start:.1f} s")
+    check(report.recommendation is not None, "a recommendation under 4 GiB")
+    rows = [(m.config, m.peak_allocated_bytes, m.peak_reserved_bytes, m.peak_nvml_bytes) for m in report.trials if m.status == "ok"]
+    print("  allocated / reserved / NVML per ok trial (MiB):")
+    for config, a, res, n in rows:
+        print(f"    {config}: {a / 2**20:.0f} / {res / 2**20:.0f} / {n / 2**20 if n else float('nan'):.0f}")
+    out = os.environ.get("OUT", ".")
+    report.to_json(os.path.join(out, "gpu_check.json"))
+    print(json.dumps({"failures": failures}))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Small models for the tests, importable as ``tests.models:NAME`` from the CLI."""
+
+import torch
+from torch import nn
+
+
+class ExplodingForward(nn.Module):
+    """Fails in forward on its third call: trials record it as failed, the search goes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls >= 3:
+            raise ValueError("boom in forward")
+        return self.lin(x).sum()
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 4)
+
+
+class RaisesInInit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        raise RuntimeError("cannot build me")
+
+
+class NoLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def example_batch(self, batch_size):
+        return (torch.randn(batch_size, 4), torch.randint(2, (batch_size,)))
+
+
+class DictLoss(nn.Module):
+    """Returns {"loss": ...} from a dict batch with labels, as many libraries do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, inputs, labels):
+        return {"loss": nn.functional.cross_entropy(self.lin(inputs), labels)}
+
+
+class NoChain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x).square().mean()
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 16)
+
+
+def pair_dataset():
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(40, 4, generator=g), torch.randint(2, (40,), generator=g))
+
+
+class _DictData(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"inputs": torch.full((4,), float(i)), "labels": torch.tensor(i % 2)}
+
+
+def dict_dataset():
+    return _DictData()
+
+
+def not_a_model():
+    return 42
+
+
+NOT_CALLABLE = 3

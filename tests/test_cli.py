@@ -1,0 +1,108 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autotune.__main__ import build_parser, main
+
+TINY = '{"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}'
+QUICK = ["--device", "cpu", "--warmup-steps", "2", "--measure-steps", "2"]
+
+
+def run_cli(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def test_cli_writes_json_and_exits_0_with_a_recommendation(tmp_path):
+    out = tmp_path / "t.json"
+    proc = run_cli("--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "3MiB",
+                   "--precisions", "fp32,bf16", "--segments", "0,2", "--batch-sizes", "1..64", "--strategy", "grid",
+                   "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(out), *QUICK)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["recommendation"] is not None
+    assert "recommendation: " in proc.stdout and "Traceback" not in proc.stderr
+    assert any(t["status"] == "oom" for t in data["trials"])
+
+
+def test_default_storage_and_out_live_in_results(tmp_path):
+    proc = run_cli("--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "64MiB",
+                   "--precisions", "fp32", "--segments", "0", "--batch-sizes", "2", "--quiet", *QUICK, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(os.listdir(tmp_path / "results"))
+    assert len(names) == 2 and names[0].endswith(".db") and names[1].endswith(".json")
+    assert names[0].startswith("TinyGPT-") and names[0].endswith("-cpu.db")
+    assert proc.stderr == ""  # --quiet
+
+
+def test_nothing_fits_exits_3_and_still_writes_json(tmp_path):
+    out = tmp_path / "none.json"
+    code = main(["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "600KiB",
+                 "--precisions", "fp32", "--segments", "0", "--batch-sizes", "1,2", "--quiet",
+                 "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(out), *QUICK])
+    assert code == 3
+    data = json.loads(out.read_text())
+    assert data["recommendation"] is None and {t["status"] for t in data["trials"]} == {"oom"}
+
+
+def test_nothing_fits_message_says_what_to_try(tmp_path, capsys):
+    main(["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "600KiB", "--precisions", "fp32",
+          "--segments", "0", "--batch-sizes", "1", "--quiet", "--storage", f"sqlite:///{tmp_path}/s.db",
+          "--out", str(tmp_path / "o.json"), *QUICK])
+    err = capsys.readouterr().err
+    assert "nothing fits" in err and "--budget" in err and "bf16" in err and "--segments auto" in err
+
+
+BAD_INPUT = [
+    (["--model", "nosuchmodule_xyz:Model"], "no module named"),
+    (["--model", "autotune.examples:Nope"], "has no attribute"),
+    (["--model", "autotune.examples"], "MODULE:ATTR"),
+    (["--model", "tests.models:NOT_CALLABLE"], "not an nn.Module class or a factory"),
+    (["--model", "tests.models:RaisesInInit"], "cannot build me"),
+    (["--model", "tests.models:not_a_model"], "not a torch.nn.Module"),
+    (["--model", "tests.models:NoLoss"], "--loss"),
+    (["--model", "autotune.examples:TinyGPT", "--model-kwargs", "{bad json"], "JSON"),
+    (["--model", "autotune.examples:TinyGPT", "--budget", "lots"], "cannot read the size"),
+    (["--model", "autotune.examples:TinyGPT", "--budget", "0"], "greater than zero"),
+    (["--model", "autotune.examples:TinyGPT", "--budget", "100KiB"], "smaller than the model's parameters"),
+    (["--model", "autotune.examples:TinyGPT", "--batch-sizes", "5..7"], "no power of two"),
+    (["--model", "autotune.examples:TinyGPT", "--segments", "0,99"], "at most"),
+    (["--model", "tests.models:NoChain", "--segments", "2"], "no chain"),
+    (["--model", "autotune.examples:TinyGPT", "--precisions", "fp8"], "unknown precision"),
+    (["--model", "autotune.examples:TinyGPT", "--strategy", "bayes"], "unknown --strategy"),
+    (["--model", "autotune.examples:TinyGPT", "--device", "cuda"], "no CUDA GPU"),
+    (["--model", "autotune.examples:TinyGPT", "--device", "banana"], "not a device"),
+    (["--model", "autotune.examples:TinyGPT", "--headroom", "1.5"], "--headroom"),
+    (["--model", "autotune.examples:TinyGPT", "--out", "/nonexistent-dir/x.json"], "does not exist"),
+    (["--model", "autotune.examples:TinyGPT", "--storage", "nosuchdb://x"], "cannot open the trial store"),
+    (["--model", "autotune.examples:TinyGPT", "--measure-steps", "many"], "invalid int value"),
+    ([], "required: --model"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUT, ids=[m for _, m in BAD_INPUT])
+def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing may be written here
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        code = main([*argv, "--device", "cpu", "--quiet"] if "--device" not in argv else [*argv, "--quiet"])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert message in lines[0] and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "results") or not any(n.endswith(".json") for n in os.listdir(tmp_path / "results"))
+
+
+def test_help_documents_every_flag_with_its_default():
+    text = build_parser().format_help()
+    for flag in ["--model", "--model-kwargs", "--data", "--loss", "--device", "--budget", "--headroom", "--precisions",
+                 "--segments", "--batch-sizes", "--strategy", "--warmup-steps", "--measure-steps", "--trial-timeout",
+                 "--storage", "--study", "--out", "--quiet", "--verbose"]:
+        assert flag in text
+    assert "(default: 1..512)" in text and "(default: 0.1)" in text and "(default: grid)" in text

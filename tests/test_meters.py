@@ -1,0 +1,113 @@
+import sys
+import weakref
+
+import pytest
+import torch
+
+from autotune.errors import BudgetExceededError, TrialTimeoutError, is_oom
+from autotune.meters import TensorMeter, make_meter
+from autotune.meters import cuda as cuda_meter
+
+
+def test_counts_parameters_gradients_optimizer_state_and_activations():
+    model = torch.nn.Linear(1000, 1000)  # 1,001,000 parameters: 4,004,000 bytes
+    param_bytes = 4 * 1_001_000
+    x_bytes = 4 * 64 * 1000
+    with TensorMeter().measure() as h:
+        h.track(model.parameters())
+        assert h.live_bytes == param_bytes
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randn(64, 1000)
+        loss = model(x).square().mean()
+        after_forward = h.live_bytes
+        assert after_forward >= param_bytes + x_bytes + 64 * 1000 * 4  # input and output activation
+        loss.backward()
+        assert h.live_bytes >= after_forward + param_bytes - 64 * 1000 * 8  # gradients, minus freed activations
+        opt.step()
+        # AdamW keeps two moments per parameter (and a step counter per tensor)
+        assert h.live_bytes >= 3 * param_bytes + x_bytes
+        del loss, x, opt
+    assert h.reading.peak_bytes >= 4 * param_bytes
+    assert h.reading.source == "tensor"
+
+
+def test_views_are_not_counted_twice_and_frees_are_seen():
+    with TensorMeter().measure() as h:
+        a = torch.zeros(1000)
+        base = h.live_bytes
+        b = a.view(10, 100)
+        c = a[10:]
+        assert h.live_bytes == base == 4000
+        del a, b, c
+        assert h.live_bytes == 0
+        d = torch.ones(10) * 2  # the ones tensor is freed once the product exists
+        assert h.live_bytes == 40
+        del d
+    assert h.reading.peak_bytes == 4000  # the peak is the 1000-float tensor
+
+
+def test_budget_raises_an_oom_error_that_pytorch_handlers_recognise():
+    with pytest.raises(BudgetExceededError) as info:
+        with TensorMeter(budget_bytes=10_000).measure():
+            torch.zeros(2_000)
+            torch.zeros(3_000)
+    exc = info.value
+    assert isinstance(exc, torch.OutOfMemoryError) and isinstance(exc, RuntimeError)
+    assert is_oom(exc)
+    # Lightning's is_oom_error and accelerate's should_reduce_batch_size match this text, one argument
+    assert len(exc.args) == 1 and "DefaultCPUAllocator: can't allocate memory" in exc.args[0]
+
+
+def test_budget_error_surfaces_from_backward():
+    model = torch.nn.Sequential(torch.nn.Linear(500, 500), torch.nn.ReLU(), torch.nn.Linear(500, 500))
+    meter = TensorMeter(budget_bytes=4 * 500 * 500 * 2 + 4 * 256 * 500 * 4)
+    with pytest.raises(torch.OutOfMemoryError):
+        with meter.measure() as h:
+            h.track(model.parameters())
+            model(torch.randn(256, 500)).sum().backward()
+    assert h.reading.peak_bytes > meter.budget_bytes
+
+
+def test_deadline_stops_at_the_next_op():
+    import time
+
+    with pytest.raises(TrialTimeoutError):
+        with TensorMeter().measure(deadline=time.monotonic() - 1):
+            torch.zeros(3)
+
+
+def test_meter_releases_its_finalisers():
+    registry = len(weakref.finalize._registry)
+    keep = []
+    with TensorMeter().measure():
+        keep.append(torch.zeros(10))  # outlives the region
+        tmp = torch.zeros(10)
+        del tmp
+    assert len(weakref.finalize._registry) == registry
+    assert keep[0].sum() == 0
+
+
+def test_make_meter_chooses_by_device():
+    assert isinstance(make_meter("cpu"), TensorMeter)
+    assert make_meter("cpu", budget_bytes=5).budget_bytes == 5
+
+
+def test_nvml_absent_means_no_nvml_figures_said_once(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` now raises ImportError
+    monkeypatch.setattr("autotune._log._said", set())
+    with caplog.at_level("WARNING", logger="autotune"):
+        assert cuda_meter.nvml_handle(torch.device("cuda", 0)) is None
+        assert cuda_meter.nvml_handle(torch.device("cuda", 0)) is None
+    notices = [r.message for r in caplog.records if "NVML" in r.message]
+    assert len(notices) == 1 and "nvidia-ml-py" in notices[0]
+
+
+def test_nvml_without_a_driver_is_a_notice_not_a_crash(monkeypatch, caplog):
+    pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py is a required dependency; install it")
+    monkeypatch.setattr("autotune._log._said", set())
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the no-driver path cannot be reached")
+    with caplog.at_level("WARNING", logger="autotune"):
+        assert cuda_meter.nvml_handle(torch.device("cuda", 0)) is None
+    assert any("NVML could not be read" in r.message for r in caplog.records)
+    del pynvml

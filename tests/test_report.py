@@ -1,0 +1,60 @@
+import json
+
+import pandas as pd
+import pytest
+
+import autotune
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    storage = f"sqlite:///{tmp_path_factory.mktemp('r') / 't.db'}"
+    return autotune.tune(
+        "autotune.examples:TinyGPT", model_kwargs={"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64},
+        device="cpu", budget="3MiB", precisions="fp32,bf16", segments="0,2", batch_sizes="1,4,64",
+        warmup_steps=2, measure_steps=2, storage=storage, study="r",
+    )
+
+
+def test_json_has_the_documented_fields(report, tmp_path):
+    path = tmp_path / "out.json"
+    report.to_json(path)
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 1
+    assert {"torch_version", "device_name", "total_memory_bytes"} <= set(data["environment"])
+    assert data["workload"]["model"] == "autotune.examples:TinyGPT" and data["workload"]["parameter_count"] > 0
+    assert data["workload"]["chain"] == {"path": "transformer.h", "kind": "module_list", "length": 4, "block_type": "Block"}
+    assert data["budget_bytes"] == 3 * 2**20
+    assert data["search"]["strategy"] == "grid" and data["search"]["n_trials"] == 12 and data["search"]["wall_s"] > 0
+    for trial in data["trials"]:
+        assert {"precision", "segments", "batch_size", "status", "peak_bytes", "step_s", "samples_per_s", "plan"} <= set(trial)
+    assert {t["status"] for t in data["trials"]} == {"ok", "oom"}
+    assert {(r["precision"], r["segments"]) for r in data["limits"]} == {("fp32", 0), ("fp32", 2), ("bf16", 0), ("bf16", 2)}
+    assert all(r["max_batch_size"] == 4 for r in data["limits"])
+    rec = data["recommendation"]
+    assert rec["feasible"] and rec["peak_bytes"] <= 0.9 * data["budget_bytes"]
+    assert rec in data["pareto"]
+    assert json.loads(report.to_json()) == data
+
+
+def test_report_round_trips_through_json(report, tmp_path):
+    path = tmp_path / "r.json"
+    report.to_json(path)
+    back = autotune.load(path)
+    assert back.recommendation == report.recommendation
+    assert back.pareto == report.pareto and back.limits == report.limits
+
+
+def test_dataframe_has_a_row_per_trial(report):
+    df = report.to_dataframe()
+    assert isinstance(df, pd.DataFrame) and len(df) == 12
+    assert list(df.columns[:7]) == ["precision", "segments", "batch_size", "status", "peak_bytes", "step_s", "samples_per_s"]
+    assert df["recommended"].sum() == 1 and df["pareto"].sum() == len(report.pareto)
+    assert (df.loc[df.status == "oom", "feasible"] == False).all()  # noqa: E712
+
+
+def test_table_names_the_recommendation(report):
+    text = report.table()
+    rec = report.recommendation
+    assert f"recommendation: {rec.precision}, segments {rec.segments}, batch size {rec.batch_size}" in text
+    assert text.count("\n") >= 12

@@ -1,0 +1,80 @@
+import optuna
+import pytest
+import torch
+
+from autotune.errors import UsageError
+from autotune.meters import TensorMeter
+from autotune.search import run_search
+from autotune.space import Config, SearchSpace
+from autotune.strategies import GridStrategy, make_strategy
+from autotune.trial import TrialSettings
+from autotune.workload import Workload
+
+QUICK = TrialSettings(warmup_steps=2, measure_steps=2)
+SPACE = SearchSpace(("fp32", "bf16"), (0, 2), (1, 4, 64))
+BUDGET = 3 * 2**20  # batch 64 of the tiny GPT does not fit
+
+
+@pytest.fixture
+def gpt(tiny_gpt_kwargs):
+    return Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=tiny_gpt_kwargs)
+
+
+def search(gpt, storage, *, budget=BUDGET, study="s", key="k", space=SPACE, seen=None):
+    return run_search(
+        gpt, space, GridStrategy(), device=torch.device("cpu"), meter=TensorMeter(budget_bytes=budget),
+        budget_bytes=budget, settings=QUICK, study_name=study, storage=storage, workload_key=key,
+        on_trial=(lambda m, reused: seen.append((m.config, reused))) if seen is not None else None,
+    )
+
+
+def test_grid_measures_every_point_as_an_optuna_trial(gpt, storage):
+    result = search(gpt, storage)
+    assert [m.config for m in result.measurements] == SPACE.configs()
+    assert result.n_run == len(SPACE) and result.n_reused == 0
+    assert {m.status for m in result.measurements if m.batch_size == 64} == {"oom"}
+    study = optuna.load_study(study_name="s", storage=storage)
+    trials = study.get_trials()
+    assert len(trials) == len(SPACE)
+    for t in trials:
+        status = t.user_attrs["status"]
+        assert t.user_attrs["measurement"]["status"] == status
+        assert t.state == {"ok": optuna.trial.TrialState.COMPLETE, "oom": optuna.trial.TrialState.PRUNED}[status]
+        if status == "ok":
+            assert t.values[0] == pytest.approx(t.user_attrs["measurement"]["samples_per_s"])
+            assert t.values[1] == t.user_attrs["measurement"]["peak_bytes"]
+        assert Config(t.params["precision"], t.params["segments"], t.params["batch_size"]) in SPACE.configs()
+
+
+def test_running_again_reuses_finished_trials(gpt, storage):
+    first = search(gpt, storage)
+    seen = []
+    again = search(gpt, storage, seen=seen)
+    assert again.n_run == 0 and again.n_reused == len(SPACE)
+    assert all(reused for _, reused in seen)
+    assert [m.to_dict() for m in again.measurements] == [m.to_dict() for m in first.measurements]
+    assert len(optuna.load_study(study_name="s", storage=storage).trials) == len(SPACE)
+
+
+def test_a_larger_budget_re_runs_only_the_ooms(gpt, storage):
+    search(gpt, storage)
+    bigger = search(gpt, storage, budget=64 * 2**20)
+    assert bigger.n_run == 4  # the four batch-64 trials
+    assert {m.status for m in bigger.measurements} == {"ok"}
+
+
+def test_a_study_of_another_workload_is_refused(gpt, storage):
+    small = SearchSpace(("fp32",), (0,), (1,))
+    search(gpt, storage, space=small)
+    with pytest.raises(UsageError, match="different model"):
+        search(gpt, storage, space=small, key="other")
+
+
+def test_unopenable_storage_is_bad_input(gpt, tmp_path):
+    with pytest.raises(UsageError, match="cannot open the trial store"):
+        search(gpt, f"sqlite:///{tmp_path}/missing/dir/x.db", space=SearchSpace(("fp32",), (0,), (1,)))
+
+
+def test_unknown_strategy_is_bad_input():
+    with pytest.raises(UsageError, match="grid"):
+        make_strategy("bayes")
