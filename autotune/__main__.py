@@ -108,7 +108,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             study=args.study, on_trial=progress,
         )
         out = args.out or os.path.join("results", f"{report.search['study']}.json")
-        report.to_json(out)
+        try:
+            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+            report.to_json(out)
+        except OSError as exc:
+            print(f"autotune: error: cannot write {out}: {exc.strerror or exc}; the trials are kept in "
+                  f"{report.search['storage']}, so run again with another --out", file=sys.stderr)
+            print(report.table())
+            return 1
     except UsageError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

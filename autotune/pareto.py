@@ -49,7 +49,7 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None) 
     for m in measurements:
         plans.setdefault(m.config.plan, []).append(m)
     rows = []
-    for (precision, segments), trials in sorted(plans.items()):
+    for (precision, segments), trials in plans.items():  # in the order the trials came
         fitting = [m.batch_size for m in trials if m.fits(budget_bytes)]
         too_big = [m.batch_size for m in trials if m.status == "oom" or (m.status == "ok" and not m.fits(budget_bytes))]
         rows.append(

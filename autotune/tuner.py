@@ -19,7 +19,7 @@ from autotune.space import SearchSpace, parse_batch_sizes, parse_precisions, par
 from autotune.strategies import make_strategy
 from autotune.trial import Measurement, TrialSettings
 from autotune.units import format_bytes, parse_size
-from autotune.workload import Workload, to_device
+from autotune.workload import Workload, parse_model_kwargs, to_device
 
 __all__ = ["tune", "resolve_device", "device_total_bytes"]
 
@@ -130,8 +130,9 @@ def tune(
     space = SearchSpace(precision_list, segment_list, batch_list)
 
     settings = TrialSettings(warmup_steps=warmup_steps, measure_steps=measure_steps, timeout_s=trial_timeout)
-    workload_key = fingerprint(model=workload.name, model_kwargs=model_kwargs, data=str(data), loss=str(loss), device=str(dev))
-    options_key = fingerprint(model_kwargs=model_kwargs, data=str(data), loss=str(loss)) if (model_kwargs or data or loss) else None
+    kwargs = parse_model_kwargs(model_kwargs)  # the same kwargs as text or dict make the same study
+    workload_key = fingerprint(model=workload.name, model_kwargs=kwargs, data=str(data), loss=str(loss), device=str(dev))
+    options_key = fingerprint(model_kwargs=kwargs, data=str(data), loss=str(loss)) if (kwargs or data or loss) else None
     study_name = study or default_study_name(workload, dev, options_key)
     storage_url = storage or default_storage(study_name, results_dir)
     meter = make_meter(dev, budget_bytes=budget_bytes)
@@ -147,7 +148,7 @@ def tune(
         workload={
             "model": workload.name,
             "model_class": info["model_class"],
-            "model_kwargs": model_kwargs if not isinstance(model_kwargs, str) else _json_or_text(model_kwargs),
+            "model_kwargs": kwargs,
             "data": data if isinstance(data, str) or data is None else repr(data),
             "loss": loss if isinstance(loss, str) or loss is None else repr(loss),
             "parameter_count": info["parameter_count"],
@@ -173,15 +174,6 @@ def tune(
         trials=result.measurements,
         notices=tuple(notices),
     )
-
-
-def _json_or_text(text: str) -> Any:
-    import json
-
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 def _preflight(workload: Workload, device: torch.device, budget_bytes: int | None, batch_size: int) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset, default_collate
 
 from autotune.errors import UsageError
 
-__all__ = ["Workload", "load_object", "to_device"]
+__all__ = ["Workload", "load_object", "to_device", "parse_model_kwargs"]
 
 
 def load_object(spec: str, *, flag: str) -> Any:
@@ -80,7 +80,7 @@ class Workload:
         """Build a workload from ``MODULE:ATTR`` strings (the CLI's flags) or the objects themselves."""
         name = model if isinstance(model, str) else getattr(model, "__qualname__", type(model).__name__)
         target = load_object(model, flag="--model") if isinstance(model, str) else model
-        kwargs = _parse_kwargs(model_kwargs)
+        kwargs = parse_model_kwargs(model_kwargs)
         if isinstance(target, nn.Module):
             raise UsageError(f"--model {name!r} is a module instance: name its class or a function that builds it")
         if not callable(target):
@@ -166,7 +166,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
-def _parse_kwargs(model_kwargs: str | dict | None) -> dict:
+def parse_model_kwargs(model_kwargs: str | dict | None) -> dict:
+    """Return ``--model-kwargs`` (JSON text, a dict or None) as a dict."""
     if model_kwargs is None:
         return {}
     if isinstance(model_kwargs, dict):

@@ -41,8 +41,12 @@ class Meter(abc.ABC):
         self.budget_bytes = budget_bytes
 
     @abc.abstractmethod
-    def measure(self) -> contextlib.AbstractContextManager["Measuring"]:
-        """Return a context manager that measures the peak memory of its block."""
+    def measure(self, *, deadline: float | None = None) -> contextlib.AbstractContextManager["Measuring"]:
+        """Return a context manager that measures the peak memory of its block.
+
+        ``deadline`` (a ``time.monotonic()`` value) lets a meter that sees every operator stop the
+        block with :class:`~autotune.errors.TrialTimeoutError`; meters that cannot, ignore it.
+        """
 
     def close(self) -> None:
         """Undo any process-wide setting the meter made (for example a CUDA memory fraction)."""

@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from autotune import precision
+from autotune.errors import UsageError, is_oom
+from autotune.precision import PRECISIONS, default_precisions, get_mode, supported_precisions
+
+
+def test_modes():
+    assert get_mode("fp32").autocast_dtype is None and get_mode("fp32").grad_scaler("cpu") is None
+    assert get_mode("bf16").autocast_dtype is torch.bfloat16 and get_mode("bf16").grad_scaler("cpu") is None
+    scaler = get_mode("fp16").grad_scaler("cpu")
+    assert scaler.is_enabled() and scaler.get_scale() == 2.0**16
+    with pytest.raises(UsageError, match="fp32, fp16, bf16"):
+        get_mode("int8")
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_autocast_computes_matmuls_in_the_mode(name):
+    lin = torch.nn.Linear(8, 8)
+    with PRECISIONS[name].autocast("cpu"):
+        assert lin(torch.randn(2, 8)).dtype == PRECISIONS[name].autocast_dtype
+    assert lin(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_cpu_supports_fp32_and_bf16():
+    assert {"fp32", "bf16"} <= set(supported_precisions(torch.device("cpu")))
+
+
+def test_slowdown_is_measured():
+    factor = precision.slowdown_vs_fp32("bf16", "cpu")
+    assert 0 < factor < 1000
+
+
+def test_a_pathologically_slow_mode_leaves_the_defaults_with_a_notice(monkeypatch, caplog):
+    # This CPU's fp16 speed is what it is; the decision is tested against a slowdown it would report elsewhere.
+    monkeypatch.setattr(precision, "slowdown_vs_fp32", lambda name, device_type: 40.0 if name == "fp16" else 1.5)
+    monkeypatch.setattr("autotune._log._said", set())
+    with caplog.at_level("WARNING", logger="autotune"):
+        names = default_precisions(torch.device("cpu"))
+    assert "fp16" not in names and "fp32" in names
+    assert any("fp16 matmuls run 40x slower" in r.message and "--precisions" in r.message for r in caplog.records)
+
+
+def test_is_oom_matches_pytorch_oom_errors_only():
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried"))
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_oom(ValueError("out of memory"))
