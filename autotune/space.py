@@ -55,6 +55,19 @@ class SearchSpace:
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 
 
+def _int_list(text: str, flag: str, hint: str, minimum: int) -> tuple[int, ...]:
+    """Parse a comma-separated list of integers, sorted and without repeats."""
+    try:
+        values = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise UsageError(f"cannot read {flag} {text!r}: write {hint}") from None
+    if not values:
+        raise UsageError(f"{flag} {text!r} is empty: write {hint}")
+    if values[0] < minimum:
+        raise UsageError(f"{flag} {text!r}: values must be at least {minimum}")
+    return values
+
+
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
     """Parse ``"1..512"`` (the powers of two in that range) or a list ``"8,16,24"``."""
     match = _RANGE.match(text)
@@ -64,30 +77,14 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
         if not sizes:
             raise UsageError(f"--batch-sizes {text!r} holds no power of two: widen the range, e.g. 1..512, or list sizes, e.g. 24,48")
         return sizes
-    try:
-        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
-    except ValueError:
-        raise UsageError(f"cannot read --batch-sizes {text!r}: write a range such as 1..512 or a list such as 8,16,24") from None
-    if not sizes:
-        raise UsageError(f"--batch-sizes {text!r} is empty: write a range such as 1..512 or a list such as 8,16,24")
-    if sizes[0] < 1:
-        raise UsageError(f"--batch-sizes {text!r}: batch sizes must be at least 1")
-    return sizes
+    return _int_list(text, "--batch-sizes", "a range such as 1..512 or a list such as 8,16,24", minimum=1)
 
 
 def parse_segments(text: str) -> tuple[int, ...] | None:
     """Parse ``"auto"`` (returned as ``None``, resolved against the model's chain) or a list ``"0,2,4"``."""
     if text.strip() == "auto":
         return None
-    try:
-        counts = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
-    except ValueError:
-        raise UsageError(f"cannot read --segments {text!r}: write auto or a list of counts such as 0,2,4") from None
-    if not counts:
-        raise UsageError(f"--segments {text!r} is empty: write auto or a list of counts such as 0,2,4")
-    if counts[0] < 0:
-        raise UsageError(f"--segments {text!r}: segment counts are 0 (off) or positive")
-    return counts
+    return _int_list(text, "--segments", "auto or a list of counts such as 0,2,4 (0 is off)", minimum=0)
 
 
 def parse_precisions(text: str) -> tuple[str, ...] | None:
