@@ -11,7 +11,15 @@ from Python::
 __version__ = "0.1.0"
 
 from autotune.checkpointing import AppliedPlan, Chain, apply_plan, find_chain, remove_plan
-from autotune.errors import AutotuneError, BudgetExceededError, NothingFitsError, TrialTimeoutError, UsageError, is_oom
+from autotune.errors import (
+    AutotuneError,
+    BudgetExceededError,
+    Interrupted,
+    NothingFitsError,
+    TrialTimeoutError,
+    UsageError,
+    is_oom,
+)
 from autotune.meters import MemoryReading, Meter, TensorMeter, make_meter
 from autotune.report import Report, load
 from autotune.space import Config, SearchSpace
@@ -43,6 +51,7 @@ __all__ = [
     "AutotuneError",
     "UsageError",
     "NothingFitsError",
+    "Interrupted",
     "BudgetExceededError",
     "TrialTimeoutError",
     "is_oom",

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--measure-steps", type=int, default=5, help="timed steps per trial; the median is reported")
     r.add_argument("--trial-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="stop a trial running longer than this (status timeout)")
+    r.add_argument("--isolation", default="auto", choices=("auto", "process", "none"),
+                   help="process: each trial in a fresh worker process (a crash or a sticky CUDA error stays there); "
+                   "none: in this process; auto: process on CUDA, none on CPU")
     r.add_argument("--storage", default=None, metavar="URL",
                    help="Optuna storage URL for the trial store (default: sqlite:///results/<study>.db)")
     r.add_argument("--study", default=None, help="study name (default: derived from the model and device)")
@@ -105,26 +108,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             budget=args.budget, headroom=args.headroom, precisions=args.precisions, segments=args.segments,
             batch_sizes=args.batch_sizes, strategy=args.strategy, warmup_steps=args.warmup_steps,
             measure_steps=args.measure_steps, trial_timeout=args.trial_timeout, storage=args.storage,
-            study=args.study, on_trial=progress,
+            study=args.study, isolation=args.isolation, on_trial=progress,
         )
-        out = args.out or os.path.join("results", f"{report.search['study']}.json")
-        try:
-            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-            report.to_json(out)
-        except OSError as exc:
-            print(f"autotune: error: cannot write {out}: {exc.strerror or exc}; the trials are kept in "
-                  f"{report.search['storage']}, so run again with another --out", file=sys.stderr)
-            print(report.table())
-            return 1
+    except autotune.Interrupted as exc:
+        out = _write(exc.report, args.out)
+        print(f"autotune: interrupted after {len(exc.report.trials)} trials; wrote the partial report to {out}; "
+              f"finished trials are kept in {exc.report.search['storage']}: run the same command to continue",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     except UsageError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except AutotuneError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("autotune: interrupted; finished trials are kept in the store, run the same command to continue", file=sys.stderr)
+    except KeyboardInterrupt:  # before the search started: nothing measured
+        print("autotune: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    try:
+        out = _write(report, args.out)
+    except OSError as exc:
+        print(report.table())
+        print(f"autotune: error: cannot write the report: {exc.strerror or exc}; the trials are kept in "
+              f"{report.search['storage']}, so run again with another --out", file=sys.stderr)
+        return 1
     print(report.table())
     if not args.quiet:
         print(f"autotune: wrote {out}", file=sys.stderr)
@@ -132,6 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_nothing_fits_hint(report), file=sys.stderr)
         return EXIT_NOTHING_FITS
     return EXIT_OK
+
+
+def _write(report, out: str | None) -> str:
+    """Write the JSON report to ``out`` (default ``results/<study>.json``); return the path."""
+    out = out or os.path.join("results", f"{report.search['study']}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    report.to_json(out)
+    return out
 
 
 def _nothing_fits_hint(report) -> str:

@@ -8,6 +8,7 @@ __all__ = [
     "AutotuneError",
     "UsageError",
     "NothingFitsError",
+    "Interrupted",
     "BudgetExceededError",
     "TrialTimeoutError",
     "is_oom",
@@ -24,6 +25,14 @@ class UsageError(AutotuneError):
 
 class NothingFitsError(AutotuneError):
     """No measured configuration fits the memory budget (CLI exit code 3)."""
+
+
+class Interrupted(AutotuneError):
+    """The search was interrupted (Ctrl-C); ``report`` holds what was measured so far, marked partial."""
+
+    def __init__(self, report: object) -> None:
+        super().__init__("interrupted; finished trials are kept in the store: run the same command to continue")
+        self.report = report
 
 
 class TrialTimeoutError(AutotuneError):

@@ -1,11 +1,19 @@
 """The search driver: an Optuna study whose trials are real training runs.
 
-Each configuration a strategy proposes becomes an Optuna trial (ask -> run -> tell) with its
-parameters (precision, segments, batch_size) and the whole measurement as user attributes. The
-study lives in an Optuna storage: by default a SQLite file in ``results/`` named after the study,
-so a search that stops is continued by running the same command again, and any Optuna storage
-URL lets several workers share one study. Finished trials are reused when they were measured
-the same way (device, trial settings, and for an OOM a budget at least as large).
+Each configuration a strategy proposes becomes an Optuna trial (enqueue -> ask -> run -> tell)
+with its parameters (precision, segments, batch_size) and the whole measurement as user
+attributes. The study lives in an Optuna storage: by default a SQLite file in ``results/`` named
+after the study.
+
+* **Resume.** Finished trials are reused when they were measured the same way (trial settings,
+  and for an OOM a budget at least as large). A trial left RUNNING by a process that is gone
+  (killed, crashed, its machine asleep) is marked failed and measured again.
+* **Parallel workers.** Several processes with the same storage and study share the work: each
+  skips configurations that are finished or running elsewhere, a configuration claimed by two
+  workers at once is kept by the lower-numbered trial, and a worker whose strategy is done waits
+  for the others' running trials, so every worker's report holds the same measurements.
+* **Interruption.** Ctrl-C marks the running trial failed (it is re-run next time) and raises
+  :class:`SearchInterrupted` with everything measured so far.
 """
 
 from __future__ import annotations
@@ -16,24 +24,31 @@ import hashlib
 import json
 import os
 import re
+import socket
+import threading
 import time
 from typing import Callable, Iterator
 
 import optuna
 import torch
+from optuna.trial import FrozenTrial, TrialState
 
 from autotune._log import logger
-from autotune.errors import UsageError
+from autotune.errors import AutotuneError, UsageError
 from autotune.meters import Meter
 from autotune.space import Config, SearchSpace
 from autotune.strategies import Strategy
 from autotune.trial import Measurement, TrialSettings, run_trial
 from autotune.workload import Workload
 
-__all__ = ["SearchResult", "run_search", "default_study_name", "default_storage", "open_study"]
+__all__ = ["SearchResult", "SearchInterrupted", "run_search", "default_study_name", "default_storage", "open_study"]
 
-_STATE = {"ok": optuna.trial.TrialState.COMPLETE, "oom": optuna.trial.TrialState.PRUNED,
-          "timeout": optuna.trial.TrialState.PRUNED, "failed": optuna.trial.TrialState.FAIL}
+_STATE = {"ok": TrialState.COMPLETE, "oom": TrialState.PRUNED, "timeout": TrialState.PRUNED,
+          "failed": TrialState.FAIL, "crashed": TrialState.FAIL}
+_FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+HEARTBEAT_S = 10.0  # a running trial's worker stamps it this often
+STALE_S = 120.0  # a running trial of another machine whose stamp is older than this is abandoned
+WAIT_S = 1.0  # how often a worker with nothing to do looks at the others' running trials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +56,20 @@ class SearchResult:
     """The measurements of one search, in the order of the space, and how they were obtained."""
 
     measurements: tuple[Measurement, ...]
-    n_run: int  # trials run by this search
-    n_reused: int  # trials taken from the store, measured earlier
+    n_run: int  # trials run by this worker
+    n_reused: int  # trials taken from the store: measured earlier, or by other workers
     wall_s: float
     study_name: str
     storage: str
+    partial: bool = False  # True when the search was interrupted before its strategy was done
+
+
+class SearchInterrupted(AutotuneError):
+    """The search was interrupted (Ctrl-C); ``result`` holds what was measured so far."""
+
+    def __init__(self, result: SearchResult) -> None:
+        super().__init__("interrupted; finished trials are kept in the store")
+        self.result = result
 
 
 def default_study_name(workload: Workload, device: torch.device, fingerprint: str | None = None) -> str:
@@ -76,8 +100,8 @@ def _quiet_optuna() -> Iterator[None]:
         optuna.logging.set_verbosity(previous)
 
 
-def open_study(study_name: str, storage: str, *, workload_key: str) -> optuna.Study:
-    """Create or load the study; refuse one that holds trials of a different workload."""
+def open_study(study_name: str, storage: str, *, workload_key: str, space: SearchSpace | None = None) -> optuna.Study:
+    """Create or load the study; refuse one made for a different workload or search space."""
     try:
         with _quiet_optuna():
             study = optuna.create_study(
@@ -85,13 +109,24 @@ def open_study(study_name: str, storage: str, *, workload_key: str) -> optuna.St
             )
     except Exception as exc:  # a bad URL, an unreachable server, a read-only file
         raise UsageError(f"cannot open the trial store --storage {storage!r}: {type(exc).__name__}: {exc}") from None
-    known = study.user_attrs.get("workload_key")
-    if known is None:
-        study.set_user_attr("workload_key", workload_key)
-    elif known != workload_key:
+    expected = {"workload_key": workload_key}
+    if space is not None:
+        expected["space"] = space.to_dict()
+    known = study.user_attrs
+    for key, value in expected.items():
+        if key not in known:
+            study.set_user_attr(key, value)
+    if known.get("workload_key", workload_key) != workload_key:
         raise UsageError(
             f"study {study_name!r} in {storage} holds trials of a different model, data, loss or device: "
             f"pass another --study name (or --storage) to start a new one"
+        )
+    if space is not None and known.get("space", space.to_dict()) != space.to_dict():
+        old = known["space"]
+        raise UsageError(
+            f"study {study_name!r} was made for another search space (precisions {','.join(old['precisions'])}, "
+            f"segments {','.join(map(str, old['segments']))}, batch sizes {','.join(map(str, old['batch_sizes']))}): "
+            f"pass the same flags, or another --study name"
         )
     return study
 
@@ -108,6 +143,49 @@ def _reusable(attrs: dict, *, settings_key: str, budget_bytes: int | None) -> Me
     return measurement
 
 
+def _worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _is_alive(trial: FrozenTrial, now: float) -> bool:
+    """Whether a RUNNING trial's worker is still at it: its process exists, or its stamp is fresh."""
+    host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
+    if host == socket.gethostname() and pid.isdigit():
+        if int(pid) == os.getpid():
+            return False  # ours, from before: this process runs one trial at a time
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    stamp = trial.user_attrs.get("heartbeat") or (trial.datetime_start.timestamp() if trial.datetime_start else 0)
+    return now - stamp < STALE_S
+
+
+class _Heartbeat:
+    """Stamp a running trial every HEARTBEAT_S seconds, from a background thread."""
+
+    def __init__(self, study: optuna.Study, trial: optuna.Trial) -> None:
+        self._study, self._trial_id = study, trial._trial_id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autotune-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(Exception):  # a missed stamp only makes the trial look older
+                self._study._storage.set_trial_user_attr(self._trial_id, "heartbeat", time.time())
+
+    def __enter__(self) -> "_Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def run_search(
     workload: Workload,
     space: SearchSpace,
@@ -120,58 +198,128 @@ def run_search(
     study_name: str,
     storage: str,
     workload_key: str,
+    isolation: str = "none",
     on_trial: Callable[[Measurement, bool], None] | None = None,
 ) -> SearchResult:
     """Run the strategy's proposals as trials in the study until it is done; return every measurement.
 
-    ``on_trial(measurement, reused)`` is called for each measurement as it becomes known.
+    ``isolation`` is ``"none"`` (trials run in this process with ``meter``) or ``"process"``
+    (each trial in a fresh worker process). ``on_trial(measurement, reused)`` is called once for
+    each measurement as it becomes known, ``reused`` when it comes from the store.
     """
     started = time.monotonic()
-    study = open_study(study_name, storage, workload_key=workload_key)
+    study = open_study(study_name, storage, workload_key=workload_key, space=space)
     settings_key = fingerprint(**dataclasses.asdict(settings))
-    measured: dict[Config, Measurement] = {}
-    configs = set(space.configs())
-    for frozen in study.get_trials(deepcopy=False, states=tuple(set(_STATE.values()))):
-        m = _reusable(frozen.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes)
-        if m is not None and m.config in configs:
-            measured[m.config] = m  # later trials of the same configuration win
-    n_reused = len(measured)
-    for m in measured.values():
-        if on_trial:
-            on_trial(m, True)
     distributions = {
         "precision": optuna.distributions.CategoricalDistribution(space.precisions),
         "segments": optuna.distributions.CategoricalDistribution(space.segments),
         "batch_size": optuna.distributions.CategoricalDistribution(space.batch_sizes),
     }
-    n_run = 0
+    configs = set(space.configs())
+    mine: set[Config] = set()
+    reported: set[Config] = set()
+    measured: dict[Config, Measurement] = {}
+
+    def result(partial: bool) -> SearchResult:
+        ordered = tuple(measured[c] for c in space.configs() if c in measured)
+        return SearchResult(ordered, len(mine), len(ordered) - len(mine & set(measured)),
+                            time.monotonic() - started, study_name, storage, partial)
+
     with _quiet_optuna():
-        while (config := strategy.propose(space, measured, budget_bytes)) is not None:
-            if config in measured or config not in configs:
-                raise RuntimeError(f"strategy {strategy.name} proposed {config}, which is measured or outside the space")
-            study.enqueue_trial(dataclasses.asdict(config))
-            trial = study.ask(distributions)
-            config = Config(**trial.params)  # the queued configuration this trial took
+        while True:
+            measured, in_flight = _survey(study, configs, settings_key, budget_bytes)
+            for config, m in measured.items():
+                if config not in reported:
+                    reported.add(config)
+                    if on_trial:
+                        on_trial(m, config not in mine)
+            config = strategy.propose(space, measured, budget_bytes, pending=frozenset(in_flight))
+            if config is None:
+                if not in_flight:
+                    break
+                time.sleep(WAIT_S)  # others are measuring; their results belong in our report too
+                continue
+            trial = _claim(study, config, distributions, settings_key=settings_key, budget_bytes=budget_bytes)
+            if trial is None:
+                continue
+            config = Config(**trial.params)
             logger.debug("trial %d: %s", trial.number, config)
             try:
-                m = run_trial(workload, config, device=device, meter=meter, settings=settings)
+                with _Heartbeat(study, trial):
+                    m = _run_one(workload, config, device=device, meter=meter, budget_bytes=budget_bytes,
+                                 settings=settings, isolation=isolation)
+            except KeyboardInterrupt:
+                _abandon(study, trial, "interrupted")
+                raise SearchInterrupted(result(partial=True)) from None
             except BaseException:
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)  # interrupted: nothing measured
+                _abandon(study, trial, "error")
                 raise
-            for key, value in (
-                ("measurement", m.to_dict()),
-                ("status", m.status),
-                ("budget_bytes", budget_bytes),
-                ("settings_key", settings_key),
-            ):
+            for key, value in (("measurement", m.to_dict()), ("status", m.status),
+                               ("budget_bytes", budget_bytes), ("settings_key", settings_key)):
                 trial.set_user_attr(key, value)
             if m.status == "ok":
                 study.tell(trial, [m.samples_per_s, m.peak_bytes])
             else:
                 study.tell(trial, state=_STATE[m.status])
-            measured[m.config] = m
-            n_run += 1
-            if on_trial:
-                on_trial(m, False)
-    ordered = tuple(measured[c] for c in space.configs() if c in measured)
-    return SearchResult(ordered, n_run, n_reused, time.monotonic() - started, study_name, storage)
+            mine.add(config)
+    return result(partial=False)
+
+
+def _run_one(workload: Workload, config: Config, *, device: torch.device, meter: Meter, budget_bytes: int | None,
+             settings: TrialSettings, isolation: str) -> Measurement:
+    if isolation == "process":
+        from autotune.isolation import run_trial_isolated
+
+        return run_trial_isolated(workload, config, device=device, budget_bytes=budget_bytes, settings=settings)
+    return run_trial(workload, config, device=device, meter=meter, settings=settings)
+
+
+def _survey(study: optuna.Study, configs: set[Config], settings_key: str, budget_bytes: int | None
+            ) -> tuple[dict[Config, Measurement], set[Config]]:
+    """Read the store: reusable measurements, and configurations other workers are running now.
+
+    Trials left RUNNING by a worker that is gone are marked failed, so they are measured again.
+    """
+    measured: dict[Config, Measurement] = {}
+    in_flight: set[Config] = set()
+    now = time.time()
+    for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
+        if t.state in _FINISHED:
+            m = _reusable(t.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes)
+            if m is not None and m.config in configs:
+                measured[m.config] = m  # later trials of the same configuration win
+        elif t.state == TrialState.RUNNING and "worker" in t.user_attrs:
+            if _is_alive(t, now):
+                in_flight.add(Config(t.params["precision"], t.params["segments"], t.params["batch_size"]))
+            else:
+                logger.info("trial %d (%s) was left running by %s, which is gone: it will be measured again",
+                            t.number, t.params, t.user_attrs["worker"])
+                _abandon(study, t, "abandoned")
+    return measured, in_flight - set(measured)
+
+
+def _claim(study: optuna.Study, config: Config, distributions: dict, *, settings_key: str,
+           budget_bytes: int | None) -> optuna.Trial | None:
+    """Start a trial of ``config`` (or of another worker's queued configuration); None if already taken."""
+    study.enqueue_trial(dataclasses.asdict(config))
+    trial = study.ask(distributions)
+    trial.set_user_attr("worker", _worker_id())
+    trial.set_user_attr("heartbeat", time.time())
+    params = trial.params
+    for other in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, *_FINISHED)):
+        if other.number == trial.number or other.params != params:
+            continue
+        taken = (other.state == TrialState.RUNNING and other.number < trial.number) or (
+            other.state in _FINISHED and _reusable(other.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes)
+        )
+        if taken:  # another worker claimed or finished the same configuration first
+            _abandon(study, trial, "duplicate")
+            return None
+    return trial
+
+
+def _abandon(study: optuna.Study, trial: optuna.Trial | FrozenTrial, why: str) -> None:
+    """Close a trial that measured nothing, so that its configuration is proposed again."""
+    with contextlib.suppress(Exception):  # it may have been closed meanwhile by its own worker
+        study._storage.set_trial_user_attr(trial._trial_id, "status", why)
+        study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)

@@ -20,7 +20,7 @@ from autotune.workload import Workload, to_device
 
 __all__ = ["STATUSES", "TrialSettings", "Measurement", "run_trial", "release_memory"]
 
-STATUSES = ("ok", "oom", "timeout", "failed")
+STATUSES = ("ok", "oom", "timeout", "failed", "crashed")  # crashed: its worker process died
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Measurement:
     """What one trial measured. Times in seconds, memory in bytes; ``None`` where not reached."""
 
     config: Config
-    status: str  # "ok", "oom", "timeout" or "failed"
+    status: str  # "ok", "oom", "timeout", "failed" or "crashed" (see STATUSES)
     peak_bytes: int | None = None  # compared to the budget: tracked tensors (CPU) or CUDA reserved
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None

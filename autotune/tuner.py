@@ -10,11 +10,11 @@ from torch import nn
 
 from autotune._log import logger, notice_once
 from autotune.checkpointing import auto_segment_counts, find_chain
-from autotune.errors import UsageError
+from autotune.errors import Interrupted, UsageError
 from autotune.meters import make_meter
 from autotune.precision import default_precisions, supported_precisions
 from autotune.report import Report, environment
-from autotune.search import default_storage, default_study_name, fingerprint, run_search
+from autotune.search import SearchInterrupted, default_storage, default_study_name, fingerprint, run_search
 from autotune.space import SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
 from autotune.strategies import make_strategy
 from autotune.trial import Measurement, TrialSettings
@@ -79,6 +79,7 @@ def tune(
     storage: str | None = None,
     study: str | None = None,
     results_dir: str = "results",
+    isolation: str = "auto",
     on_trial: Callable[[Measurement, bool], None] | None = None,
 ) -> Report:
     """Measure training configurations of ``model`` and return the :class:`Report`.
@@ -88,7 +89,9 @@ def tune(
     or bytes (default: the device's memory). ``precisions`` defaults to the modes the device runs
     well, ``segments="auto"`` to a spread up to the model's chain length. Trials are stored in
     the Optuna study ``study`` in ``storage`` (default ``results/<study>.db``): running the same
-    call again reuses them. Raises :class:`~autotune.errors.UsageError` for bad input.
+    call again reuses them. ``isolation="process"`` runs each trial in a fresh worker process
+    (``auto``: on CUDA only). Raises :class:`~autotune.errors.UsageError` for bad input and
+    :class:`~autotune.errors.Interrupted` (holding the partial report) on Ctrl-C.
     """
     if not 0.0 <= headroom < 1.0:
         raise UsageError(f"--headroom {headroom} must be at least 0 and below 1, e.g. 0.1 for 10%")
@@ -102,6 +105,12 @@ def tune(
     batch_list = _as_list(batch_sizes, parse_batch_sizes)
     strategy_obj = make_strategy(strategy)
 
+    if workload.dataset is not None and max(batch_list) > len(workload.dataset):
+        too_big = [b for b in batch_list if b > len(workload.dataset)]
+        raise UsageError(
+            f"--data has {len(workload.dataset)} items, fewer than the batch sizes {','.join(map(str, too_big))}: "
+            f"pass --batch-sizes up to {len(workload.dataset)}, or more data"
+        )
     info = _preflight(workload, dev, budget_bytes, min(batch_list))
     chain = info["chain"]
     notices: list[str] = []
@@ -135,15 +144,21 @@ def tune(
     options_key = fingerprint(model_kwargs=kwargs, data=str(data), loss=str(loss)) if (kwargs or data or loss) else None
     study_name = study or default_study_name(workload, dev, options_key)
     storage_url = storage or default_storage(study_name, results_dir)
-    meter = make_meter(dev, budget_bytes=budget_bytes)
+    isolation_mode = _isolation(isolation, dev)
+    # With process isolation each worker makes its own meter; this one stays unused (and sets nothing).
+    meter = make_meter(dev, budget_bytes=budget_bytes if isolation_mode == "none" else None)
+    interrupted = None
     try:
         result = run_search(
             workload, space, strategy_obj, device=dev, meter=meter, budget_bytes=budget_bytes, settings=settings,
-            study_name=study_name, storage=storage_url, workload_key=workload_key, on_trial=on_trial,
+            study_name=study_name, storage=storage_url, workload_key=workload_key, isolation=isolation_mode,
+            on_trial=on_trial,
         )
+    except SearchInterrupted as exc:
+        result, interrupted = exc.result, exc
     finally:
         meter.close()
-    return Report(
+    report = Report(
         environment=environment(dev),
         workload={
             "model": workload.name,
@@ -169,11 +184,25 @@ def tune(
             "warmup_steps": warmup_steps,
             "measure_steps": measure_steps,
             "trial_timeout_s": trial_timeout,
-            "memory_meter": meter.__class__.__name__,
+            "memory_meter": "CudaMeter" if dev.type == "cuda" else "TensorMeter",
+            "isolation": isolation_mode,
+            "partial": result.partial,
         },
         trials=result.measurements,
         notices=tuple(notices),
     )
+    if interrupted is not None:
+        raise Interrupted(report) from None
+    return report
+
+
+def _isolation(name: str, device: torch.device) -> str:
+    """Resolve ``--isolation``: ``auto`` is ``process`` on CUDA and ``none`` elsewhere."""
+    if name not in ("auto", "process", "none"):
+        raise UsageError(f"unknown --isolation {name!r}: choose auto, process or none")
+    if name == "auto":
+        return "process" if device.type == "cuda" else "none"
+    return name
 
 
 def _preflight(workload: Workload, device: torch.device, budget_bytes: int | None, batch_size: int) -> dict[str, Any]:

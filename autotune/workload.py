@@ -18,6 +18,7 @@ The workload protocol, for models used with autotune:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import json
@@ -67,6 +68,8 @@ class Workload:
     name: str  # how reports name the model, e.g. "autotune.examples:TinyGPT"
     dataset: Dataset | None = None  # where batches come from; None: the model's example_batch()
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    # The from_specs() arguments, so that a worker process can build the same workload again.
+    spec: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_specs(
@@ -99,7 +102,8 @@ class Workload:
         loss_fn = load_object(loss, flag="--loss") if isinstance(loss, str) else loss
         if loss_fn is not None and not callable(loss_fn):
             raise UsageError(f"--loss {loss!r} is not callable: name a function loss(output, target)")
-        return cls(lambda: _call(target, "--model", name, **kwargs), name, dataset, loss_fn)
+        spec = {"model": model, "model_kwargs": model_kwargs, "data": data, "loss": loss}
+        return cls(functools.partial(_call, target, "--model", name, **kwargs), name, dataset, loss_fn, spec)
 
     def build_model(self) -> nn.Module:
         """Return a freshly built model (on the CPU, in training mode)."""
@@ -112,8 +116,9 @@ class Workload:
         """Return one batch of ``batch_size`` samples (on the CPU)."""
         if self.dataset is not None:
             n = len(self.dataset)
-            # A batch larger than the dataset repeats items: memory and time depend on shapes only.
-            return default_collate([self.dataset[i % n] for i in range(batch_size)])
+            if batch_size > n:
+                raise UsageError(f"--data has {n} items, fewer than the batch size {batch_size}: use smaller --batch-sizes")
+            return default_collate([self.dataset[i] for i in range(batch_size)])
         example_batch = getattr(model, "example_batch", None)
         if not callable(example_batch):
             raise UsageError(

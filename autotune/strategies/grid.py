@@ -16,5 +16,6 @@ class GridStrategy(Strategy):
 
     name = "grid"
 
-    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None) -> Config | None:
-        return next((c for c in space.configs() if c not in measured), None)
+    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
+                *, pending: frozenset[Config] = frozenset()) -> Config | None:
+        return next((c for c in space.configs() if c not in measured and c not in pending), None)
