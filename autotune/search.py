@@ -48,6 +48,7 @@ _STATE = {"ok": TrialState.COMPLETE, "oom": TrialState.PRUNED, "timeout": TrialS
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 HEARTBEAT_S = 10.0  # a running trial's worker stamps it this often
 STALE_S = 120.0  # a running trial of another machine whose stamp is older than this is abandoned
+_OPEN_ATTEMPTS = 3
 WAIT_S = 1.0  # how often a worker with nothing to do looks at the others' running trials
 
 
@@ -100,15 +101,41 @@ def _quiet_optuna() -> Iterator[None]:
         optuna.logging.set_verbosity(previous)
 
 
+def make_storage(url: str) -> str | optuna.storages.BaseStorage:
+    """Return what Optuna takes for ``url``: an RDB URL as it is, or a journal file for ``journal:///PATH``.
+
+    A journal file (``optuna.storages.JournalStorage``) is the storage Optuna recommends for
+    several processes on one machine or a shared file system; SQLite suits one worker.
+    """
+    if url.startswith("journal://"):
+        path = url[len("journal://"):]
+        if not path:
+            raise UsageError(f"--storage {url!r}: write journal:///path/to/file.log")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"cannot open the trial store --storage {url!r}: the folder {folder} does not exist")
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+    return url
+
+
 def open_study(study_name: str, storage: str, *, workload_key: str, space: SearchSpace | None = None) -> optuna.Study:
     """Create or load the study; refuse one made for a different workload or search space."""
-    try:
-        with _quiet_optuna():
-            study = optuna.create_study(
-                study_name=study_name, storage=storage, directions=["maximize", "minimize"], load_if_exists=True
-            )
-    except Exception as exc:  # a bad URL, an unreachable server, a read-only file
-        raise UsageError(f"cannot open the trial store --storage {storage!r}: {type(exc).__name__}: {exc}") from None
+    for attempt in range(_OPEN_ATTEMPTS):
+        try:
+            with _quiet_optuna():
+                study = optuna.create_study(
+                    study_name=study_name, storage=make_storage(storage), directions=["maximize", "minimize"],
+                    load_if_exists=True,
+                )
+            break
+        except UsageError:
+            raise
+        except Exception as exc:  # a bad URL, an unreachable server, a read-only file
+            # Workers starting together on a new database race to create its tables: try again.
+            if attempt == _OPEN_ATTEMPTS - 1:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise UsageError(f"cannot open the trial store --storage {storage!r}: {type(exc).__name__}: {first}") from None
+            time.sleep(0.5 * (attempt + 1))
     expected = {"workload_key": workload_key}
     if space is not None:
         expected["space"] = space.to_dict()

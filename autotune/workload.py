@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset, default_collate
 
-from autotune.errors import UsageError
+from autotune.errors import AutotuneError, UsageError, is_oom
 
 __all__ = ["Workload", "load_object", "to_device", "parse_model_kwargs"]
 
@@ -192,9 +192,11 @@ def _call(factory: Callable, flag: str, spec: Any, **kwargs: Any) -> Any:
     except TypeError as exc:
         params = _signature(factory)
         raise UsageError(f"{flag} {spec!r} could not be called with {kwargs or 'no arguments'}{params}: {exc}") from None
-    except UsageError:
+    except AutotuneError:
         raise
     except Exception as exc:
+        if is_oom(exc):
+            raise  # a model too big for the budget is an outcome, not bad input
         raise UsageError(f"{flag} {spec!r} raised {type(exc).__name__} while building: {exc}") from None
 
 

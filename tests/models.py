@@ -85,3 +85,68 @@ def not_a_model():
 
 
 NOT_CALLABLE = 3
+
+
+class SelfKill(nn.Module):
+    """Kills its own process with SIGKILL at batch size 4: a segfault, as far as the search can tell."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] == 4:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.lin(x).square().mean()
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 4)
+
+
+class Hangs(nn.Module):
+    """Sleeps in forward at batch size 2, where no operator runs to notice the time limit."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] == 2 and self.training and torch.is_grad_enabled():
+            import time
+
+            time.sleep(3600)
+        return self.lin(x).square().mean()
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 4)
+
+
+class ForwardRaises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        raise ValueError("shapes do not match in my layer")
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 4)
+
+
+class _Triples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return (torch.zeros(4), torch.tensor(0), torch.tensor(1))
+
+
+def triple_dataset():
+    return _Triples()
+
+
+def tiny_dataset():
+    return torch.utils.data.TensorDataset(torch.randn(3, 4), torch.randint(2, (3,)))

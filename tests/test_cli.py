@@ -64,6 +64,11 @@ BAD_INPUT = [
     (["--model", "tests.models:RaisesInInit"], "cannot build me"),
     (["--model", "tests.models:not_a_model"], "not a torch.nn.Module"),
     (["--model", "tests.models:NoLoss"], "--loss"),
+    (["--model", "tests.models:ForwardRaises"], "ForwardRaises failed on a batch of 1: ValueError: shapes do not match"),
+    (["--model", "tests.models:NoLoss", "--data", "tests.models:triple_dataset", "--batch-sizes", "2"], "batches must be"),
+    (["--model", "tests.models:NoLoss", "--data", "tests.models:tiny_dataset", "--loss", "torch.nn.functional:cross_entropy",
+      "--batch-sizes", "4,8"], "--data has 3 items"),
+    (["--model", "tests.models:NoLoss", "--data", "tests.models:NOT_CALLABLE"], "not callable"),
     (["--model", "autotune.examples:TinyGPT", "--model-kwargs", "{bad json"], "JSON"),
     (["--model", "autotune.examples:TinyGPT", "--budget", "lots"], "cannot read the size"),
     (["--model", "autotune.examples:TinyGPT", "--budget", "0"], "greater than zero"),
@@ -87,6 +92,12 @@ BAD_INPUT = [
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing may be written here
     monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    existing = tmp_path / "existing.json"
+    existing.write_text("an earlier result")
+    if "--out" not in argv and argv:
+        argv = [*argv, "--out", str(existing)]
+    if "--storage" not in argv and argv:
+        argv = [*argv, "--storage", f"sqlite:///{tmp_path}/s.db"]
     try:
         code = main([*argv, "--device", "cpu", "--quiet"] if "--device" not in argv else [*argv, "--quiet"])
     except SystemExit as exc:  # argparse's own errors
@@ -96,13 +107,25 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys, monke
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert message in lines[0] and "Traceback" not in err
+    assert existing.read_text() == "an earlier result"
     assert not os.path.exists(tmp_path / "results") or not any(n.endswith(".json") for n in os.listdir(tmp_path / "results"))
+
+
+def test_a_study_made_for_another_search_space_is_bad_input(tmp_path, capsys):
+    common = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "64MiB", "--precisions", "fp32",
+              "--segments", "0", "--storage", f"sqlite:///{tmp_path}/s.db", "--study", "same", "--quiet", *QUICK]
+    assert main([*common, "--batch-sizes", "2", "--out", str(tmp_path / "a.json")]) == 0
+    capsys.readouterr()
+    assert main([*common, "--batch-sizes", "2,4", "--out", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another search space" in err[0] and "batch sizes 2" in err[0] and "--study" in err[0]
+    assert not (tmp_path / "b.json").exists()
 
 
 def test_help_documents_every_flag_with_its_default():
     text = build_parser().format_help()
     for flag in ["--model", "--model-kwargs", "--data", "--loss", "--device", "--budget", "--headroom", "--precisions",
                  "--segments", "--batch-sizes", "--strategy", "--warmup-steps", "--measure-steps", "--trial-timeout",
-                 "--storage", "--study", "--out", "--quiet", "--verbose"]:
+                 "--isolation", "--storage", "--study", "--out", "--quiet", "--verbose"]:
         assert flag in text
     assert "(default: 1..512)" in text and "(default: 0.1)" in text and "(default: grid)" in text

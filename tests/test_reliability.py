@@ -1,0 +1,185 @@
+"""Failure behaviour: isolated trials, resume after SIGKILL, Ctrl-C, parallel workers, memory under load."""
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+
+import optuna
+import pytest
+import torch
+
+import autotune
+from autotune import isolation
+from autotune.meters import TensorMeter
+from autotune.space import Config
+from autotune.trial import TrialSettings, run_trial
+from autotune.workload import Workload
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = '{"n_layer": 2, "block_size": 16, "n_embd": 16, "n_head": 2, "vocab_size": 32}'
+
+
+def cli(*args, **popen):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "autotune", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, **popen)
+
+
+def measured_trials(storage, study):
+    trials = optuna.load_study(study_name=study, storage=autotune.search.make_storage(storage)).get_trials(deepcopy=False)
+    return [t for t in trials if "measurement" in t.user_attrs]
+
+
+def wait_for_trials(storage, study, n, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if len(measured_trials(storage, study)) >= n:
+                return
+        except Exception:  # the study may not exist yet
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {n} trials finished in {timeout} s")
+
+
+# A slow enough search to be caught mid-way: 16 trials of ~0.3 s each; under the budget of 320,000 bytes
+# fp32 and bf16 without checkpointing run out of memory at batch 8, with 2 segments they fit.
+SEARCH = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--device", "cpu", "--budget", "320000",
+          "--precisions", "fp32,bf16", "--segments", "0,2", "--batch-sizes", "1..8", "--warmup-steps", "2",
+          "--measure-steps", "40", "--isolation", "none"]
+
+
+def test_isolated_trial_killed_by_sigkill_is_recorded_and_the_search_finishes(tmp_path):
+    report = autotune.tune("tests.models:SelfKill", device="cpu", budget="8MiB", precisions="fp32", segments="0",
+                           batch_sizes="2,4,8", measure_steps=2, isolation="process",
+                           storage=f"sqlite:///{tmp_path}/k.db", study="k")
+    status = {m.batch_size: m for m in report.trials}
+    assert status[4].status == "crashed" and "SIGKILL" in status[4].error
+    assert status[2].status == "ok" and status[8].status == "ok"
+    assert report.search["isolation"] == "process"
+    assert report.recommendation.batch_size == 8
+
+
+def test_isolated_trial_that_hangs_is_killed_at_the_time_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(isolation, "STARTUP_GRACE_S", 5.0)
+    w = Workload.from_specs("tests.models:Hangs")
+    start = time.monotonic()
+    m = isolation.run_trial_isolated(w, Config("fp32", 0, 2), device="cpu", budget_bytes=None,
+                                     settings=TrialSettings(measure_steps=2, timeout_s=5.0))
+    assert m.status == "timeout" and "killed" in m.error
+    assert time.monotonic() - start < 60
+
+
+def test_isolated_trial_measures_like_an_in_process_one():
+    w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)
+    settings = TrialSettings(measure_steps=2)
+    here = run_trial(w, Config("bf16", 2, 4), device="cpu", meter=TensorMeter(budget_bytes=2**30), settings=settings)
+    there = isolation.run_trial_isolated(w, Config("bf16", 2, 4), device="cpu", budget_bytes=2**30, settings=settings)
+    assert there.status == "ok" and there.peak_bytes == here.peak_bytes and there.loss_first == here.loss_first
+
+
+def test_search_killed_with_sigkill_resumes_without_measuring_twice(tmp_path):
+    storage, out = f"sqlite:///{tmp_path}/r.db", tmp_path / "r.json"
+    proc = cli(*SEARCH, "--storage", storage, "--study", "r", "--out", str(out))
+    wait_for_trials(storage, "r", 3)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    before = {t.number: t.user_attrs["measurement"] for t in measured_trials(storage, "r")}
+    assert 3 <= len(before) < 16
+    again = cli(*SEARCH, "--storage", storage, "--study", "r", "--out", str(out))
+    _, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err
+    data = json.loads(out.read_text())
+    assert data["search"]["n_trials"] == 16 and data["search"]["n_reused"] >= len(before)
+    trials = measured_trials(storage, "r")
+    params = [tuple(sorted(t.params.items())) for t in trials]
+    assert len(params) == len(set(params)) == 16  # every configuration measured exactly once
+    reported = {(t["precision"], t["segments"], t["batch_size"]): {k: v for k, v in t.items() if k != "feasible"}
+                for t in data["trials"]}
+    for m in before.values():  # reused as measured before the kill, not measured again
+        assert reported[(m["precision"], m["segments"], m["batch_size"])] == m
+    # The same answer as a search that was never killed: memory is deterministic, so the limits
+    # must agree exactly; which configuration is fastest is a timing measurement.
+    reference = cli(*SEARCH, "--storage", f"sqlite:///{tmp_path}/ref.db", "--study", "ref", "--out", str(tmp_path / "ref.json"))
+    reference.communicate(timeout=600)
+    ref = json.loads((tmp_path / "ref.json").read_text())
+    assert data["limits"] == ref["limits"]
+    assert {(r["precision"], r["segments"]): r["max_batch_size"] for r in ref["limits"]} == {
+        ("fp32", 0): 4, ("fp32", 2): 8, ("bf16", 0): 4, ("bf16", 2): 8}
+    assert data["recommendation"]["feasible"] and data["recommendation"]["peak_bytes"] <= 0.9 * data["budget_bytes"]
+
+
+def test_ctrl_c_writes_a_partial_report_and_exits_130(tmp_path):
+    storage, out = f"sqlite:///{tmp_path}/i.db", tmp_path / "i.json"
+    proc = cli(*SEARCH, "--storage", storage, "--study", "i", "--out", str(out))
+    wait_for_trials(storage, "i", 2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)  # closes the pipes too
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    data = json.loads(out.read_text())
+    assert data["search"]["partial"] is True and 2 <= data["search"]["n_trials"] < 16
+    study = optuna.load_study(study_name="i", storage=storage)
+    assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
+    resumed = autotune.tune("autotune.examples:TinyGPT", model_kwargs=TINY, device="cpu", budget=320000,
+                            precisions="fp32,bf16", segments="0,2", batch_sizes="1..8", measure_steps=40,
+                            storage=storage, study="i", isolation="none")
+    assert resumed.search["n_reused"] == data["search"]["n_trials"] and not resumed.search["partial"]
+
+
+POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
+
+
+@pytest.mark.parametrize("kind", [
+    "sqlite",
+    "journal",
+    pytest.param("postgres", marks=pytest.mark.skipif(
+        not POSTGRES_URL, reason="set AUTOTUNE_TEST_POSTGRES_URL (`.ci/postgres.sh` starts a server and prints it)")),
+])
+def test_two_workers_share_one_study_without_overlap(tmp_path, kind):
+    storage = {"sqlite": f"sqlite:///{tmp_path}/p.db", "journal": f"journal:///{tmp_path}/p.log", "postgres": POSTGRES_URL}[kind]
+    study = f"p-{os.getpid()}-{time.time_ns()}"  # a server keeps its studies between runs
+    outs = [tmp_path / f"w{i}.json" for i in range(2)]
+    procs = [cli(*SEARCH, "--storage", storage, "--study", study, "--out", str(o), "--quiet") for o in outs]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+    reports = [json.loads(o.read_text()) for o in outs]
+    trials = measured_trials(storage, study)
+    params = [tuple(sorted(t.params.items())) for t in trials]
+    assert len(params) == len(set(params)) == 16  # disjoint, and together the whole space
+    assert [r["search"]["n_run"] for r in reports] == [sum(1 for t in trials if t.user_attrs["worker"].endswith(f":{p.pid}"))
+                                                       for p in procs]
+    assert all(r["search"]["n_run"] >= 1 for r in reports)
+    assert reports[0]["trials"] == reports[1]["trials"]
+    assert reports[0]["recommendation"] == reports[1]["recommendation"]
+
+
+def _tensor_count():
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_soak_of_100_trials_alternating_oom_and_success_keeps_memory_flat():
+    w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)
+    meter = TensorMeter(budget_bytes=4 * 2**20)
+    settings = TrialSettings(warmup_steps=2, measure_steps=1)
+    for b in (2, 128):  # warm up allocator, imports and caches
+        run_trial(w, Config("fp32", 0, b), device="cpu", meter=meter, settings=settings)
+    tensors, finalisers, rss = _tensor_count(), len(weakref.finalize._registry), _rss_bytes()
+    for i in range(100):
+        m = run_trial(w, Config("fp32", 0, 128 if i % 2 else 2), device="cpu", meter=meter, settings=settings)
+        assert m.status == ("oom" if i % 2 else "ok")
+    assert _tensor_count() == tensors
+    assert len(weakref.finalize._registry) == finalisers
+    assert _rss_bytes() - rss < 32 * 2**20
