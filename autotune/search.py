@@ -170,14 +170,23 @@ def _reusable(attrs: dict, *, settings_key: str, budget_bytes: int | None) -> Me
     return measurement
 
 
+def _pid_namespace() -> str:
+    """An id of this process's PID namespace: PIDs can be checked only within the same one."""
+    try:
+        return os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    except OSError:
+        return ""
+
+
 def _worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """``HOST:PIDNS:PID``, the identity a worker stamps on the trials it runs."""
+    return f"{socket.gethostname()}:{_pid_namespace()}:{os.getpid()}"
 
 
 def _is_alive(trial: FrozenTrial, now: float) -> bool:
     """Whether a RUNNING trial's worker is still at it: its process exists, or its stamp is fresh."""
-    host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
-    if host == socket.gethostname() and pid.isdigit():
+    host, ns, pid = (str(trial.user_attrs.get("worker", "")).rsplit(":", 2) + ["", "", ""])[:3]
+    if host == socket.gethostname() and ns == _pid_namespace() and pid.isdigit():
         if int(pid) == os.getpid():
             return False  # ours, from before: this process runs one trial at a time
         try:
@@ -252,43 +261,47 @@ def run_search(
         return SearchResult(ordered, len(mine), len(ordered) - len(mine & set(measured)),
                             time.monotonic() - started, study_name, storage, partial)
 
-    with _quiet_optuna():
-        while True:
-            measured, in_flight = _survey(study, configs, settings_key, budget_bytes)
-            for config, m in measured.items():
-                if config not in reported:
-                    reported.add(config)
-                    if on_trial:
-                        on_trial(m, config not in mine)
-            config = strategy.propose(space, measured, budget_bytes, pending=frozenset(in_flight))
-            if config is None:
-                if not in_flight:
-                    break
-                time.sleep(WAIT_S)  # others are measuring; their results belong in our report too
-                continue
-            trial = _claim(study, config, distributions, settings_key=settings_key, budget_bytes=budget_bytes)
-            if trial is None:
-                continue
-            config = Config(**trial.params)
-            logger.debug("trial %d: %s", trial.number, config)
-            try:
+    trial = None  # the trial this worker is running, if any
+    try:
+        with _quiet_optuna():
+            while True:
+                measured, in_flight = _survey(study, configs, settings_key, budget_bytes)
+                for config, m in measured.items():
+                    if config not in reported:
+                        reported.add(config)
+                        if on_trial:
+                            on_trial(m, config not in mine)
+                config = strategy.propose(space, measured, budget_bytes, pending=frozenset(in_flight))
+                if config is None:
+                    if not in_flight:
+                        break
+                    time.sleep(WAIT_S)  # others are measuring; their results belong in our report too
+                    continue
+                trial = _claim(study, config, distributions, settings_key=settings_key, budget_bytes=budget_bytes)
+                if trial is None:
+                    continue
+                config = Config(**trial.params)
+                logger.debug("trial %d: %s", trial.number, config)
                 with _Heartbeat(study, trial):
                     m = _run_one(workload, config, device=device, meter=meter, budget_bytes=budget_bytes,
                                  settings=settings, isolation=isolation)
-            except KeyboardInterrupt:
-                _abandon(study, trial, "interrupted")
-                raise SearchInterrupted(result(partial=True)) from None
-            except BaseException:
-                _abandon(study, trial, "error")
-                raise
-            for key, value in (("measurement", m.to_dict()), ("status", m.status),
-                               ("budget_bytes", budget_bytes), ("settings_key", settings_key)):
-                trial.set_user_attr(key, value)
-            if m.status == "ok":
-                study.tell(trial, [m.samples_per_s, m.peak_bytes])
-            else:
-                study.tell(trial, state=_STATE[m.status])
-            mine.add(config)
+                for key, value in (("measurement", m.to_dict()), ("status", m.status),
+                                   ("budget_bytes", budget_bytes), ("settings_key", settings_key)):
+                    trial.set_user_attr(key, value)
+                if m.status == "ok":
+                    study.tell(trial, [m.samples_per_s, m.peak_bytes])
+                else:
+                    study.tell(trial, state=_STATE[m.status])
+                trial = None
+                mine.add(config)
+    except KeyboardInterrupt:
+        if trial is not None:
+            _abandon(study, trial, "interrupted")
+        raise SearchInterrupted(result(partial=True)) from None
+    except BaseException:
+        if trial is not None:
+            _abandon(study, trial, "error")
+        raise
     return result(partial=False)
 
 
@@ -299,6 +312,19 @@ def _run_one(workload: Workload, config: Config, *, device: torch.device, meter:
 
         return run_trial_isolated(workload, config, device=device, budget_bytes=budget_bytes, settings=settings)
     return run_trial(workload, config, device=device, meter=meter, settings=settings)
+
+
+def _config_of(trial: FrozenTrial) -> Config | None:
+    """The configuration a trial measures: its parameters, or those it was queued with.
+
+    A trial popped from the queue is RUNNING a moment before its parameters are written; its
+    queued parameters say what it will run.
+    """
+    params = trial.params if len(trial.params) == 3 else trial.system_attrs.get("fixed_params", {})
+    try:
+        return Config(params["precision"], int(params["segments"]), int(params["batch_size"]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _survey(study: optuna.Study, configs: set[Config], settings_key: str, budget_bytes: int | None
@@ -316,8 +342,8 @@ def _survey(study: optuna.Study, configs: set[Config], settings_key: str, budget
             if m is not None and m.config in configs:
                 measured[m.config] = m  # later trials of the same configuration win
         elif t.state == TrialState.RUNNING and "worker" in t.user_attrs:
-            if _is_alive(t, now):
-                in_flight.add(Config(t.params["precision"], t.params["segments"], t.params["batch_size"]))
+            if _is_alive(t, now) and _config_of(t) is not None:
+                in_flight.add(_config_of(t))
             else:
                 logger.info("trial %d (%s) was left running by %s, which is gone: it will be measured again",
                             t.number, t.params, t.user_attrs["worker"])
@@ -332,9 +358,9 @@ def _claim(study: optuna.Study, config: Config, distributions: dict, *, settings
     trial = study.ask(distributions)
     trial.set_user_attr("worker", _worker_id())
     trial.set_user_attr("heartbeat", time.time())
-    params = trial.params
+    config = Config(**trial.params)
     for other in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, *_FINISHED)):
-        if other.number == trial.number or other.params != params:
+        if other.number == trial.number or _config_of(other) != config:
             continue
         taken = (other.state == TrialState.RUNNING and other.number < trial.number) or (
             other.state in _FINISHED and _reusable(other.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes)
