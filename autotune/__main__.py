@@ -64,6 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--storage", default=None, metavar="URL",
                    help="Optuna storage URL for the trial store (default: sqlite:///results/<study>.db)")
     r.add_argument("--study", default=None, help="study name (default: derived from the model and device)")
+    b = p.add_argument_group("probe, training plan and guard rails")
+    b.add_argument("--no-probe", action="store_true",
+                   help="skip the probe (the top candidates training an epoch over a slice of --data)")
+    b.add_argument("--probe-top", type=int, default=3, help="Pareto candidates to probe, fastest first")
+    b.add_argument("--probe-epochs", type=int, default=1, help="epochs each candidate trains in the probe")
+    b.add_argument("--probe-fraction", type=float, default=0.1, help="share of --data (drawn at random) the probe trains on")
+    b.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes in the probe")
+    b.add_argument("--target-batch-size", type=int, default=None, metavar="N",
+                   help="batch size to train with: adds gradient-accumulation steps so micro x steps >= N")
+    b.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
+                   help="clip the global gradient norm (after unscaling fp16) in trials, probe and apply")
+    b.add_argument("--fp32-modules", default="", metavar="NAME,NAME",
+                   help="module class names kept outside autocast, e.g. LayerNorm,Softmax")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, metavar="PATH", help="JSON report path (default: results/<study>.json)")
     o.add_argument("--quiet", action="store_true", help="print only the final table and errors")
@@ -100,6 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autotune: [{counter['n']}] {m.config}: {m.status} {detail}{' (from the store)' if reused else ''}",
               file=sys.stderr, flush=True)
 
+    def probe_progress(r) -> None:
+        if not args.quiet:
+            verdict = "accepted" if r.accepted else f"rejected ({r.reason})"
+            print(f"autotune: probe {r.config}: {r.steps} steps, worst-case peak {format_bytes(r.peak_bytes_max)}, "
+                  f"{verdict}", file=sys.stderr, flush=True)
+
     try:
         if args.out:
             _check_writable(args.out)
@@ -108,7 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             budget=args.budget, headroom=args.headroom, precisions=args.precisions, segments=args.segments,
             batch_sizes=args.batch_sizes, strategy=args.strategy, warmup_steps=args.warmup_steps,
             measure_steps=args.measure_steps, trial_timeout=args.trial_timeout, storage=args.storage,
-            study=args.study, isolation=args.isolation, on_trial=progress,
+            study=args.study, isolation=args.isolation, probe=not args.no_probe, probe_top=args.probe_top,
+            probe_epochs=args.probe_epochs, probe_fraction=args.probe_fraction, num_workers=args.num_workers,
+            target_batch_size=args.target_batch_size, clip_grad_norm=args.clip_grad_norm,
+            fp32_modules=args.fp32_modules, on_trial=progress, on_probe=probe_progress,
         )
     except autotune.Interrupted as exc:
         out = _write(exc.report, args.out)

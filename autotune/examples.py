@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPTConfig", "TinyGPT", "GPTOutput", "ResNetish", "token_dataset", "image_dataset"]
+__all__ = ["GPTConfig", "TinyGPT", "GPTOutput", "ResNetish", "token_dataset", "image_dataset", "variable_token_loader", "pad_collate"]
 
 
 # --- TinyGPT -----------------------------------------------------------------------------------
@@ -190,3 +190,48 @@ def image_dataset(size: int = 2048, image_size: int = 32, num_classes: int = 10)
     """Return a map-style dataset of ``size`` items ``(image, label)`` for :class:`ResNetish`."""
     images, labels = _images(size, image_size, num_classes, seed=0)
     return torch.utils.data.TensorDataset(images, labels)
+
+
+# --- variable-length text ----------------------------------------------------------------------
+
+
+class _VariableTokenDataset(torch.utils.data.Dataset):
+    def __init__(self, sequences: list[torch.Tensor]) -> None:
+        self.sequences = sequences
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        seq = self.sequences[i]
+        return {"idx": seq[:-1], "targets": seq[1:]}
+
+
+def pad_collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Pad a list of ``{"idx", "targets"}`` items to the longest; padded targets are -100 (ignored by the loss)."""
+    length = max(item["idx"].numel() for item in items)
+    idx = torch.zeros(len(items), length, dtype=torch.long)
+    targets = torch.full((len(items), length), -100, dtype=torch.long)
+    for row, item in enumerate(items):
+        n = item["idx"].numel()
+        idx[row, :n] = item["idx"]
+        targets[row, :n] = item["targets"]
+    return {"idx": idx, "targets": targets}
+
+
+def variable_token_loader(size: int = 2048, block_size: int = 160, vocab_size: int = 512, batch_size: int = 8
+                          ) -> torch.utils.data.DataLoader:
+    """Return a DataLoader of variable-length token sequences for :class:`TinyGPT`, padded by :func:`pad_collate`.
+
+    Lengths have a long tail, as in real text: most sequences hold a quarter of ``block_size``
+    tokens or fewer, one in twenty the full ``block_size``. A short trial on the first batch sees
+    short sequences; a real epoch meets the long ones, and the memory they take.
+    """
+    g = torch.Generator().manual_seed(0)
+    short = torch.randint(block_size // 8, block_size // 4 + 1, (size,), generator=g)
+    long = torch.rand(size, generator=g) < 0.05
+    long[:64] = False  # the first items, which short trials train on, are typical ones
+    lengths = torch.where(long, torch.full_like(short, block_size), short)
+    full = _token_sequences(size, block_size + 1, vocab_size, seed=0)
+    sequences = [full[i, : int(n) + 1] for i, n in enumerate(lengths)]
+    return torch.utils.data.DataLoader(_VariableTokenDataset(sequences), batch_size=batch_size, collate_fn=pad_collate)

@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
+from autotune.apply import accumulation_plan
 from autotune.pareto import batch_limits, pareto_front, recommend
-from autotune.trial import Measurement
+from autotune.probe import ProbeResult, choose
+from autotune.trial import GuardRails, Measurement
 from autotune.units import format_bytes
 
 __all__ = ["SCHEMA_VERSION", "Report", "environment", "load"]
@@ -80,6 +82,10 @@ class Report:
     search: dict[str, Any]
     trials: tuple[Measurement, ...]
     notices: tuple[str, ...] = ()
+    guard: GuardRails = GuardRails()
+    probe: tuple[ProbeResult, ...] | None = None  # None when the probe did not run
+    probe_settings: dict[str, Any] | None = None
+    target_batch_size: int | None = None
 
     @property
     def pareto(self) -> list[Measurement]:
@@ -88,8 +94,21 @@ class Report:
 
     @property
     def recommendation(self) -> Measurement | None:
-        """The fastest trial whose peak fits within ``budget x (1 - headroom)``, or ``None``."""
+        """The configuration to train with, as its trial, or ``None``.
+
+        After a probe: the fastest probed candidate that was not rejected. Without one: the
+        fastest trial whose peak fits within ``budget x (1 - headroom)``.
+        """
+        if self.probe is not None:
+            chosen = choose(self.probe)
+            return next((m for m in self.trials if chosen is not None and m.config == chosen.config), None)
         return recommend(self.trials, self.budget_bytes, self.headroom)
+
+    @property
+    def plan(self) -> dict[str, Any] | None:
+        """Micro-batch, gradient-accumulation steps and effective batch for the recommendation."""
+        rec = self.recommendation
+        return accumulation_plan(rec.batch_size, self.target_batch_size) if rec is not None else None
 
     @property
     def limits(self) -> list[dict]:
@@ -109,11 +128,23 @@ class Report:
             "limits": self.limits,
             "pareto": [self._trial_dict(m) for m in self.pareto],
             "recommendation": self._trial_dict(recommendation) if recommendation else None,
+            "plan": self.plan,
+            "guard": self.guard.to_dict(),
+            "probe": None if self.probe is None else {
+                "settings": self.probe_settings,
+                "candidates": [r.to_dict() for r in self.probe],
+                "chosen": None if recommendation is None else dataclasses.asdict(recommendation.config),
+            },
             "notices": list(self.notices),
         }
 
     def _trial_dict(self, m: Measurement) -> dict[str, Any]:
-        return {**m.to_dict(), "feasible": m.fits(self.budget_bytes)}
+        data = {**m.to_dict(), "feasible": m.fits(self.budget_bytes)}
+        probed = next((r for r in self.probe or () if r.config == m.config), None)
+        if probed is not None:
+            data["probe"] = {"accepted": probed.accepted, "reason": probed.reason, "peak_bytes_max": probed.peak_bytes_max,
+                             "samples_per_s": probed.samples_per_s}
+        return data
 
     def to_json(self, path: str | os.PathLike | None = None, *, indent: int = 2) -> str:
         """Return the report as JSON text; with ``path``, also write it there (atomically)."""
@@ -138,6 +169,11 @@ class Report:
             search=data["search"],
             trials=tuple(Measurement.from_dict(t) for t in data["trials"]),
             notices=tuple(data.get("notices", ())),
+            guard=GuardRails(clip_grad_norm=(data.get("guard") or {}).get("clip_grad_norm"),
+                             fp32_modules=tuple((data.get("guard") or {}).get("fp32_modules", ()))),
+            probe=None if data.get("probe") is None else tuple(ProbeResult.from_dict(r) for r in data["probe"]["candidates"]),
+            probe_settings=None if data.get("probe") is None else data["probe"]["settings"],
+            target_batch_size=(data.get("plan") or {}).get("target_batch_size"),
         )
 
     def to_dataframe(self):
@@ -174,7 +210,14 @@ class Report:
             for row in self.limits
         ))
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
-        if rec is None:
+        for r in self.probe or ():
+            verdict = "accepted" if r.accepted else f"rejected: {r.reason}"
+            speed = f", {r.samples_per_s:.1f} samples/s" if r.samples_per_s else ""
+            lines.append(f"probe {r.config}: {r.steps} steps, worst-case peak {format_bytes(r.peak_bytes_max)} "
+                         f"(trial {format_bytes(r.trial_peak_bytes)}){speed}; {verdict}")
+        if rec is None and self.probe:
+            lines.append("recommendation: none: every probed candidate was rejected")
+        elif rec is None:
             lines.append(f"recommendation: none fits within {budget} less {self.headroom:.0%} headroom")
         else:
             share = f" ({rec.peak_bytes / self.budget_bytes:.0%} of the {budget} budget)" if self.budget_bytes else ""
@@ -182,6 +225,10 @@ class Report:
                 f"recommendation: {rec.precision}, segments {rec.segments}, batch size {rec.batch_size}: "
                 f"{rec.samples_per_s:.1f} samples/s, peak {format_bytes(rec.peak_bytes)}{share}"
             )
+            plan = self.plan
+            if plan and plan["target_batch_size"]:
+                lines.append(f"plan: {plan['accumulation_steps']} x {plan['micro_batch_size']} = effective batch "
+                             f"{plan['effective_batch_size']}; {plan['lr_note']}")
         return "\n".join(lines)
 
 

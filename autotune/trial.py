@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import statistics
@@ -10,6 +11,7 @@ import time
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from autotune.checkpointing import apply_plan
 from autotune.errors import AutotuneError, TrialTimeoutError, UsageError, is_oom
@@ -18,9 +20,20 @@ from autotune.precision import get_mode
 from autotune.space import Config
 from autotune.workload import Workload, to_device
 
-__all__ = ["STATUSES", "TrialSettings", "Measurement", "run_trial", "release_memory"]
+__all__ = ["STATUSES", "TrialSettings", "GuardRails", "Measurement", "Trainer", "run_trial", "release_memory", "keep_in_fp32"]
 
 STATUSES = ("ok", "oom", "timeout", "failed", "crashed")  # crashed: its worker process died
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardRails:
+    """Numerical guard rails from the practitioner's guide, applied in trials, probes and ``apply``."""
+
+    clip_grad_norm: float | None = None  # clip the global gradient norm to this (after unscaling fp16)
+    fp32_modules: tuple[str, ...] = ()  # module class names kept outside autocast (numerically sensitive)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"clip_grad_norm": self.clip_grad_norm, "fp32_modules": list(self.fp32_modules)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +45,7 @@ class TrialSettings:
     timeout_s: float | None = 300.0  # a trial running longer is stopped with status "timeout"
     lr: float = 1e-4  # AdamW learning rate; memory and step time do not depend on it
     seed: int = 0  # the same initial weights and dropout masks for every trial
+    guard: GuardRails = GuardRails()  # gradient clipping and fp32 modules: part of how a trial trains
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,36 +124,83 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # kernels run asynchronously: time them to completion
 
 
-class _Run:
-    """The mutable state of one trial; dropped as a whole when the trial ends."""
+def keep_in_fp32(model: torch.nn.Module, class_names: tuple[str, ...], device_type: str) -> list[str]:
+    """Run every module whose class is named in ``class_names`` outside autocast, on float32 inputs.
 
-    def __init__(self, workload: Workload, config: Config, device: torch.device, settings: TrialSettings) -> None:
-        self.workload, self.config, self.device, self.settings = workload, config, device, settings
+    Returns the paths of the modules changed; raises :class:`UsageError` for a name the model lacks.
+    """
+    if not class_names:
+        return []
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [n for n in class_names if n not in present]
+    if missing:
+        raise UsageError(
+            f"--fp32-modules {','.join(missing)}: {type(model).__name__} has no module of that type "
+            f"(it has {', '.join(sorted(present)[:12])}{', ...' if len(present) > 12 else ''})"
+        )
+    changed = []
+    for path, module in model.named_modules():
+        if type(module).__name__ in class_names:
+            module.forward = functools.partial(_fp32_forward, module.forward, device_type)
+            changed.append(path)
+    return changed
+
+
+def _fp32_forward(forward: Any, device_type: str, *args: Any, **kwargs: Any) -> Any:
+    def up(t: Any) -> Any:
+        return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    with torch.autocast(device_type, enabled=False):
+        return forward(*tree_map(up, args), **tree_map(up, kwargs))
+
+
+class Trainer:
+    """One configuration's training state: a fresh model with its plan, AdamW and the GradScaler.
+
+    Used by trials, the probe and :func:`autotune.apply`; records losses, the loss-scale history,
+    skipped steps and (when asked) gradient norms.
+    """
+
+    def __init__(self, workload: Workload, config: Config, device: torch.device, *, lr: float = 1e-4, seed: int = 0,
+                 guard: GuardRails = GuardRails(), record_grad_norm: bool = False) -> None:
+        self.workload, self.config, self.device, self.guard = workload, config, device, guard
         self.mode = get_mode(config.precision)
+        self.lr, self.seed, self.record_grad_norm = lr, seed, record_grad_norm
         self.losses: list[float] = []
         self.scales: list[float] = []
+        self.grad_norms: list[float] = []
         self.skipped = 0
-        self.step_times: list[float] = []
         self.plan: dict[str, Any] = {}
 
     def build(self) -> None:
-        torch.manual_seed(self.settings.seed)
+        """Build the model (seeded), apply the checkpoint plan and guard rails, make the optimizer."""
+        torch.manual_seed(self.seed)
         self.model = self.workload.build_model()
         self.plan = apply_plan(self.model, self.config.segments).to_dict()
+        keep_in_fp32(self.model, self.guard.fp32_modules, self.device.type)
         self.model.to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.settings.lr)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
         self.scaler = self.mode.grad_scaler(self.device.type)
-        self.batch = to_device(self.workload.make_batch(self.model, self.config.batch_size), self.device)
 
-    def step(self) -> None:
+    def release(self) -> None:
+        """Drop the model, optimizer, scaler and batch; keep the records."""
+        for name in ("model", "optimizer", "scaler", "batch"):
+            self.__dict__.pop(name, None)
+
+    def step(self, batch: Any) -> None:
+        """One optimizer step on ``batch`` (already on the device)."""
         self.optimizer.zero_grad(set_to_none=True)
         with self.mode.autocast(self.device.type):
-            loss = self.workload.loss(self.model, self.batch)
+            loss = self.workload.loss(self.model, batch)
         if self.scaler is None:
             loss.backward()
+            self._clip_and_record()
             self.optimizer.step()
         else:
             self.scaler.scale(loss).backward()
+            if self.guard.clip_grad_norm is not None or self.record_grad_norm:
+                self.scaler.unscale_(self.optimizer)  # clip and report the true gradients, not scaled ones
+            self._clip_and_record()
             self.scaler.step(self.optimizer)
             before = self.scaler.get_scale()
             self.scaler.update()
@@ -148,6 +209,27 @@ class _Run:
             self.skipped += scale < before  # the scaler halves its scale exactly when it skips a step
         self.losses.append(float(loss.detach()))
 
+    def _clip_and_record(self) -> None:
+        if self.guard.clip_grad_norm is None and not self.record_grad_norm:
+            return
+        max_norm = self.guard.clip_grad_norm if self.guard.clip_grad_norm is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.record_grad_norm:
+            self.grad_norms.append(float(norm))
+
+
+class _Run(Trainer):
+    """A trial: the trainer, its fixed batch and its timed steps."""
+
+    def __init__(self, workload: Workload, config: Config, device: torch.device, settings: TrialSettings) -> None:
+        super().__init__(workload, config, device, lr=settings.lr, seed=settings.seed, guard=settings.guard)
+        self.settings = settings
+        self.step_times: list[float] = []
+
+    def build(self) -> None:
+        super().build()
+        self.batch = to_device(self.workload.make_batch(self.model, self.config.batch_size), self.device)
+
     def timed_steps(self, deadline: float | None) -> None:
         for _ in range(self.settings.measure_steps):
             projected = self.step_times[-1] if self.step_times else 0.0
@@ -155,7 +237,7 @@ class _Run:
                 raise TrialTimeoutError(f"the trial would run past its {self.settings.timeout_s:g} s limit (--trial-timeout)")
             _sync(self.device)
             start = time.perf_counter()
-            self.step()
+            self.step(self.batch)
             _sync(self.device)
             self.step_times.append(time.perf_counter() - start)
 
@@ -185,7 +267,7 @@ def run_trial(
             # The tensor meter slows every op down: timed steps run after it, and it gets two
             # untimed steps (the optimizer creates its state in the first) to see the steady peak.
             for _ in range(max(settings.warmup_steps, 2 if meter.slows_steps else 0)):
-                run.step()
+                run.step(run.batch)
             if not meter.slows_steps:
                 run.timed_steps(deadline)
         if meter.slows_steps:

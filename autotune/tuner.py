@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable, Sequence
 
@@ -17,7 +18,8 @@ from autotune.report import Report, environment
 from autotune.search import SearchInterrupted, default_storage, default_study_name, fingerprint, run_search
 from autotune.space import SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
 from autotune.strategies import make_strategy
-from autotune.trial import Measurement, TrialSettings
+from autotune.probe import ProbeResult, ProbeSettings, probe_candidates, run_probe
+from autotune.trial import GuardRails, Measurement, TrialSettings, keep_in_fp32
 from autotune.units import format_bytes, parse_size
 from autotune.workload import Workload, parse_model_kwargs, to_device
 
@@ -80,7 +82,16 @@ def tune(
     study: str | None = None,
     results_dir: str = "results",
     isolation: str = "auto",
+    probe: bool = True,
+    probe_top: int = 3,
+    probe_epochs: int = 1,
+    probe_fraction: float = 0.1,
+    num_workers: int = 0,
+    target_batch_size: int | None = None,
+    clip_grad_norm: float | None = None,
+    fp32_modules: str | Sequence[str] = (),
     on_trial: Callable[[Measurement, bool], None] | None = None,
+    on_probe: Callable[[ProbeResult], None] | None = None,
 ) -> Report:
     """Measure training configurations of ``model`` and return the :class:`Report`.
 
@@ -90,7 +101,10 @@ def tune(
     well, ``segments="auto"`` to a spread up to the model's chain length. Trials are stored in
     the Optuna study ``study`` in ``storage`` (default ``results/<study>.db``): running the same
     call again reuses them. ``isolation="process"`` runs each trial in a fresh worker process
-    (``auto``: on CUDA only). Raises :class:`~autotune.errors.UsageError` for bad input and
+    (``auto``: on CUDA only). With ``data``, the ``probe_top`` fastest candidates then train
+    ``probe_epochs`` epochs over ``probe_fraction`` of it and the recommendation comes from that
+    probe (``probe=False`` skips it). ``target_batch_size`` adds a gradient-accumulation plan;
+    ``clip_grad_norm`` and ``fp32_modules`` are guard rails used in trials, probe and ``apply``. Raises :class:`~autotune.errors.UsageError` for bad input and
     :class:`~autotune.errors.Interrupted` (holding the partial report) on Ctrl-C.
     """
     if not 0.0 <= headroom < 1.0:
@@ -99,6 +113,16 @@ def tune(
         raise UsageError("--warmup-steps must be 0 or more and --measure-steps 1 or more")
     if trial_timeout is not None and trial_timeout <= 0:
         raise UsageError(f"--trial-timeout {trial_timeout} must be a positive number of seconds")
+    if probe_top < 1 or probe_epochs < 1 or not 0.0 < probe_fraction <= 1.0 or num_workers < 0:
+        raise UsageError("--probe-top and --probe-epochs must be at least 1, --probe-fraction in (0, 1], "
+                         "--num-workers 0 or more")
+    if clip_grad_norm is not None and clip_grad_norm <= 0:
+        raise UsageError(f"--clip-grad-norm {clip_grad_norm} must be positive")
+    if target_batch_size is not None and target_batch_size < 1:
+        raise UsageError(f"--target-batch-size {target_batch_size} must be at least 1")
+    if isinstance(fp32_modules, str):
+        fp32_modules = [name.strip() for name in fp32_modules.split(",") if name.strip()]
+    guard = GuardRails(clip_grad_norm=clip_grad_norm, fp32_modules=tuple(fp32_modules))
     dev = resolve_device(device)
     workload = Workload.from_specs(model, model_kwargs=model_kwargs, data=data, loss=loss)
     budget_bytes = parse_size(budget) if budget is not None else device_total_bytes(dev)
@@ -112,6 +136,8 @@ def tune(
             f"pass --batch-sizes up to {len(workload.dataset)}, or more data"
         )
     info = _preflight(workload, dev, budget_bytes, min(batch_list))
+    if guard.fp32_modules:
+        keep_in_fp32(workload.build_model(), guard.fp32_modules, dev.type)  # names the model lacks fail here
     chain = info["chain"]
     notices: list[str] = []
 
@@ -138,7 +164,8 @@ def tune(
         )
     space = SearchSpace(precision_list, segment_list, batch_list)
 
-    settings = TrialSettings(warmup_steps=warmup_steps, measure_steps=measure_steps, timeout_s=trial_timeout)
+    settings = TrialSettings(warmup_steps=warmup_steps, measure_steps=measure_steps, timeout_s=trial_timeout,
+                             guard=guard)
     kwargs = parse_model_kwargs(model_kwargs)  # the same kwargs as text or dict make the same study
     workload_key = fingerprint(model=workload.name, model_kwargs=kwargs, data=str(data), loss=str(loss), device=str(dev))
     options_key = fingerprint(model_kwargs=kwargs, data=str(data), loss=str(loss)) if (kwargs or data or loss) else None
@@ -190,9 +217,36 @@ def tune(
         },
         trials=result.measurements,
         notices=tuple(notices),
+        guard=guard,
+        target_batch_size=target_batch_size,
     )
     if interrupted is not None:
         raise Interrupted(report) from None
+    if probe and workload.dataset is None:
+        report = dataclasses.replace(report, notices=report.notices + (
+            "no --data: the probe (an epoch over a slice of your data) was skipped; the recommendation "
+            "comes from the short trials alone",))
+        logger.info(report.notices[-1])
+    elif probe:
+        probe_settings = ProbeSettings(top=probe_top, epochs=probe_epochs, fraction=probe_fraction,
+                                       num_workers=num_workers, seed=0, timeout_s=trial_timeout)
+        candidates = probe_candidates(report.pareto, budget_bytes, headroom, probe_top)
+        results = []
+        probe_meter = make_meter(dev, budget_bytes=budget_bytes)
+        try:
+            for candidate in candidates:
+                logger.info("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config,
+                            100 * probe_fraction, probe_epochs)
+                results.append(run_probe(workload, candidate, device=dev, meter=probe_meter, budget_bytes=budget_bytes,
+                                         headroom=headroom, settings=probe_settings, guard=guard))
+                if on_probe:
+                    on_probe(results[-1])
+        except KeyboardInterrupt:
+            raise Interrupted(dataclasses.replace(report, probe=tuple(results),
+                                                  probe_settings=probe_settings.to_dict())) from None
+        finally:
+            probe_meter.close()
+        report = dataclasses.replace(report, probe=tuple(results), probe_settings=probe_settings.to_dict())
     return report
 
 

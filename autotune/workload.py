@@ -5,7 +5,8 @@ The workload protocol, for models used with autotune:
 * ``--model MODULE:ATTR`` names an ``nn.Module`` class or a factory returning a module;
   ``--model-kwargs`` (JSON) are passed to it. Every trial builds a fresh model from it.
 * Batches come from ``--data MODULE:ATTR``, a map-style ``Dataset`` (or a factory for one) whose
-  items are ``(input, target)`` tuples or dicts, collated with ``default_collate``; without
+  items are ``(input, target)`` tuples or dicts, collated with ``default_collate``, or a
+  ``DataLoader`` (or a factory for one), whose dataset and ``collate_fn`` are used; without
   ``--data``, from the model's own ``example_batch(batch_size)`` method, which returns one batch
   in the same forms.
 * A batch ``(input, target)`` calls ``model(input)`` (``model(**input)`` for a dict input,
@@ -30,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from autotune.errors import AutotuneError, UsageError, is_oom
 
@@ -68,6 +69,7 @@ class Workload:
     name: str  # how reports name the model, e.g. "autotune.examples:TinyGPT"
     dataset: Dataset | None = None  # where batches come from; None: the model's example_batch()
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    collate_fn: Callable[[list], Any] | None = None  # the user's, when --data gives a DataLoader
     # The from_specs() arguments, so that a worker process can build the same workload again.
     spec: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -92,9 +94,11 @@ class Workload:
             data_obj = load_object(data, flag="--data")
         else:
             data_obj = data
-        dataset = None
+        dataset = collate_fn = None
         if data_obj is not None:
-            dataset = data_obj if isinstance(data_obj, Dataset) else _call(data_obj, "--data", data)
+            dataset = data_obj if isinstance(data_obj, (Dataset, DataLoader)) else _call(data_obj, "--data", data)
+            if isinstance(dataset, DataLoader):  # a loader brings its collate_fn (padding, say)
+                dataset, collate_fn = dataset.dataset, dataset.collate_fn
             if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
                 raise UsageError(f"--data {data!r} gave a {type(dataset).__name__}, not a map-style Dataset (with __getitem__ and __len__)")
             if len(dataset) == 0:
@@ -103,7 +107,7 @@ class Workload:
         if loss_fn is not None and not callable(loss_fn):
             raise UsageError(f"--loss {loss!r} is not callable: name a function loss(output, target)")
         spec = {"model": model, "model_kwargs": model_kwargs, "data": data, "loss": loss}
-        return cls(functools.partial(_call, target, "--model", name, **kwargs), name, dataset, loss_fn, spec)
+        return cls(functools.partial(_call, target, "--model", name, **kwargs), name, dataset, loss_fn, collate_fn, spec)
 
     def build_model(self) -> nn.Module:
         """Return a freshly built model (on the CPU, in training mode)."""
@@ -118,7 +122,7 @@ class Workload:
             n = len(self.dataset)
             if batch_size > n:
                 raise UsageError(f"--data has {n} items, fewer than the batch size {batch_size}: use smaller --batch-sizes")
-            return default_collate([self.dataset[i] for i in range(batch_size)])
+            return (self.collate_fn or default_collate)([self.dataset[i] for i in range(batch_size)])
         example_batch = getattr(model, "example_batch", None)
         if not callable(example_batch):
             raise UsageError(

@@ -53,7 +53,18 @@ class Meter(abc.ABC):
 
 
 class Measuring:
-    """Handle yielded by :meth:`Meter.measure`; ``reading`` is set when the block ends."""
+    """Handle yielded by :meth:`Meter.measure`; ``reading`` is set when the block ends.
+
+    ``reset_peak()`` and ``peak_bytes()`` measure a part of the region, such as one step.
+    """
 
     reading: MemoryReading | None = None
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the memory in use now."""
+        raise NotImplementedError
+
+    def peak_bytes(self) -> int:
+        """Return the peak since the region began or since :meth:`reset_peak`, in bytes."""
+        raise NotImplementedError
 

@@ -72,6 +72,20 @@ class _NvmlSampler:
         self.peak_bytes = max(self.peak_bytes, self._read())
 
 
+class _CudaMeasuring(Measuring):
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.region_reserved = self.region_allocated = 0  # the largest peaks before a reset_peak()
+
+    def reset_peak(self) -> None:
+        self.region_reserved = max(self.region_reserved, torch.cuda.max_memory_reserved(self.device))
+        self.region_allocated = max(self.region_allocated, torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+
 class CudaMeter(Meter):
     """Peak CUDA memory of a region; a budget below the card is enforced by the allocator.
 
@@ -98,17 +112,17 @@ class CudaMeter(Meter):
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        handle = Measuring()
+        handle = _CudaMeasuring(self.device)
         sampler = _NvmlSampler(self._handle) if self._handle is not None else None
         try:
             with sampler if sampler is not None else contextlib.nullcontext():
                 yield handle
                 torch.cuda.synchronize(self.device)
         finally:
-            reserved = torch.cuda.max_memory_reserved(self.device)
+            reserved = max(torch.cuda.max_memory_reserved(self.device), handle.region_reserved)
             handle.reading = MemoryReading(
                 peak_bytes=reserved,
-                peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
+                peak_allocated_bytes=max(torch.cuda.max_memory_allocated(self.device), handle.region_allocated),
                 peak_reserved_bytes=reserved,
                 peak_nvml_bytes=sampler.peak_bytes if sampler is not None else None,
                 source="cuda",

@@ -97,9 +97,10 @@ class TensorMeter(Meter):
             with tracker:
                 yield handle
         finally:
+            peak = max(tracker.peak_bytes, handle.region_peak)
             handle.reading = MemoryReading(
-                peak_bytes=tracker.peak_bytes,
-                peak_allocated_bytes=tracker.peak_bytes,
+                peak_bytes=peak,
+                peak_allocated_bytes=peak,
                 source="tensor",
             )
             tracker.release()
@@ -108,10 +109,18 @@ class TensorMeter(Meter):
 class _TensorMeasuring(Measuring):
     def __init__(self, tracker: _Tracker) -> None:
         self._tracker = tracker
+        self.region_peak = 0  # the largest peak before a reset_peak()
 
     def track(self, tensors: Iterable[object]) -> None:
         """Count tensors that were created before the region, such as a model's parameters."""
         self._tracker.track(tensors)
+
+    def reset_peak(self) -> None:
+        self.region_peak = max(self.region_peak, self._tracker.peak_bytes)
+        self._tracker.peak_bytes = self._tracker.live_bytes
+
+    def peak_bytes(self) -> int:
+        return self._tracker.peak_bytes
 
     @property
     def live_bytes(self) -> int:
