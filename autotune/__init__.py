@@ -6,10 +6,12 @@ from Python::
     import autotune
     report = autotune.tune("autotune.examples:TinyGPT", device="cpu", budget="1GiB")
     report.recommendation, report.pareto, report.to_dataframe(), report.to_json("out.json")
+    run = autotune.apply(model, report)  # checkpoint plan, autocast, GradScaler, accumulation
 """
 
 __version__ = "0.1.0"
 
+from autotune.apply import Applied, accumulation_plan, apply
 from autotune.checkpointing import AppliedPlan, Chain, apply_plan, find_chain, remove_plan
 from autotune.errors import (
     AutotuneError,
@@ -23,7 +25,8 @@ from autotune.errors import (
 from autotune.meters import MemoryReading, Meter, TensorMeter, make_meter
 from autotune.report import Report, load
 from autotune.space import Config, SearchSpace
-from autotune.trial import Measurement, TrialSettings, run_trial
+from autotune.probe import ProbeResult, ProbeSettings
+from autotune.trial import GuardRails, Measurement, TrialSettings, run_trial
 from autotune.tuner import tune
 from autotune.units import format_bytes, parse_size
 from autotune.workload import Workload
@@ -31,12 +34,18 @@ from autotune.workload import Workload
 __all__ = [
     "__version__",
     "tune",
+    "apply",
+    "Applied",
+    "accumulation_plan",
     "Report",
     "load",
     "Measurement",
     "Config",
     "SearchSpace",
     "TrialSettings",
+    "GuardRails",
+    "ProbeSettings",
+    "ProbeResult",
     "run_trial",
     "Workload",
     "Meter",

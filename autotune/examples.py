@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPTConfig", "TinyGPT", "GPTOutput", "ResNetish", "token_dataset", "image_dataset", "variable_token_loader", "pad_collate"]
+__all__ = ["GPTConfig", "TinyGPT", "GPTOutput", "ResNetish", "token_dataset", "image_dataset", "variable_token_loader", "pad_collate", "train_tinygpt"]
 
 
 # --- TinyGPT -----------------------------------------------------------------------------------
@@ -235,3 +235,37 @@ def variable_token_loader(size: int = 2048, block_size: int = 160, vocab_size: i
     full = _token_sequences(size, block_size + 1, vocab_size, seed=0)
     sequences = [full[i, : int(n) + 1] for i, n in enumerate(lengths)]
     return torch.utils.data.DataLoader(_VariableTokenDataset(sequences), batch_size=batch_size, collate_fn=pad_collate)
+
+
+# --- training with a recommendation ------------------------------------------------------------
+
+
+def train_tinygpt(recommendation, *, steps: int = 20, lr: float = 3e-3, device: str = "cpu", **model_kwargs) -> list[float]:
+    """Train a TinyGPT as ``recommendation`` says (a Report, its JSON, or a trial); return the loss per optimizer step.
+
+    The complete loop a user writes with :func:`autotune.apply`: micro-batches of the recommended
+    size, gradient accumulation from the plan, autocast, the GradScaler and clipping when asked.
+    """
+    import autotune
+
+    torch.manual_seed(0)
+    model = TinyGPT(**model_kwargs).to(device)
+    run = autotune.apply(model, recommendation)
+    optimizer = torch.optim.AdamW(run.model.parameters(), lr=lr)
+    cfg = model.config
+    loader = torch.utils.data.DataLoader(
+        token_dataset(size=steps * run.micro_batch_size * run.accumulation_steps, block_size=cfg.block_size,
+                      vocab_size=cfg.vocab_size),
+        batch_size=run.micro_batch_size, shuffle=True)
+    losses, total = [], 0.0
+    for i, batch in enumerate(loader):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with run.autocast():
+            loss = run.model(**batch).loss / run.accumulation_steps
+        run.backward(loss)
+        total += loss.item()
+        if (i + 1) % run.accumulation_steps == 0:
+            run.step(optimizer)
+            losses.append(total)
+            total = 0.0
+    return losses

@@ -220,10 +220,13 @@ class Report:
         elif rec is None:
             lines.append(f"recommendation: none fits within {budget} less {self.headroom:.0%} headroom")
         else:
-            share = f" ({rec.peak_bytes / self.budget_bytes:.0%} of the {budget} budget)" if self.budget_bytes else ""
+            probed = next((r for r in self.probe or () if r.config == rec.config), None)
+            peak, speed, where = (rec.peak_bytes, rec.samples_per_s, "peak") if probed is None else (
+                probed.peak_bytes_max, probed.samples_per_s, "worst-case peak in the probe")
+            share = f" ({peak / self.budget_bytes:.0%} of the {budget} budget)" if self.budget_bytes else ""
             lines.append(
                 f"recommendation: {rec.precision}, segments {rec.segments}, batch size {rec.batch_size}: "
-                f"{rec.samples_per_s:.1f} samples/s, peak {format_bytes(rec.peak_bytes)}{share}"
+                f"{speed:.1f} samples/s, {where} {format_bytes(peak)}{share}"
             )
             plan = self.plan
             if plan and plan["target_batch_size"]:

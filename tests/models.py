@@ -150,3 +150,55 @@ def triple_dataset():
 
 def tiny_dataset():
     return torch.utils.data.TensorDataset(torch.randn(3, 4), torch.randint(2, (3,)))
+
+
+# Data for the tiny TinyGPT of the tests (block_size 64, vocabulary 64).
+def tiny_tokens():
+    from autotune.examples import token_dataset
+
+    return token_dataset(size=320, block_size=64, vocab_size=64)
+
+
+def tiny_variable_loader():
+    from autotune.examples import variable_token_loader
+
+    return variable_token_loader(size=640, block_size=64, vocab_size=64)
+
+
+class NanAfterThreeSteps(nn.Module):
+    """Trains normally for three steps, then its loss is NaN: what a diverging run looks like."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, inputs, labels):
+        self.calls += 1
+        loss = nn.functional.cross_entropy(self.lin(inputs).float(), labels)
+        return {"loss": loss * float("nan") if self.calls > 3 else loss}
+
+
+class Fp16Overflow(nn.Module):
+    """Gradients of its fp16 activations exceed 65504 even unscaled: the GradScaler can only skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, inputs, labels):
+        hidden = self.lin(inputs)  # fp16 under autocast
+        return {"loss": hidden.float().sum() * 1e5 + 0 * labels.sum()}  # d loss / d hidden = 1e5 > 65504
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __len__(self):
+        return 400
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"inputs": torch.randn(4, generator=g), "labels": torch.tensor(i % 2)}
+
+
+def pairs():
+    return _Pairs()

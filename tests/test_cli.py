@@ -84,6 +84,9 @@ BAD_INPUT = [
     (["--model", "autotune.examples:TinyGPT", "--out", "/nonexistent-dir/x.json"], "does not exist"),
     (["--model", "autotune.examples:TinyGPT", "--storage", "nosuchdb://x"], "cannot open the trial store"),
     (["--model", "autotune.examples:TinyGPT", "--measure-steps", "many"], "invalid int value"),
+    (["--model", "autotune.examples:TinyGPT", "--fp32-modules", "LayerNorm,Banana"], "Banana"),
+    (["--model", "autotune.examples:TinyGPT", "--probe-fraction", "1.5"], "--probe-fraction"),
+    (["--model", "autotune.examples:TinyGPT", "--clip-grad-norm", "-1"], "--clip-grad-norm"),
     ([], "required: --model"),
 ]
 
@@ -126,6 +129,8 @@ def test_help_documents_every_flag_with_its_default():
     text = build_parser().format_help()
     for flag in ["--model", "--model-kwargs", "--data", "--loss", "--device", "--budget", "--headroom", "--precisions",
                  "--segments", "--batch-sizes", "--strategy", "--warmup-steps", "--measure-steps", "--trial-timeout",
-                 "--isolation", "--storage", "--study", "--out", "--quiet", "--verbose"]:
+                 "--isolation", "--storage", "--study", "--out", "--quiet", "--verbose", "--no-probe", "--probe-top",
+                 "--probe-epochs", "--probe-fraction", "--num-workers", "--target-batch-size", "--clip-grad-norm",
+                 "--fp32-modules"]:
         assert flag in text
     assert "(default: 1..512)" in text and "(default: 0.1)" in text and "(default: grid)" in text
