@@ -174,6 +174,11 @@ def _write(report, out: str | None) -> str:
 def _nothing_fits_hint(report) -> str:
     from autotune.units import format_bytes
 
+    if report.probe:
+        reasons = "; ".join(f"{r.config}: {r.reason}" for r in report.probe)
+        return (f"autotune: every probed candidate was rejected ({reasons}): try a larger --budget or --headroom, "
+                f"--probe-top to probe more candidates, or --no-probe to take the short trials' answer")
+
     measured = [m for m in report.trials if m.peak_bytes is not None and m.status in ("ok", "oom")]
     smallest = min(measured, key=lambda m: m.peak_bytes, default=None)
     tries = []

@@ -273,6 +273,7 @@ def _preflight(workload: Workload, device: torch.device, budget_bytes: int | Non
             f"with AdamW: raise --budget"
         )
     chain = find_chain(model)
+    batch = None
     try:
         model.to(device)
         batch = to_device(workload.make_batch(model, batch_size), device)
@@ -287,7 +288,9 @@ def _preflight(workload: Workload, device: torch.device, budget_bytes: int | Non
             f"(check --data, --loss and the model's example_batch)"
         ) from None
     finally:
-        del model, params
+        model = params = batch = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the preflight's memory back before the trials measure
     return {
         "model_class": model_class,
         "parameter_count": parameter_count,
