@@ -1,7 +1,7 @@
 """Command line: ``python -m autotune --model MODULE:ATTR [options]``.
 
 Exit codes: 0 with a recommendation, 3 when nothing fits the budget (the JSON is still written),
-2 for bad input (one line on stderr), 130 when interrupted.
+2 for bad input (one line on stderr), 130 when interrupted, 1 for an unexpected failure (one line).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import os
 import sys
 from typing import Sequence
 
-from autotune.errors import AutotuneError, UsageError
+from autotune.errors import AutotuneError, UsageError, first_line
 
 __all__ = ["main", "build_parser"]
 
-EXIT_OK, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 2, 3, 130
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,8 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_writable(path: str) -> None:
+def _check_writable(path: str, *, create_folder: bool = False) -> None:
     folder = os.path.dirname(os.path.abspath(path))
+    if create_folder:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create {folder} for the report ({exc.strerror}): pass --out PATH") from None
     if not os.path.isdir(folder):
         raise UsageError(f"--out {path!r}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
@@ -94,9 +99,9 @@ def _check_writable(path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr,
-                        level=logging.WARNING if args.quiet else (logging.DEBUG if args.verbose else logging.INFO))
-    logging.getLogger("autotune").setLevel(logging.WARNING if args.quiet else (logging.DEBUG if args.verbose else logging.INFO))
+    level = logging.WARNING if args.quiet else (logging.DEBUG if args.verbose else logging.INFO)
+    logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
+    logging.getLogger("autotune").setLevel(level)  # only ours: libraries keep their own levels
 
     import autotune
     from autotune.units import format_bytes
@@ -120,8 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{verdict}", file=sys.stderr, flush=True)
 
     try:
-        if args.out:
-            _check_writable(args.out)
+        _check_writable(args.out or os.path.join("results", "report.json"), create_folder=not args.out)
         report = autotune.tune(
             args.model, model_kwargs=args.model_kwargs, data=args.data, loss=args.loss, device=args.device,
             budget=args.budget, headroom=args.headroom, precisions=args.precisions, segments=args.segments,
@@ -133,27 +137,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             fp32_modules=args.fp32_modules, on_trial=progress, on_probe=probe_progress,
         )
     except autotune.Interrupted as exc:
-        out = _write(exc.report, args.out)
-        print(f"autotune: interrupted after {len(exc.report.trials)} trials; wrote the partial report to {out}; "
-              f"finished trials are kept in {exc.report.search['storage']}: run the same command to continue",
-              file=sys.stderr)
+        try:
+            wrote = f"wrote the partial report to {_write(exc.report, args.out)}"
+        except (OSError, ValueError) as write_exc:
+            wrote = f"could not write the partial report ({write_exc})"
+        print(f"autotune: interrupted after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
+              f"{exc.report.search['storage']}: run the same command to continue", file=sys.stderr)
         return EXIT_INTERRUPTED
     except UsageError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except AutotuneError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
+    except Exception as exc:  # noqa: BLE001 - a trial store or library failing mid-search: one line, not a traceback
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        print(f"autotune: error: {type(exc).__name__}: {first_line(exc)} (finished trials are kept in the store; "
+              f"--verbose shows the traceback)", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:  # before the search started: nothing measured
         print("autotune: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     try:
         out = _write(report, args.out)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(report.table())
-        print(f"autotune: error: cannot write the report: {exc.strerror or exc}; the trials are kept in "
+        print(f"autotune: error: cannot write the report: {getattr(exc, 'strerror', None) or exc}; the trials are kept in "
               f"{report.search['storage']}, so run again with another --out", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     print(report.table())
     if not args.quiet:
         print(f"autotune: wrote {out}", file=sys.stderr)
@@ -176,7 +190,7 @@ def _nothing_fits_hint(report) -> str:
 
     if report.probe:
         reasons = "; ".join(f"{r.config}: {r.reason}" for r in report.probe)
-        return (f"autotune: every probed candidate was rejected ({reasons}): try a larger --budget or --headroom, "
+        return (f"autotune: every probed candidate was rejected ({reasons}): try a larger --budget, a smaller --headroom, "
                 f"--probe-top to probe more candidates, or --no-probe to take the short trials' answer")
 
     measured = [m for m in report.trials if m.peak_bytes is not None and m.status in ("ok", "oom")]

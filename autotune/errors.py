@@ -7,11 +7,11 @@ import torch
 __all__ = [
     "AutotuneError",
     "UsageError",
-    "NothingFitsError",
     "Interrupted",
     "BudgetExceededError",
     "TrialTimeoutError",
     "is_oom",
+    "first_line",
 ]
 
 
@@ -21,10 +21,6 @@ class AutotuneError(Exception):
 
 class UsageError(AutotuneError):
     """Bad input from the user: the message says what is wrong and how to fix it (CLI exit code 2)."""
-
-
-class NothingFitsError(AutotuneError):
-    """No measured configuration fits the memory budget (CLI exit code 3)."""
 
 
 class Interrupted(AutotuneError):
@@ -67,6 +63,12 @@ _OOM_MESSAGES = (
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input",
 )
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def is_oom(exc: BaseException) -> bool:

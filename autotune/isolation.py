@@ -14,7 +14,7 @@ import multiprocessing
 import signal
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -27,6 +27,7 @@ __all__ = ["run_trial_isolated", "STARTUP_GRACE_S"]
 
 STARTUP_GRACE_S = 120.0  # importing torch and building a CUDA context can take this long on a busy machine
 _POLL_S = 1.0
+_EXIT_GRACE_S = 30.0
 
 
 def _worker(conn: Any, spec: dict, config: Config, device: str, budget_bytes: int | None, settings: TrialSettings) -> None:
@@ -69,12 +70,11 @@ def run_trial_isolated(
     device: torch.device | str,
     budget_bytes: int | None,
     settings: TrialSettings,
-    heartbeat: Callable[[], None] | None = None,
 ) -> Measurement:
     """Run one trial in a fresh spawned process and return its measurement.
 
-    ``heartbeat`` is called about once a second while the worker runs. Bad input found in the
-    worker is raised here as :class:`UsageError`; ``KeyboardInterrupt`` kills the worker.
+    Bad input found in the worker is raised here as :class:`UsageError`; ``KeyboardInterrupt``
+    kills the worker.
     """
     if workload.spec is None:
         raise UsageError("process isolation needs a workload built by Workload.from_specs (or autotune.tune)")
@@ -98,17 +98,18 @@ def run_trial_isolated(
                     break  # the worker died without a word
             elif not proc.is_alive():
                 break
-            if heartbeat is not None:
-                heartbeat()
             if message is None and limit is not None and time.monotonic() - started > limit:
                 proc.kill()
                 proc.join()
                 return Measurement(config=config, status="timeout", wall_s=time.monotonic() - started,
                                    error=f"the worker ran past {limit:g} s and was killed (--trial-timeout plus start-up)")
     finally:
-        if proc.is_alive() and message is None:
+        if message is None:
             proc.kill()
-        proc.join()
+        proc.join(_EXIT_GRACE_S)  # a worker that has answered but hangs on its way out is not waited for
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
         receiver.close()
     if message is None:
         return Measurement(config=config, status="crashed", wall_s=time.monotonic() - started,

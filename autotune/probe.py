@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from autotune.errors import TrialTimeoutError, UsageError, is_oom
+from autotune.errors import TrialTimeoutError, UsageError, first_line, is_oom
 from autotune.meters import Meter
 from autotune.precision import INIT_LOSS_SCALE
 from autotune.space import Config
@@ -181,8 +181,7 @@ def run_probe(
     except TrialTimeoutError as exc:
         reason = f"timeout: {exc}"
     except Exception as exc:  # noqa: BLE001 - the candidate's outcome
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        reason = f"oom: {first}" if is_oom(exc) else f"failed: {type(exc).__name__}: {first}"
+        reason = f"oom: {first_line(exc)}" if is_oom(exc) else f"failed: {type(exc).__name__}: {first_line(exc)}"
         if is_oom(exc):
             step_peaks.append(handle.reading.peak_bytes if handle.reading else budget_bytes or 0)
     finally:

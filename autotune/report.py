@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import platform
-import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from autotune.probe import ProbeResult, choose
 from autotune.trial import GuardRails, Measurement
 from autotune.units import format_bytes
 
-__all__ = ["SCHEMA_VERSION", "Report", "environment", "load"]
+__all__ = ["SCHEMA_VERSION", "Report", "environment", "load", "ram_bytes"]
 
 SCHEMA_VERSION = 1
 
@@ -48,7 +49,7 @@ def environment(device: torch.device) -> dict[str, Any]:
             compute_capability=f"{props.major}.{props.minor}",
         )
     else:
-        env.update(device_name=_cpu_name(), total_memory_bytes=_ram_bytes(), cpu_count=os.cpu_count(),
+        env.update(device_name=_cpu_name(), total_memory_bytes=ram_bytes(), cpu_count=os.cpu_count(),
                    torch_threads=torch.get_num_threads())
     return env
 
@@ -64,7 +65,8 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _ram_bytes() -> int | None:
+def ram_bytes() -> int | None:
+    """The machine's physical memory in bytes, or None where the OS does not say."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -106,9 +108,11 @@ class Report:
 
     @property
     def plan(self) -> dict[str, Any] | None:
-        """Micro-batch, gradient-accumulation steps and effective batch for the recommendation."""
+        """With a target batch size: micro-batch, accumulation steps and effective batch for the recommendation."""
         rec = self.recommendation
-        return accumulation_plan(rec.batch_size, self.target_batch_size) if rec is not None else None
+        if rec is None or self.target_batch_size is None:
+            return None
+        return accumulation_plan(rec.batch_size, self.target_batch_size)
 
     @property
     def limits(self) -> list[dict]:
@@ -151,10 +155,16 @@ class Report:
         text = json.dumps(self.to_dict(), indent=indent, allow_nan=False)
         if path is not None:
             path = os.fspath(path)
-            tmp = f"{path}.tmp"
-            with open(tmp, "w") as f:
-                f.write(text + "\n")
-            os.replace(tmp, path)
+            # A temporary file of its own: parallel workers may write the same report at once.
+            fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path) or ".")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text + "\n")
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         return text
 
     @classmethod

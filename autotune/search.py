@@ -34,7 +34,7 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune._log import logger
-from autotune.errors import AutotuneError, UsageError
+from autotune.errors import AutotuneError, UsageError, first_line
 from autotune.meters import Meter
 from autotune.space import Config, SearchSpace
 from autotune.strategies import Strategy
@@ -133,8 +133,8 @@ def open_study(study_name: str, storage: str, *, workload_key: str, space: Searc
         except Exception as exc:  # a bad URL, an unreachable server, a read-only file
             # Workers starting together on a new database race to create its tables: try again.
             if attempt == _OPEN_ATTEMPTS - 1:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                raise UsageError(f"cannot open the trial store --storage {storage!r}: {type(exc).__name__}: {first}") from None
+                raise UsageError(f"cannot open the trial store --storage {storage!r}: {type(exc).__name__}: "
+                                 f"{first_line(exc)}") from None
             time.sleep(0.5 * (attempt + 1))
     expected = {"workload_key": workload_key}
     if space is not None:
@@ -158,8 +158,8 @@ def open_study(study_name: str, storage: str, *, workload_key: str, space: Searc
     return study
 
 
-def _reusable(attrs: dict, *, settings_key: str, budget_bytes: int | None) -> Measurement | None:
-    """Return the stored measurement if it answers the same question under this budget."""
+def _reusable(attrs: dict, *, settings_key: str, budget_bytes: int | None, timeout_s: float | None) -> Measurement | None:
+    """Return the stored measurement if it answers the same question under this budget and time limit."""
     data = attrs.get("measurement")
     if data is None or attrs.get("settings_key") != settings_key:
         return None
@@ -167,13 +167,18 @@ def _reusable(attrs: dict, *, settings_key: str, budget_bytes: int | None) -> Me
     stored_budget = attrs.get("budget_bytes")
     if measurement.status == "oom" and budget_bytes is not None and stored_budget is not None and stored_budget < budget_bytes:
         return None  # it ran out of a smaller budget than today's: it may fit now
+    stored_timeout = attrs.get("timeout_s")
+    if measurement.status == "timeout" and stored_timeout is not None and (timeout_s is None or stored_timeout < timeout_s):
+        return None  # it was cut sooner than today's limit would cut it
     return measurement
 
 
 def _pid_namespace() -> str:
-    """An id of this process's PID namespace: PIDs can be checked only within the same one."""
+    """An id of this process's PID namespace and boot: PIDs can be checked only within the same one."""
     try:
-        return os.readlink("/proc/self/ns/pid").strip("pid:[]")
+        namespace = os.readlink("/proc/self/ns/pid").strip("pid:[]")
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{namespace}-{f.read().strip()[:8]}"  # after a reboot, old PIDs name other processes
     except OSError:
         return ""
 
@@ -183,8 +188,13 @@ def _worker_id() -> str:
     return f"{socket.gethostname()}:{_pid_namespace()}:{os.getpid()}"
 
 
-def _is_alive(trial: FrozenTrial, now: float) -> bool:
-    """Whether a RUNNING trial's worker is still at it: its process exists, or its stamp is fresh."""
+def _is_alive(trial: FrozenTrial, now: float, stamps: dict[int, tuple[float, float]]) -> bool:
+    """Whether a RUNNING trial's worker is still at it: its process exists, or its stamp still moves.
+
+    ``stamps`` maps trial numbers to (last stamp seen, when we first saw it, by our clock): another
+    machine's trial is abandoned only when its heartbeat has not changed for STALE_S of our time,
+    so clocks that disagree between machines do not matter.
+    """
     host, ns, pid = (str(trial.user_attrs.get("worker", "")).rsplit(":", 2) + ["", "", ""])[:3]
     if host == socket.gethostname() and ns == _pid_namespace() and pid.isdigit():
         if int(pid) == os.getpid():
@@ -196,8 +206,12 @@ def _is_alive(trial: FrozenTrial, now: float) -> bool:
         except PermissionError:
             return True
         return True
-    stamp = trial.user_attrs.get("heartbeat") or (trial.datetime_start.timestamp() if trial.datetime_start else 0)
-    return now - stamp < STALE_S
+    stamp = trial.user_attrs.get("heartbeat")
+    seen = stamps.get(trial.number)
+    if seen is None or seen[0] != stamp:
+        stamps[trial.number] = (stamp, now)
+        return True
+    return now - seen[1] < STALE_S
 
 
 class _Heartbeat:
@@ -245,7 +259,9 @@ def run_search(
     """
     started = time.monotonic()
     study = open_study(study_name, storage, workload_key=workload_key, space=space)
-    settings_key = fingerprint(**dataclasses.asdict(settings))
+    # How a trial trains, without its time limit (a time-out is judged against the limit it ran under).
+    settings_key = fingerprint(**{k: v for k, v in dataclasses.asdict(settings).items() if k != "timeout_s"})
+    stamps: dict[int, tuple[float, float]] = {}
     distributions = {
         "precision": optuna.distributions.CategoricalDistribution(space.precisions),
         "segments": optuna.distributions.CategoricalDistribution(space.segments),
@@ -262,10 +278,12 @@ def run_search(
                             time.monotonic() - started, study_name, storage, partial)
 
     trial = None  # the trial this worker is running, if any
+    finished = None  # its measurement, once taken and until stored
+    record_attrs = {"budget_bytes": budget_bytes, "settings_key": settings_key, "timeout_s": settings.timeout_s}
     try:
         with _quiet_optuna():
             while True:
-                measured, in_flight = _survey(study, configs, settings_key, budget_bytes)
+                measured, in_flight = _survey(study, configs, settings_key, budget_bytes, settings.timeout_s, stamps)
                 for config, m in measured.items():
                     if config not in reported:
                         reported.add(config)
@@ -285,17 +303,17 @@ def run_search(
                 with _Heartbeat(study, trial):
                     m = _run_one(workload, config, device=device, meter=meter, budget_bytes=budget_bytes,
                                  settings=settings, isolation=isolation)
-                for key, value in (("measurement", m.to_dict()), ("status", m.status),
-                                   ("budget_bytes", budget_bytes), ("settings_key", settings_key)):
-                    trial.set_user_attr(key, value)
-                if m.status == "ok":
-                    study.tell(trial, [m.samples_per_s, m.peak_bytes])
-                else:
-                    study.tell(trial, state=_STATE[m.status])
-                trial = None
+                finished = m
+                _record(study, trial, m, distributions, record_attrs)
+                trial = finished = None
                 mine.add(config)
+                measured[config] = m  # in the report even if Ctrl-C comes before the next look at the store
     except KeyboardInterrupt:
-        if trial is not None:
+        if trial is not None and finished is not None:  # measured, not yet stored: store it, it is done
+            _record(study, trial, finished, distributions, record_attrs)
+            mine.add(finished.config)
+            measured[finished.config] = finished
+        elif trial is not None:
             _abandon(study, trial, "interrupted")
         raise SearchInterrupted(result(partial=True)) from None
     except BaseException:
@@ -327,22 +345,29 @@ def _config_of(trial: FrozenTrial) -> Config | None:
         return None
 
 
-def _survey(study: optuna.Study, configs: set[Config], settings_key: str, budget_bytes: int | None
-            ) -> tuple[dict[Config, Measurement], set[Config]]:
+def _survey(study: optuna.Study, configs: set[Config], settings_key: str, budget_bytes: int | None,
+            timeout_s: float | None, stamps: dict[int, tuple[float, float]]) -> tuple[dict[Config, Measurement], set[Config]]:
     """Read the store: reusable measurements, and configurations other workers are running now.
 
-    Trials left RUNNING by a worker that is gone are marked failed, so they are measured again.
+    Trials left RUNNING by a worker that is gone are marked failed, so they are measured again;
+    so are trials a worker took from the queue but never stamped (it died in between).
     """
     measured: dict[Config, Measurement] = {}
     in_flight: set[Config] = set()
-    now = time.time()
+    now = time.monotonic()
     for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
         if t.state in _FINISHED:
-            m = _reusable(t.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes)
+            m = _reusable(t.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes, timeout_s=timeout_s)
             if m is not None and m.config in configs:
                 measured[m.config] = m  # later trials of the same configuration win
-        elif t.state == TrialState.RUNNING and "worker" in t.user_attrs:
-            if _is_alive(t, now) and _config_of(t) is not None:
+        elif t.state == TrialState.RUNNING and "worker" not in t.user_attrs:
+            if not _is_alive(t, now, stamps):  # keyed on its (absent) stamp: abandoned after STALE_S unstamped
+                logger.info("trial %d was taken from the queue but never started: it will be measured again", t.number)
+                _abandon(study, t, "abandoned")
+            elif _config_of(t) is not None:
+                in_flight.add(_config_of(t))
+        elif t.state == TrialState.RUNNING:
+            if _is_alive(t, now, stamps) and _config_of(t) is not None:
                 in_flight.add(_config_of(t))
             else:
                 logger.info("trial %d (%s) was left running by %s, which is gone: it will be measured again",
@@ -356,19 +381,40 @@ def _claim(study: optuna.Study, config: Config, distributions: dict, *, settings
     """Start a trial of ``config`` (or of another worker's queued configuration); None if already taken."""
     study.enqueue_trial(dataclasses.asdict(config))
     trial = study.ask(distributions)
-    trial.set_user_attr("worker", _worker_id())
-    trial.set_user_attr("heartbeat", time.time())
-    config = Config(**trial.params)
-    for other in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, *_FINISHED)):
-        if other.number == trial.number or _config_of(other) != config:
-            continue
-        taken = (other.state == TrialState.RUNNING and other.number < trial.number) or (
-            other.state in _FINISHED and _reusable(other.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes)
-        )
-        if taken:  # another worker claimed or finished the same configuration first
-            _abandon(study, trial, "duplicate")
-            return None
+    try:
+        trial.set_user_attr("worker", _worker_id())
+        trial.set_user_attr("heartbeat", time.time())
+        config = Config(**trial.params)
+        for other in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, *_FINISHED)):
+            if other.number == trial.number or _config_of(other) != config:
+                continue
+            taken = (other.state == TrialState.RUNNING and other.number < trial.number) or (
+                other.state in _FINISHED
+                and _reusable(other.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes, timeout_s=None)
+            )
+            if taken:  # another worker claimed or finished the same configuration first
+                _abandon(study, trial, "duplicate")
+                return None
+    except BaseException:
+        _abandon(study, trial, "interrupted")
+        raise
     return trial
+
+
+def _record(study: optuna.Study, trial: optuna.Trial, m: Measurement, distributions: dict, attrs: dict) -> None:
+    """Store a measurement on its trial; as a new trial if another worker closed ours meanwhile."""
+    attrs = {"status": m.status, **attrs, "measurement": m.to_dict()}  # the measurement last: it marks a stored trial
+    values = [m.samples_per_s, m.peak_bytes] if m.status == "ok" else None
+    try:
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        study.tell(trial, values, state=_STATE[m.status])
+    except (RuntimeError, ValueError, optuna.exceptions.OptunaError):
+        # Judged stale by another worker (a stalled heartbeat) and failed: the measurement still counts.
+        logger.info("trial %d was closed by another worker; its measurement is stored as a new trial", trial.number)
+        study.add_trial(optuna.trial.create_trial(
+            params=dataclasses.asdict(m.config), distributions=distributions, state=_STATE[m.status], values=values,
+            user_attrs={**attrs, "worker": _worker_id()}))
 
 
 def _abandon(study: optuna.Study, trial: optuna.Trial | FrozenTrial, why: str) -> None:

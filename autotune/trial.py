@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from autotune.checkpointing import apply_plan
-from autotune.errors import AutotuneError, TrialTimeoutError, UsageError, is_oom
+from autotune.errors import TrialTimeoutError, UsageError, first_line, is_oom
 from autotune.meters import Meter
 from autotune.precision import get_mode
 from autotune.space import Config
@@ -278,9 +278,9 @@ def run_trial(
         status, error = "timeout", str(exc)
     except Exception as exc:  # noqa: BLE001 - every failure of the user's code is an outcome
         if is_oom(exc):
-            status, error = "oom", _first_line(exc)
+            status, error = "oom", first_line(exc)
         else:
-            status, error = "failed", f"{type(exc).__name__}: {_first_line(exc)}"
+            status, error = "failed", f"{type(exc).__name__}: {first_line(exc)}"
     finally:
         plan, losses, scales, skipped, step_times = run.plan, run.losses, run.scales, run.skipped, run.step_times
         del run  # model, optimizer, batch and activations go with it
@@ -307,8 +307,3 @@ def run_trial(
         error=error,
         wall_s=time.monotonic() - started,
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

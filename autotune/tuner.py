@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable, Sequence
 
@@ -11,10 +12,10 @@ from torch import nn
 
 from autotune._log import logger, notice_once
 from autotune.checkpointing import auto_segment_counts, find_chain
-from autotune.errors import Interrupted, UsageError
+from autotune.errors import Interrupted, UsageError, first_line
 from autotune.meters import make_meter
 from autotune.precision import default_precisions, supported_precisions
-from autotune.report import Report, environment
+from autotune.report import Report, environment, ram_bytes
 from autotune.search import SearchInterrupted, default_storage, default_study_name, fingerprint, run_search
 from autotune.space import SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
 from autotune.strategies import make_strategy
@@ -48,10 +49,7 @@ def device_total_bytes(device: torch.device) -> int | None:
     """Return the device's total memory in bytes (the machine's RAM for the CPU), or None if unknown."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return ram_bytes()
 
 
 def _as_list(value: str | Sequence | None, parse: Callable) -> tuple | None:
@@ -107,6 +105,10 @@ def tune(
     ``clip_grad_norm`` and ``fp32_modules`` are guard rails used in trials, probe and ``apply``. Raises :class:`~autotune.errors.UsageError` for bad input and
     :class:`~autotune.errors.Interrupted` (holding the partial report) on Ctrl-C.
     """
+    for flag, value in (("--headroom", headroom), ("--trial-timeout", trial_timeout), ("--probe-fraction", probe_fraction),
+                        ("--clip-grad-norm", clip_grad_norm)):
+        if value is not None and not math.isfinite(value):
+            raise UsageError(f"{flag} {value} must be a finite number")
     if not 0.0 <= headroom < 1.0:
         raise UsageError(f"--headroom {headroom} must be at least 0 and below 1, e.g. 0.1 for 10%")
     if warmup_steps < 0 or measure_steps < 1:
@@ -135,9 +137,7 @@ def tune(
             f"--data has {len(workload.dataset)} items, fewer than the batch sizes {','.join(map(str, too_big))}: "
             f"pass --batch-sizes up to {len(workload.dataset)}, or more data"
         )
-    info = _preflight(workload, dev, budget_bytes, min(batch_list))
-    if guard.fp32_modules:
-        keep_in_fp32(workload.build_model(), guard.fp32_modules, dev.type)  # names the model lacks fail here
+    info = _preflight(workload, dev, budget_bytes, min(batch_list), guard)
     chain = info["chain"]
     notices: list[str] = []
 
@@ -167,8 +167,12 @@ def tune(
     settings = TrialSettings(warmup_steps=warmup_steps, measure_steps=measure_steps, timeout_s=trial_timeout,
                              guard=guard)
     kwargs = parse_model_kwargs(model_kwargs)  # the same kwargs as text or dict make the same study
-    workload_key = fingerprint(model=workload.name, model_kwargs=kwargs, data=str(data), loss=str(loss), device=str(dev))
-    options_key = fingerprint(model_kwargs=kwargs, data=str(data), loss=str(loss)) if (kwargs or data or loss) else None
+    # Workers on several GPUs of one kind share a study: the key names the kind of device, not its index.
+    device_kind = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    workload_key = fingerprint(model=workload.name, model_kwargs=kwargs, data=_describe(data), loss=_describe(loss),
+                               device=device_kind)
+    options_key = (fingerprint(model_kwargs=kwargs, data=_describe(data), loss=_describe(loss))
+                   if (kwargs or data or loss) else None)
     study_name = study or default_study_name(workload, dev, options_key)
     storage_url = storage or default_storage(study_name, results_dir)
     isolation_mode = _isolation(isolation, dev)
@@ -191,8 +195,8 @@ def tune(
             "model": workload.name,
             "model_class": info["model_class"],
             "model_kwargs": kwargs,
-            "data": data if isinstance(data, str) or data is None else repr(data),
-            "loss": loss if isinstance(loss, str) or loss is None else repr(loss),
+            "data": _describe(data),
+            "loss": _describe(loss),
             "parameter_count": info["parameter_count"],
             "parameter_bytes": info["parameter_bytes"],
             "chain": chain,
@@ -222,32 +226,51 @@ def tune(
     )
     if interrupted is not None:
         raise Interrupted(report) from None
+    try:
+        return _probe(report, workload, dev, budget_bytes=budget_bytes, headroom=headroom, guard=guard, probe=probe,
+                      settings=ProbeSettings(top=probe_top, epochs=probe_epochs, fraction=probe_fraction,
+                                             num_workers=num_workers, seed=0, timeout_s=trial_timeout),
+                      on_probe=on_probe)
+    except KeyboardInterrupt:
+        raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
+
+
+def _probe(report: Report, workload: Workload, dev: torch.device, *, budget_bytes: int | None, headroom: float,
+           guard: GuardRails, probe: bool, settings: ProbeSettings, on_probe: Callable[[ProbeResult], None] | None
+           ) -> Report:
+    """Run the probe on the report's best candidates; return the report with its results."""
     if probe and workload.dataset is None:
         report = dataclasses.replace(report, notices=report.notices + (
             "no --data: the probe (an epoch over a slice of your data) was skipped; the recommendation "
             "comes from the short trials alone",))
         logger.info(report.notices[-1])
     elif probe:
-        probe_settings = ProbeSettings(top=probe_top, epochs=probe_epochs, fraction=probe_fraction,
-                                       num_workers=num_workers, seed=0, timeout_s=trial_timeout)
-        candidates = probe_candidates(report.pareto, budget_bytes, headroom, probe_top)
-        results = []
+        candidates = probe_candidates(report.pareto, budget_bytes, headroom, settings.top)
+        results: list[ProbeResult] = []
         probe_meter = make_meter(dev, budget_bytes=budget_bytes)
         try:
             for candidate in candidates:
                 logger.info("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config,
-                            100 * probe_fraction, probe_epochs)
+                            100 * settings.fraction, settings.epochs)
                 results.append(run_probe(workload, candidate, device=dev, meter=probe_meter, budget_bytes=budget_bytes,
-                                         headroom=headroom, settings=probe_settings, guard=guard))
+                                         headroom=headroom, settings=settings, guard=guard))
                 if on_probe:
                     on_probe(results[-1])
-        except KeyboardInterrupt:
-            raise Interrupted(dataclasses.replace(report, probe=tuple(results),
-                                                  probe_settings=probe_settings.to_dict())) from None
+        except KeyboardInterrupt:  # the probe is incomplete: report what it did, marked partial
+            raise Interrupted(dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict(),
+                                                  search={**report.search, "partial": True})) from None
         finally:
             probe_meter.close()
-        report = dataclasses.replace(report, probe=tuple(results), probe_settings=probe_settings.to_dict())
+        report = dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict())
     return report
+
+
+def _describe(obj: Any) -> str | None:
+    """A stable name for a spec or object: the same across runs (no memory addresses)."""
+    if obj is None or isinstance(obj, str):
+        return obj
+    name = f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+    return f"{name}[{len(obj)}]" if hasattr(obj, "__len__") and not callable(obj) else name
 
 
 def _isolation(name: str, device: torch.device) -> str:
@@ -259,9 +282,11 @@ def _isolation(name: str, device: torch.device) -> str:
     return name
 
 
-def _preflight(workload: Workload, device: torch.device, budget_bytes: int | None, batch_size: int) -> dict[str, Any]:
+def _preflight(workload: Workload, device: torch.device, budget_bytes: int | None, batch_size: int,
+               guard: GuardRails) -> dict[str, Any]:
     """Build the model once and run one forward pass: bad input fails here, before any trial."""
     model = workload.build_model()
+    keep_in_fp32(model, guard.fp32_modules, device.type)  # --fp32-modules names the model lacks fail here
     model_class = type(model).__name__
     params = list(model.parameters())
     parameter_count = sum(p.numel() for p in params)
@@ -282,9 +307,8 @@ def _preflight(workload: Workload, device: torch.device, budget_bytes: int | Non
     except UsageError:
         raise
     except Exception as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise UsageError(
-            f"{type(model).__name__} failed on a batch of {batch_size}: {type(exc).__name__}: {text} "
+            f"{model_class} failed on a batch of {batch_size}: {type(exc).__name__}: {first_line(exc)} "
             f"(check --data, --loss and the model's example_batch)"
         ) from None
     finally:

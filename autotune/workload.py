@@ -181,8 +181,11 @@ def parse_model_kwargs(model_kwargs: str | dict | None) -> dict:
         return {}
     if isinstance(model_kwargs, dict):
         return model_kwargs
+    def no_constants(name: str) -> Any:
+        raise UsageError(f"--model-kwargs holds {name}: use finite numbers")
+
     try:
-        kwargs = json.loads(model_kwargs)
+        kwargs = json.loads(model_kwargs, parse_constant=no_constants)
     except json.JSONDecodeError as exc:
         raise UsageError(f"--model-kwargs is not valid JSON ({exc.msg} at character {exc.pos}): write e.g. '{{\"n_layer\": 4}}'") from None
     if not isinstance(kwargs, dict):
