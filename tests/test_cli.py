@@ -114,6 +114,15 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys, monke
     assert not os.path.exists(tmp_path / "results") or not any(n.endswith(".json") for n in os.listdir(tmp_path / "results"))
 
 
+def test_a_precision_the_device_cannot_run_is_bad_input(tmp_path, capsys, monkeypatch):
+    # Every mode runs on this CPU; a device without fp16 is what a GPU before Volta, or an old CPU build, reports.
+    monkeypatch.setattr("autotune.tuner.supported_precisions", lambda device: ["fp32", "bf16"])
+    code = main(["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--precisions", "fp32,fp16", "--quiet",
+                 "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o.json"), *QUICK])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "fp16 is not supported on cpu" in err[0] and "--precisions fp32,bf16" in err[0]
+
+
 def test_a_study_made_for_another_search_space_is_bad_input(tmp_path, capsys):
     common = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "64MiB", "--precisions", "fp32",
               "--segments", "0", "--storage", f"sqlite:///{tmp_path}/s.db", "--study", "same", "--quiet", *QUICK]
