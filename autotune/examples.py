@@ -119,7 +119,7 @@ def _token_sequences(n: int, length: int, vocab_size: int, *, seed: int) -> torc
 
 
 class _TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, sequences: torch.Tensor) -> None:
+    def __init__(self, sequences: torch.Tensor | list[torch.Tensor]) -> None:  # a list when lengths vary
         self.sequences = sequences
 
     def __len__(self) -> int:
@@ -195,18 +195,6 @@ def image_dataset(size: int = 2048, image_size: int = 32, num_classes: int = 10)
 # --- variable-length text ----------------------------------------------------------------------
 
 
-class _VariableTokenDataset(torch.utils.data.Dataset):
-    def __init__(self, sequences: list[torch.Tensor]) -> None:
-        self.sequences = sequences
-
-    def __len__(self) -> int:
-        return len(self.sequences)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        seq = self.sequences[i]
-        return {"idx": seq[:-1], "targets": seq[1:]}
-
-
 def pad_collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Pad a list of ``{"idx", "targets"}`` items to the longest; padded targets are -100 (ignored by the loss)."""
     length = max(item["idx"].numel() for item in items)
@@ -234,7 +222,7 @@ def variable_token_loader(size: int = 2048, block_size: int = 160, vocab_size: i
     lengths = torch.where(long, torch.full_like(short, block_size), short)
     full = _token_sequences(size, block_size + 1, vocab_size, seed=0)
     sequences = [full[i, : int(n) + 1] for i, n in enumerate(lengths)]
-    return torch.utils.data.DataLoader(_VariableTokenDataset(sequences), batch_size=batch_size, collate_fn=pad_collate)
+    return torch.utils.data.DataLoader(_TokenDataset(sequences), batch_size=batch_size, collate_fn=pad_collate)
 
 
 # --- training with a recommendation ------------------------------------------------------------

@@ -20,7 +20,7 @@ import dataclasses
 import math
 import statistics
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -29,7 +29,7 @@ from autotune.errors import TrialTimeoutError, UsageError, first_line, is_oom
 from autotune.meters import Meter
 from autotune.precision import INIT_LOSS_SCALE
 from autotune.space import Config
-from autotune.trial import GuardRails, Measurement, Trainer, _sync, release_memory
+from autotune.trial import GuardRails, Measurement, Trainer, _sync, flatten_config, release_memory, unflatten_config
 from autotune.workload import Workload, to_device
 
 __all__ = ["ProbeSettings", "ProbeResult", "probe_candidates", "run_probe", "choose"]
@@ -77,23 +77,13 @@ class ProbeResult:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        config = data.pop("config")
-        for key in ("loss_start", "loss_end"):
-            if data[key] is not None and not math.isfinite(data[key]):
-                data[key] = str(data[key])
         if data["grad_norm"]:
             data["grad_norm"] = {k: (v if math.isfinite(v) else str(v)) for k, v in data["grad_norm"].items()}
-        return {**config, **data}
+        return flatten_config(data, floats=("loss_start", "loss_end"))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ProbeResult":
-        data = dict(data)
-        config = Config(data.pop("precision"), int(data.pop("segments")), int(data.pop("batch_size")))
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in fields}
-        for key in ("loss_start", "loss_end"):
-            if isinstance(kwargs.get(key), str):
-                kwargs[key] = float(kwargs[key])
+        config, kwargs = unflatten_config(cls, data, floats=("loss_start", "loss_end"))
         if kwargs.get("grad_norm"):
             kwargs["grad_norm"] = {k: float(v) for k, v in kwargs["grad_norm"].items()}
         return cls(config=config, **kwargs)
@@ -149,33 +139,16 @@ def run_probe(
     try:
         with meter.measure(deadline=deadline) as handle:
             trainer.build()
-            for _ in range(settings.epochs):
-                for batch in loader:
-                    handle.reset_peak()
-                    batch = to_device(batch, device)
-                    _sync(device)
-                    start = time.perf_counter()
-                    trainer.step(batch)
-                    _sync(device)
-                    step_times.append(time.perf_counter() - start)
-                    step_peaks.append(handle.peak_bytes())
-                    samples += _batch_len(batch)
-                    del batch
+            for batch in _epochs(loader, settings.epochs, device, deadline):
+                handle.reset_peak()
+                step_times.append(_timed_step(trainer, batch, device))
+                step_peaks.append(handle.peak_bytes())
+                samples += _batch_len(batch)
         if meter.slows_steps:  # time the same batches again, unmetered, on a fresh model
             timer = Trainer(workload, config, device, lr=lr, seed=settings.seed, guard=guard)
             timer.build()
-            step_times = []
-            for _ in range(settings.epochs):
-                for batch in loader:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise TrialTimeoutError("the probe ran past its time limit")
-                    batch = to_device(batch, device)
-                    _sync(device)
-                    start = time.perf_counter()
-                    timer.step(batch)
-                    _sync(device)
-                    step_times.append(time.perf_counter() - start)
-            del timer
+            step_times = [_timed_step(timer, batch, device) for batch in _epochs(loader, settings.epochs, device, deadline)]
+            timer.release()
     except UsageError:
         raise
     except TrialTimeoutError as exc:
@@ -227,6 +200,23 @@ def run_probe(
         grad_norm={"median": statistics.median(finite_norms), "max": max(finite_norms)} if finite_norms else None,
         wall_s=time.monotonic() - started,
     )
+
+
+def _epochs(loader: DataLoader, epochs: int, device: torch.device, deadline: float | None) -> Iterator[Any]:
+    """The loader's batches, on the device, ``epochs`` times over; stops at the deadline."""
+    for _ in range(epochs):
+        for batch in loader:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TrialTimeoutError("the probe ran past its time limit (--trial-timeout)")
+            yield to_device(batch, device)
+
+
+def _timed_step(trainer: Trainer, batch: Any, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    trainer.step(batch)
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def _quantile(values: list[float], q: float) -> float | None:

@@ -89,26 +89,40 @@ class Measurement:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        config = data.pop("config")
         data["step_times_s"] = list(self.step_times_s)
         data["loss_scale_history"] = list(self.loss_scale_history)
-        for key in ("loss_first", "loss_final"):  # strict JSON has no NaN or inf: keep them as text
-            if data[key] is not None and not math.isfinite(data[key]):
-                data[key] = str(data[key])
-        return {**config, **data}
+        return flatten_config(data, floats=("loss_first", "loss_final"))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Measurement":
-        data = dict(data)
-        config = Config(data.pop("precision"), int(data.pop("segments")), int(data.pop("batch_size")))
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in fields}
+        config, kwargs = unflatten_config(cls, data, floats=("loss_first", "loss_final"))
         kwargs["step_times_s"] = tuple(kwargs.get("step_times_s", ()))
         kwargs["loss_scale_history"] = tuple(kwargs.get("loss_scale_history", ()))
-        for key in ("loss_first", "loss_final"):
-            if isinstance(kwargs.get(key), str):
-                kwargs[key] = float(kwargs[key])
         return cls(config=config, **kwargs)
+
+
+def flatten_config(data: dict[str, Any], *, floats: tuple[str, ...]) -> dict[str, Any]:
+    """A dataclass dict with its ``config`` spread into the top level, JSON-safe.
+
+    Strict JSON has no NaN or inf: the ``floats`` fields keep them as text ("nan", "inf").
+    """
+    config = data.pop("config")
+    for key in floats:
+        if data.get(key) is not None and not math.isfinite(data[key]):
+            data[key] = str(data[key])
+    return {**config, **data}
+
+
+def unflatten_config(cls: type, data: dict[str, Any], *, floats: tuple[str, ...]) -> tuple[Config, dict[str, Any]]:
+    """The inverse of :func:`flatten_config`: the Config and the keyword arguments ``cls`` knows."""
+    data = dict(data)
+    config = Config(data.pop("precision"), int(data.pop("segments")), int(data.pop("batch_size")))
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in data.items() if k in fields}
+    for key in floats:
+        if isinstance(kwargs.get(key), str):
+            kwargs[key] = float(kwargs[key])
+    return config, kwargs
 
 
 def release_memory(device: torch.device) -> None:
