@@ -29,7 +29,7 @@ from autotune.errors import TrialTimeoutError, UsageError, first_line, is_oom
 from autotune.meters import Meter
 from autotune.precision import INIT_LOSS_SCALE
 from autotune.space import Config
-from autotune.trial import GuardRails, Measurement, Trainer, _sync, flatten_config, release_memory, unflatten_config
+from autotune.trial import GuardRails, Measurement, Trainer, flatten_config, release_memory, unflatten_config
 from autotune.workload import Workload, to_device
 
 __all__ = ["ProbeSettings", "ProbeResult", "probe_candidates", "run_probe", "choose"]
@@ -141,13 +141,13 @@ def run_probe(
             trainer.build()
             for batch in _epochs(loader, settings.epochs, device, deadline):
                 handle.reset_peak()
-                step_times.append(_timed_step(trainer, batch, device))
+                step_times.append(trainer.timed_step(batch))
                 step_peaks.append(handle.peak_bytes())
                 samples += _batch_len(batch)
         if meter.slows_steps:  # time the same batches again, unmetered, on a fresh model
             timer = Trainer(workload, config, device, lr=lr, seed=settings.seed, guard=guard)
             timer.build()
-            step_times = [_timed_step(timer, batch, device) for batch in _epochs(loader, settings.epochs, device, deadline)]
+            step_times = [timer.timed_step(batch) for batch in _epochs(loader, settings.epochs, device, deadline)]
             timer.release()
     except UsageError:
         raise
@@ -209,14 +209,6 @@ def _epochs(loader: DataLoader, epochs: int, device: torch.device, deadline: flo
             if deadline is not None and time.monotonic() > deadline:
                 raise TrialTimeoutError("the probe ran past its time limit (--trial-timeout)")
             yield to_device(batch, device)
-
-
-def _timed_step(trainer: Trainer, batch: Any, device: torch.device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    trainer.step(batch)
-    _sync(device)
-    return time.perf_counter() - start
 
 
 def _quantile(values: list[float], q: float) -> float | None:

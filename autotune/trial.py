@@ -223,6 +223,14 @@ class Trainer:
             self.skipped += scale < before  # the scaler halves its scale exactly when it skips a step
         self.losses.append(float(loss.detach()))
 
+    def timed_step(self, batch: Any) -> float:
+        """One step, timed to completion on the device; return its seconds."""
+        _sync(self.device)
+        start = time.perf_counter()
+        self.step(batch)
+        _sync(self.device)
+        return time.perf_counter() - start
+
     def _clip_and_record(self) -> None:
         if self.guard.clip_grad_norm is None and not self.record_grad_norm:
             return
@@ -249,11 +257,7 @@ class _Run(Trainer):
             projected = self.step_times[-1] if self.step_times else 0.0
             if deadline is not None and time.monotonic() + projected > deadline:
                 raise TrialTimeoutError(f"the trial would run past its {self.settings.timeout_s:g} s limit (--trial-timeout)")
-            _sync(self.device)
-            start = time.perf_counter()
-            self.step(self.batch)
-            _sync(self.device)
-            self.step_times.append(time.perf_counter() - start)
+            self.step_times.append(self.timed_step(self.batch))
 
 
 def run_trial(
