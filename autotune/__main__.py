@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     s.add_argument("--budget", default=None, metavar="SIZE",
                    help="memory budget such as 24GiB or 512MiB (default: the device's total memory)")
+    s.add_argument("--budgets", default=None, metavar="SIZE,SIZE",
+                   help="more budgets, e.g. 8GiB,24GiB,80GiB: a recommendation for each from the same trials "
+                   "(trials run under the largest)")
     s.add_argument("--headroom", type=float, default=0.1,
                    help="share of the budget the recommendation leaves free")
     s.add_argument("--precisions", default="auto",
@@ -53,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-sizes", default="1..512",
                    help="a range A..B (the powers of two in it) or a list such as 8,16,24")
     r = p.add_argument_group("search and trials")
-    r.add_argument("--strategy", default="grid", help="grid: every point of the space")
+    r.add_argument("--strategy", default="auto",
+                   help="auto: fit each plan's memory line, bracket its largest batch, climb throughput; "
+                   "grid: every point of the space; optuna: NSGA-II within --n-trials")
+    r.add_argument("--n-trials", type=int, default=None, metavar="N",
+                   help="trial budget of --strategy optuna (default: a quarter of the space)")
     r.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per trial (at least 2 are metered on CPU)")
     r.add_argument("--measure-steps", type=int, default=5, help="timed steps per trial; the median is reported")
     r.add_argument("--trial-timeout", type=float, default=300.0, metavar="SECONDS",
@@ -129,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = autotune.tune(
             args.model, model_kwargs=args.model_kwargs, data=args.data, loss=args.loss, device=args.device,
             budget=args.budget, headroom=args.headroom, precisions=args.precisions, segments=args.segments,
-            batch_sizes=args.batch_sizes, strategy=args.strategy, warmup_steps=args.warmup_steps,
+            batch_sizes=args.batch_sizes, strategy=args.strategy, n_trials=args.n_trials, budgets=args.budgets,
+            warmup_steps=args.warmup_steps,
             measure_steps=args.measure_steps, trial_timeout=args.trial_timeout, storage=args.storage,
             study=args.study, isolation=args.isolation, probe=not args.no_probe, probe_top=args.probe_top,
             probe_epochs=args.probe_epochs, probe_fraction=args.probe_fraction, num_workers=args.num_workers,

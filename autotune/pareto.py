@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from autotune.trial import Measurement
+
+if TYPE_CHECKING:
+    from autotune.memory_model import MemoryModel
 
 __all__ = ["feasible", "pareto_front", "recommend", "batch_limits"]
 
@@ -43,8 +46,14 @@ def recommend(measurements: Iterable[Measurement], budget_bytes: int | None, hea
     return max(candidates, key=lambda m: (m.samples_per_s, -m.peak_bytes))
 
 
-def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None) -> list[dict]:
-    """Per (precision, segments): the largest feasible batch size and the smallest infeasible one measured."""
+def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, *,
+                 batch_sizes: Sequence[int] | None = None, model: "MemoryModel | None" = None) -> list[dict]:
+    """Per (precision, segments): the largest feasible batch size and the smallest infeasible one measured.
+
+    With the space's ``batch_sizes``, each row also says whether the two are neighbours there
+    (``bracketed``: the limit is exact), and with a fitted ``model`` it adds the model's
+    ``predicted_max_batch_size`` for rows that are not.
+    """
     plans: dict[tuple[str, int], list[Measurement]] = {}
     for m in measurements:
         plans.setdefault(m.config.plan, []).append(m)
@@ -52,12 +61,20 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None) 
     for (precision, segments), trials in plans.items():  # in the order the trials came
         fitting = [m.batch_size for m in trials if m.fits(budget_bytes)]
         too_big = [m.batch_size for m in trials if m.status == "oom" or (m.status == "ok" and not m.fits(budget_bytes))]
-        rows.append(
-            {
-                "precision": precision,
-                "segments": segments,
-                "max_batch_size": max(fitting) if fitting else None,
-                "min_oom_batch_size": min(too_big) if too_big else None,
-            }
-        )
+        row = {
+            "precision": precision,
+            "segments": segments,
+            "max_batch_size": max(fitting) if fitting else None,
+            "min_oom_batch_size": min(too_big) if too_big else None,
+        }
+        if batch_sizes is not None:
+            sizes = sorted(batch_sizes)
+            lo = sizes.index(row["max_batch_size"]) if fitting else -1
+            failed = [sizes.index(m.batch_size) for m in trials if not m.fits(budget_bytes) and m.batch_size in sizes]
+            hi = min((i for i in failed if i > lo), default=len(sizes))
+            row["bracketed"] = hi == lo + 1
+            if not row["bracketed"] and model is not None and (precision, segments) in model.plans:
+                open_ = [b for b in sizes[lo + 1:hi] if budget_bytes is None or model.predict((precision, segments), b) <= budget_bytes]
+                row["predicted_max_batch_size"] = open_[-1] if open_ else row["max_batch_size"]
+        rows.append(row)
     return rows

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from autotune.apply import accumulation_plan
+from autotune.memory_model import MemoryModel
 from autotune.pareto import batch_limits, pareto_front, recommend
 from autotune.probe import ProbeResult, choose
 from autotune.trial import GuardRails, Measurement
@@ -88,6 +89,25 @@ class Report:
     probe: tuple[ProbeResult, ...] | None = None  # None when the probe did not run
     probe_settings: dict[str, Any] | None = None
     target_batch_size: int | None = None
+    budgets: tuple[int, ...] = ()  # more budgets to recommend for, from the same trials (--budgets)
+
+    @property
+    def memory_model(self) -> MemoryModel:
+        """``peak = fixed + per_sample x batch`` per (precision, segments), fitted to the trials."""
+        space = self.search.get("space") or {}
+        plans = [(p, s) for p in space.get("precisions", ()) for s in space.get("segments", ())]
+        hint = self.workload.get("parameter_bytes")
+        return MemoryModel.fit(self.trials, plans, fixed_bytes_hint=4 * hint if hint else None)
+
+    def for_budget(self, budget_bytes: int | None) -> dict[str, Any]:
+        """Limits and recommendation (from the short trials) for another budget, with the same headroom."""
+        rec = recommend(self.trials, budget_bytes, self.headroom)
+        return {
+            "budget_bytes": budget_bytes,
+            "limits": batch_limits(self.trials, budget_bytes, batch_sizes=(self.search.get("space") or {}).get("batch_sizes"),
+                                   model=self.memory_model),
+            "recommendation": self._trial_dict(rec) if rec else None,
+        }
 
     @property
     def pareto(self) -> list[Measurement]:
@@ -117,7 +137,7 @@ class Report:
     @property
     def limits(self) -> list[dict]:
         """Per (precision, segments): ``max_batch_size`` that fits, and the smallest batch that did not."""
-        return batch_limits(self.trials, self.budget_bytes)
+        return batch_limits(self.trials, self.budget_bytes, batch_sizes=(self.search.get("space") or {}).get("batch_sizes"))
 
     def to_dict(self) -> dict[str, Any]:
         recommendation = self.recommendation
@@ -139,6 +159,8 @@ class Report:
                 "candidates": [r.to_dict() for r in self.probe],
                 "chosen": None if recommendation is None else dataclasses.asdict(recommendation.config),
             },
+            "memory_model": self.memory_model.to_list(),
+            "budgets": [self.for_budget(b) for b in self.budgets],
             "notices": list(self.notices),
         }
 
@@ -184,6 +206,7 @@ class Report:
             probe=None if data.get("probe") is None else tuple(ProbeResult.from_dict(r) for r in data["probe"]["candidates"]),
             probe_settings=None if data.get("probe") is None else data["probe"]["settings"],
             target_batch_size=(data.get("plan") or {}).get("target_batch_size"),
+            budgets=tuple(b["budget_bytes"] for b in data.get("budgets", ())),
         )
 
     def to_dataframe(self):
@@ -242,6 +265,14 @@ class Report:
             if plan and plan["target_batch_size"]:
                 lines.append(f"plan: {plan['accumulation_steps']} x {plan['micro_batch_size']} = effective batch "
                              f"{plan['effective_batch_size']}; {plan['lr_note']}")
+        for budget in self.budgets:
+            other = recommend(self.trials, budget, self.headroom)
+            limits = ", ".join(f"{r['precision']}/{r['segments']}: {r['max_batch_size'] or 'none'}"
+                               + ("" if r.get("bracketed", True) else f" (model: {r.get('predicted_max_batch_size') or 'none'})")
+                               for r in self.for_budget(budget)["limits"])
+            lines.append(f"budget {format_bytes(budget)}: " + (
+                f"{other.precision}, segments {other.segments}, batch size {other.batch_size}: {other.samples_per_s:.1f} "
+                f"samples/s, peak {format_bytes(other.peak_bytes)}" if other else "nothing fits") + f"; largest batch: {limits}")
         return "\n".join(lines)
 
 

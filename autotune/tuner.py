@@ -71,7 +71,9 @@ def tune(
     precisions: str | Sequence[str] | None = None,
     segments: str | Sequence[int] | None = "auto",
     batch_sizes: str | Sequence[int] = "1..512",
-    strategy: str = "grid",
+    strategy: str = "auto",
+    n_trials: int | None = None,
+    budgets: str | Sequence[str | int] | None = None,
     warmup_steps: int = 2,
     measure_steps: int = 5,
     trial_timeout: float | None = 300.0,
@@ -126,9 +128,15 @@ def tune(
     guard = GuardRails(clip_grad_norm=clip_grad_norm, fp32_modules=tuple(fp32_modules))
     dev = resolve_device(device)
     workload = Workload.from_specs(model, model_kwargs=model_kwargs, data=data, loss=loss)
-    budget_bytes = parse_size(budget) if budget is not None else device_total_bytes(dev)
+    extra_budgets = _budgets(budgets)
+    if budget is not None:
+        budget_bytes = parse_size(budget)
+    else:  # the largest of --budgets, else the whole device
+        budget_bytes = max(extra_budgets) if extra_budgets else device_total_bytes(dev)
+    extra_budgets = tuple(b for b in extra_budgets if b != budget_bytes)
+    # Trials run under the largest budget; a smaller one is judged by the peaks they measured.
+    enforced = None if budget_bytes is None else max((budget_bytes, *extra_budgets))
     batch_list = _as_list(batch_sizes, parse_batch_sizes)
-    strategy_obj = make_strategy(strategy)
 
     if workload.dataset is not None and max(batch_list) > len(workload.dataset):
         too_big = [b for b in batch_list if b > len(workload.dataset)]
@@ -137,6 +145,8 @@ def tune(
             f"pass --batch-sizes up to {len(workload.dataset)}, or more data"
         )
     info = _preflight(workload, dev, budget_bytes, min(batch_list), guard)
+    strategy_obj = make_strategy(strategy, headroom=headroom, budgets=(budget_bytes, *extra_budgets) if enforced else (),
+                                 fixed_bytes_hint=4 * info["parameter_bytes"], n_trials=n_trials)
     chain = info["chain"]
     notices: list[str] = []
 
@@ -176,11 +186,11 @@ def tune(
     storage_url = storage or default_storage(study_name, results_dir)
     isolation_mode = _isolation(isolation, dev)
     # With process isolation each worker makes its own meter; this one stays unused (and sets nothing).
-    meter = make_meter(dev, budget_bytes=budget_bytes if isolation_mode == "none" else None)
+    meter = make_meter(dev, budget_bytes=enforced if isolation_mode == "none" else None)
     interrupted = None
     try:
         result = run_search(
-            workload, space, strategy_obj, device=dev, meter=meter, budget_bytes=budget_bytes, settings=settings,
+            workload, space, strategy_obj, device=dev, meter=meter, budget_bytes=enforced, settings=settings,
             study_name=study_name, storage=storage_url, workload_key=workload_key, isolation=isolation_mode,
             on_trial=on_trial,
         )
@@ -204,6 +214,7 @@ def tune(
         headroom=headroom,
         search={
             "strategy": strategy_obj.name,
+            "n_trials_limit": n_trials,
             "n_trials": len(result.measurements),
             "n_run": result.n_run,
             "n_reused": result.n_reused,
@@ -222,6 +233,7 @@ def tune(
         notices=tuple(notices),
         guard=guard,
         target_batch_size=target_batch_size,
+        budgets=tuple(sorted(extra_budgets)),
     )
     if interrupted is not None:
         raise Interrupted(report) from None
@@ -262,6 +274,16 @@ def _probe(report: Report, workload: Workload, dev: torch.device, *, budget_byte
             probe_meter.close()
         report = dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict())
     return report
+
+
+def _budgets(value: str | Sequence[str | int] | None) -> tuple[int, ...]:
+    """Parse ``--budgets 8GiB,24GiB,80GiB`` (or a list of sizes) into sorted bytes without repeats."""
+    if value is None:
+        return ()
+    parts = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else list(value)
+    if not parts:
+        raise UsageError(f"--budgets {value!r} is empty: write sizes such as 8GiB,24GiB")
+    return tuple(sorted({parse_size(p) for p in parts}))
 
 
 def _describe(obj: Any) -> str | None:

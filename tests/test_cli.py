@@ -78,6 +78,10 @@ BAD_INPUT = [
     (["--model", "tests.models:NoChain", "--segments", "2"], "no chain"),
     (["--model", "autotune.examples:TinyGPT", "--precisions", "fp8"], "unknown precision"),
     (["--model", "autotune.examples:TinyGPT", "--strategy", "bayes"], "unknown --strategy"),
+    (["--model", "autotune.examples:TinyGPT", "--n-trials", "5"], "--n-trials is the trial budget of --strategy optuna"),
+    (["--model", "autotune.examples:TinyGPT", "--strategy", "optuna", "--n-trials", "0"], "must be at least 1"),
+    (["--model", "autotune.examples:TinyGPT", "--budgets", "8GiB,lots"], "cannot read the size"),
+    (["--model", "autotune.examples:TinyGPT", "--budgets", ","], "--budgets ',' is empty"),
     (["--model", "autotune.examples:TinyGPT", "--device", "cuda"], "no CUDA GPU"),
     (["--model", "autotune.examples:TinyGPT", "--device", "banana"], "not a device"),
     (["--model", "autotune.examples:TinyGPT", "--headroom", "1.5"], "--headroom"),
@@ -140,6 +144,6 @@ def test_help_documents_every_flag_with_its_default():
                  "--segments", "--batch-sizes", "--strategy", "--warmup-steps", "--measure-steps", "--trial-timeout",
                  "--isolation", "--storage", "--study", "--out", "--quiet", "--verbose", "--no-probe", "--probe-top",
                  "--probe-epochs", "--probe-fraction", "--num-workers", "--target-batch-size", "--clip-grad-norm",
-                 "--fp32-modules"]:
+                 "--fp32-modules", "--budgets", "--n-trials"]:
         assert flag in text
-    assert "(default: 1..512)" in text and "(default: 0.1)" in text and "(default: grid)" in text
+    assert "(default: 1..512)" in text and "(default: 0.1)" in text and "(default: auto)" in text

@@ -26,6 +26,20 @@ def test_bf16_and_checkpointing_fit_larger_batches(name, tmp_path):
     assert limits[("bf16", 0)] > limits[("fp32", 0)]
     assert rec.config in {m.config for m in report.pareto}
 
+    # The default strategy finds the same limits, each bracketed by two measured trials, with fewer trials.
+    auto = autotune.tune(model, model_kwargs=kwargs, device="cpu", budget=budget, precisions="fp32,bf16",
+                         segments="0,2", batch_sizes="1..64", warmup_steps=2, measure_steps=2,
+                         storage=f"sqlite:///{tmp_path}/auto.db", study=name)
+    assert auto.search["strategy"] == "auto"
+    assert {(r["precision"], r["segments"]): r["max_batch_size"] for r in auto.limits} == limits
+    assert all(r["bracketed"] for r in auto.limits)
+    assert len(auto.trials) <= len(report.trials) // 2
+    assert auto.recommendation is not None and auto.recommendation.peak_bytes <= auto.budget_bytes * 0.9
+    model_rows = auto.to_dict()["memory_model"]
+    assert {(r["precision"], r["segments"]) for r in model_rows} == set(limits)
+    fitted = [r for r in model_rows if r["points"] >= 2]
+    assert fitted and all(r["per_sample_bytes"] > 0 and r["max_relative_error"] < 0.1 for r in fitted)
+
 
 def test_model_without_a_chain_gets_segments_0_with_a_notice(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="autotune"):

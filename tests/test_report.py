@@ -12,7 +12,7 @@ def report(tmp_path_factory):
     return autotune.tune(
         "autotune.examples:TinyGPT", model_kwargs={"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64},
         device="cpu", budget="3MiB", precisions="fp32,bf16", segments="0,2", batch_sizes="1,4,64",
-        warmup_steps=2, measure_steps=2, storage=storage, study="r",
+        strategy="grid", warmup_steps=2, measure_steps=2, storage=storage, study="r",
     )
 
 

@@ -3,22 +3,40 @@
 A strategy sees the search space and the measurements so far and proposes one configuration at
 a time, or ``None`` when it is done. The driver (:mod:`autotune.search`) runs each proposal as an
 Optuna trial, so every strategy gets storage, resume and the trial record for free.
+
+* ``auto`` (the default): model-guided bracketing of each plan's largest batch, then a
+  throughput climb (:mod:`autotune.strategies.auto`).
+* ``grid``: every configuration; the exhaustive reference.
+* ``optuna``: Optuna's NSGA-II within ``n_trials``, for spaces too large for the other two.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from autotune.errors import UsageError
+from autotune.strategies.auto import AutoStrategy
 from autotune.strategies.base import Strategy
 from autotune.strategies.grid import GridStrategy
+from autotune.strategies.sampler import OptunaStrategy
 
-__all__ = ["Strategy", "GridStrategy", "STRATEGIES", "make_strategy"]
+__all__ = ["Strategy", "AutoStrategy", "GridStrategy", "OptunaStrategy", "STRATEGIES", "make_strategy"]
 
-STRATEGIES = {"grid": GridStrategy}
+STRATEGIES = {"auto": AutoStrategy, "grid": GridStrategy, "optuna": OptunaStrategy}
 
 
-def make_strategy(name: str) -> Strategy:
-    """Return a new strategy called ``name`` (see ``STRATEGIES``)."""
-    try:
-        return STRATEGIES[name]()
-    except KeyError:
-        raise UsageError(f"unknown --strategy {name!r}: choose from {', '.join(STRATEGIES)}") from None
+def make_strategy(name: str, *, headroom: float = 0.1, budgets: tuple[int, ...] = (),
+                  fixed_bytes_hint: float | None = None, n_trials: int | None = None) -> Strategy:
+    """Return a new strategy called ``name`` (see ``STRATEGIES``) with the options it takes."""
+    if name not in STRATEGIES:
+        raise UsageError(f"unknown --strategy {name!r}: choose from {', '.join(STRATEGIES)}")
+    if n_trials is not None and name != "optuna":
+        raise UsageError(f"--n-trials is the trial budget of --strategy optuna; {name} decides its own trials")
+    options: dict[str, Any] = {}
+    if name == "auto":
+        options = {"headroom": headroom, "budgets": budgets, "fixed_bytes_hint": fixed_bytes_hint}
+    elif name == "optuna":
+        if n_trials is not None and n_trials < 1:
+            raise UsageError(f"--n-trials {n_trials} must be at least 1")
+        options = {"n_trials": n_trials}
+    return STRATEGIES[name](**options)

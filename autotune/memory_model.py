@@ -1,0 +1,212 @@
+"""The memory model: ``peak(b) = fixed + per_sample * b`` per (precision, segments), fitted to trials.
+
+For a fixed precision and checkpoint plan, peak training memory is the state that does not depend
+on the batch (weights, gradients, optimizer moments) plus activations that grow with every sample.
+The model fits that line to the measured peaks and predicts plans not measured yet:
+
+* a plan with two or more measured batch sizes gets its own least-squares line;
+* a plan with one point shares its precision's intercept (the state is the same whatever the plan),
+  fitted jointly over that precision's multi-point plans, else taken from another precision or
+  from a hint (the tuner passes 4 x the parameter bytes: weights, gradients and AdamW's moments);
+* a plan with no point borrows its per-sample cost: from the same segment count in another
+  precision, scaled by the ratio the two precisions show on plans measured in both (before there
+  is one, by the ratio of their element sizes); else from the
+  shape checkpointing gives activations within one precision, ``a(s) = H + A f(s) + C s`` with
+  ``f(0) = 1`` and ``f(s) = 1/s`` (one segment's internals are live at a time, plus the ``s``
+  stored segment inputs), fitted to that precision's measured plans.
+
+The model only guides the search; every limit it reports as measured was measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Iterable
+
+from autotune.trial import Measurement
+
+__all__ = ["PlanModel", "MemoryModel"]
+
+Plan = tuple[str, int]
+# Bytes per element of the activations autocast produces: a first guess of how precisions compare,
+# replaced by the measured ratio once a plan is measured in both.
+_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanModel:
+    """The fitted line of one (precision, segments) plan."""
+
+    precision: str
+    segments: int
+    fixed_bytes: float
+    per_sample_bytes: float
+    points: int  # measured peaks the line was fitted to
+    source: str  # "fit" (own line), "shared-intercept" (one point), "predicted" (no point: from other plans)
+    max_error_bytes: float | None = None  # largest |measured - fitted| over its points (None without points)
+    max_relative_error: float | None = None
+
+    @property
+    def plan(self) -> Plan:
+        return (self.precision, self.segments)
+
+    def predict(self, batch_size: int) -> float:
+        return self.fixed_bytes + self.per_sample_bytes * batch_size
+
+    def to_dict(self) -> dict:
+        return {
+            "precision": self.precision,
+            "segments": self.segments,
+            "fixed_bytes": round(self.fixed_bytes),
+            "per_sample_bytes": round(self.per_sample_bytes),
+            "points": self.points,
+            "source": self.source,
+            "max_error_bytes": None if self.max_error_bytes is None else round(self.max_error_bytes),
+            "max_relative_error": None if self.max_relative_error is None else round(self.max_relative_error, 5),
+        }
+
+
+def _points(measurements: Iterable[Measurement]) -> dict[Plan, dict[int, float]]:
+    """Measured peaks of trials that ran to the end, per plan: {batch_size: peak_bytes}."""
+    points: dict[Plan, dict[int, float]] = {}
+    for m in measurements:
+        if m.status == "ok" and m.peak_bytes:
+            points.setdefault(m.config.plan, {})[m.batch_size] = float(m.peak_bytes)
+    return points
+
+
+def _line(pts: dict[int, float]) -> tuple[float, float]:
+    """Least-squares intercept and slope through two or more (batch, peak) points."""
+    n = len(pts)
+    sx, sy = sum(pts), sum(pts.values())
+    sxx, sxy = sum(b * b for b in pts), sum(b * y for b, y in pts.items())
+    slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    return (sy - slope * sx) / n, slope
+
+
+def _shared_intercept(plans: list[dict[int, float]]) -> float | None:
+    """The intercept that fits several plans best when each keeps its own slope (closed form)."""
+    num = den = 0.0
+    for pts in plans:
+        sb, sbb = sum(pts), sum(b * b for b in pts)
+        sy, sby = sum(pts.values()), sum(b * y for b, y in pts.items())
+        num += sy - sby * sb / sbb
+        den += len(pts) - sb * sb / sbb
+    return num / den if den > 1e-9 else None
+
+
+def _shape(segments: int) -> float:
+    return 1.0 if segments <= 1 else 1.0 / segments
+
+
+def _shape_fit(slopes: dict[int, float]) -> tuple[float, float, float]:
+    """Fit per-sample cost vs segment count, ``H + A f(s) + C s``, to as many terms as the points allow."""
+    if len(slopes) == 1:
+        (s, a), = slopes.items()
+        return 0.0, a / _shape(s), 0.0
+    rows = [(1.0, _shape(s), float(s)) for s in slopes]
+    ys = list(slopes.values())
+    if len(slopes) == 2:  # A and C only
+        rows = [(0.0, f, c) for _, f, c in rows]
+    return _least_squares(rows, ys)
+
+
+def _least_squares(rows: list[tuple[float, float, float]], ys: list[float]) -> tuple[float, float, float]:
+    """Solve the normal equations of a three-column least-squares problem; unused columns stay 0."""
+    import numpy as np
+
+    x, y = np.array(rows), np.array(ys)
+    used = [j for j in range(3) if np.any(x[:, j])]
+    coef = np.zeros(3)
+    sol, *_ = np.linalg.lstsq(x[:, used], y, rcond=None)
+    coef[used] = sol
+    return float(coef[0]), float(coef[1]), float(coef[2])
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryModel:
+    """Fitted or predicted lines for the plans of a search; see the module docstring."""
+
+    plans: dict[Plan, PlanModel]
+
+    @classmethod
+    def fit(cls, measurements: Iterable[Measurement], plans: Iterable[Plan], *,
+            fixed_bytes_hint: float | None = None) -> "MemoryModel":
+        plans = list(dict.fromkeys(plans))
+        points = _points(measurements)
+        precisions = list(dict.fromkeys(p for p, _ in plans + list(points)))
+        intercept: dict[str, float] = {}
+        for p in precisions:
+            multi = [pts for (q, _), pts in points.items() if q == p and len(pts) >= 2]
+            shared = _shared_intercept(multi) if multi else None
+            if shared is not None:
+                intercept[p] = max(shared, 0.0)
+        fallback = statistics.median(intercept.values()) if intercept else (fixed_bytes_hint or 0.0)
+        models: dict[Plan, PlanModel] = {}
+        for plan, pts in points.items():
+            p = plan[0]
+            if len(pts) >= 2:
+                fixed, slope = _line(pts)
+                source = "fit"
+            else:
+                fixed = intercept.get(p, fallback)
+                (b, y), = pts.items()
+                slope, source = (y - fixed) / b, "shared-intercept"
+                if slope <= 0:  # the intercept is too large for this point: it says more than the guess
+                    fixed, slope = y * 0.5, y * 0.5 / b
+            slope = max(slope, 1.0)
+            errors = [abs(y - (fixed + slope * b)) for b, y in pts.items()]
+            models[plan] = PlanModel(p, plan[1], fixed, slope, len(pts), source, max(errors),
+                                     max(e / y for e, y in zip(errors, pts.values())))
+        slopes = {plan: m.per_sample_bytes for plan, m in models.items()}
+        for plan in plans:
+            if plan not in models:
+                slope = _borrowed_slope(plan, slopes)
+                if slope is not None:
+                    models[plan] = PlanModel(plan[0], plan[1], intercept.get(plan[0], fallback), slope, 0, "predicted")
+        return cls(models)
+
+    def predict(self, plan: Plan, batch_size: int) -> float | None:
+        """Predicted peak bytes of ``plan`` at ``batch_size``, or None where nothing is known yet."""
+        model = self.plans.get(plan)
+        return None if model is None else model.predict(batch_size)
+
+    def relative_error(self) -> float:
+        """The largest relative residual over plans fitted to three or more points (0 when none)."""
+        return max((m.max_relative_error for m in self.plans.values() if m.points >= 3 and m.max_relative_error), default=0.0)
+
+    def to_list(self) -> list[dict]:
+        return [self.plans[plan].to_dict() for plan in sorted(self.plans, key=lambda pl: (pl[0], pl[1]))]
+
+
+def _borrowed_slope(plan: Plan, slopes: dict[Plan, float]) -> float | None:
+    """Per-sample bytes for a plan with no measurement, from the plans that have one."""
+    precision, segments = plan
+    others = [q for q in dict.fromkeys(p for p, _ in slopes) if q != precision]
+
+    def ratio(q: str) -> float | None:  # per-sample cost of `precision` relative to `q`, on shared plans
+        shared = [slopes[(precision, s)] / slopes[(q, s)] for (p, s) in slopes if p == q and (precision, s) in slopes]
+        return statistics.median(shared) if shared else None
+
+    for q in others:  # the same plan in another precision, scaled
+        if (q, segments) in slopes and ratio(q) is not None:
+            return slopes[(q, segments)] * ratio(q)
+    own = {s: a for (p, s), a in slopes.items() if p == precision}
+    if own:  # the shape of checkpointing within this precision
+        h, a, c = _shape_fit(own)
+        value = h + a * _shape(segments) + c * segments
+        if math.isfinite(value) and value > 0:
+            return value
+        return min(own.values())
+    for q in others:  # no plan measured in both: scale by the activations' element size
+        scale = _ELEMENT_BYTES.get(precision, 4) / _ELEMENT_BYTES.get(q, 4)
+        if (q, segments) in slopes:
+            return slopes[(q, segments)] * scale
+        theirs = {s: a for (p, s), a in slopes.items() if p == q}
+        if theirs:
+            h, a, c = _shape_fit(theirs)
+            value = h + a * _shape(segments) + c * segments
+            return scale * (value if math.isfinite(value) and value > 0 else min(theirs.values()))
+    return None

@@ -1,0 +1,188 @@
+"""Auto: bracket each plan's largest batch with the memory model, then climb throughput.
+
+For a fixed precision and checkpoint plan, peak memory is monotone and close to linear in the
+batch size (:mod:`autotune.memory_model`). The strategy works in three phases, each a function of
+the measurements alone, so a resumed search or a second worker picks up where the store stands:
+
+1. **Bracket** every plan's boundary under the budget, exactly at the resolution of the batch
+   sizes: the largest size that fits and the next size up (which does not) are both measured. The
+   next trial of a plan is the size the model predicts to be the largest that fits, inside the
+   bracket still open; after three trials of a plan without closing it, plain bisection.
+2. **Other budgets** (``--budgets``): a plan's boundary under a smaller budget comes from the
+   measured peaks where they bracket it, from the model where its prediction is clear of the
+   budget by more than its error, and from one more trial where it is not.
+3. **Throughput.** At each batch size the fastest plan is the one with the fewest checkpoint
+   segments that fits within the budget less headroom (checkpointing only adds recompute), so
+   the other plans cannot enter the front there and are not measured further. Along that
+   envelope, per precision, the strategy climbs from the fastest measured point to a local
+   maximum of samples/s: both neighbours measured and slower.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from autotune.memory_model import MemoryModel
+from autotune.space import Config, SearchSpace
+from autotune.strategies.base import Strategy
+from autotune.trial import Measurement
+
+__all__ = ["AutoStrategy", "bracket"]
+
+_BISECT_AFTER = 3  # trials of one plan after which the model is not trusted to close its bracket
+
+
+def _feasible(m: Measurement, limit: float | None) -> bool | None:
+    """True if the trial fits ``limit``, False if it does not (or could not run), None when unknown."""
+    if m.status == "ok":
+        return limit is None or (m.peak_bytes or 0) <= limit
+    return False  # oom, timeout, failed, crashed: nothing larger is tried
+
+
+def bracket(sizes: list[int], outcomes: Mapping[int, bool]) -> tuple[int, int]:
+    """Return (lo, hi): indices of the largest size known to fit and the smallest above it known not to.
+
+    ``lo`` is -1 when no size fits, ``hi`` is ``len(sizes)`` when none above ``lo`` fails. The
+    boundary is found when ``hi == lo + 1``.
+    """
+    fits = [i for i, b in enumerate(sizes) if outcomes.get(b) is True]
+    lo = max(fits, default=-1)
+    hi = min((i for i, b in enumerate(sizes) if i > lo and outcomes.get(b) is False), default=len(sizes))
+    return lo, hi
+
+
+def next_in_bracket(sizes: list[int], outcomes: Mapping[int, bool], predicted: Mapping[int, float] | None,
+                    limit: float | None, tries: int) -> int | None:
+    """The next batch size to measure to close the bracket of one plan, or None when it is closed.
+
+    ``predicted`` maps batch sizes to the model's peak bytes (None where the model knows nothing):
+    the guess is the largest open size predicted to fit. ``tries`` is how many trials the plan had.
+    """
+    lo, hi = bracket(sizes, outcomes)
+    if hi == lo + 1 or (lo == -1 and hi == 0):
+        return None
+    open_ = list(range(lo + 1, hi))
+    if tries >= _BISECT_AFTER:
+        return sizes[(lo + hi) // 2]
+    if not predicted:
+        return sizes[open_[0]]
+    fitting = [i for i in open_ if limit is None or predicted[sizes[i]] <= limit]
+    return sizes[fitting[-1] if fitting else open_[0]]
+
+
+def _dominates(fast: str, slow: str, measured: Mapping[Config, Measurement], model: MemoryModel,
+               plans: list[tuple[str, int]], smallest: int, largest: int) -> bool:
+    """Whether precision ``fast`` beats ``slow`` on both axes: faster in every configuration measured in both
+    (at least one), and predicted to need no more memory in any plan at any batch size."""
+    pairs = [(m.samples_per_s, measured[Config(fast, c.segments, c.batch_size)].samples_per_s)
+             for c, m in measured.items() if c.precision == slow and m.samples_per_s is not None
+             and Config(fast, c.segments, c.batch_size) in measured]
+    if not pairs or any(q is None or q <= s for s, q in pairs):
+        return False
+    for _, segments in (pl for pl in plans if pl[0] == slow):
+        a, b = model.plans.get((fast, segments)), model.plans.get((slow, segments))
+        if a is None or b is None or any(a.predict(n) > b.predict(n) * (1 + 1e-9) for n in (smallest, largest)):
+            return False  # two lines: no higher at both ends, no higher anywhere between
+    return True
+
+
+class AutoStrategy(Strategy):
+    """Model-guided bracketing of each plan's batch limit, then a throughput climb (module docstring)."""
+
+    name = "auto"
+
+    def __init__(self, *, headroom: float = 0.1, budgets: Iterable[int] = (), fixed_bytes_hint: float | None = None) -> None:
+        self.headroom = headroom
+        self.budgets = tuple(sorted(set(budgets)))
+        self.fixed_bytes_hint = fixed_bytes_hint
+
+    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
+                *, pending: frozenset[Config] = frozenset()) -> Config | None:
+        sizes = sorted(space.batch_sizes)
+        plans = [(p, s) for s in sorted(space.segments) for p in space.precisions]  # a precision's ratio early
+        model = MemoryModel.fit(measured.values(), plans, fixed_bytes_hint=self.fixed_bytes_hint)
+        busy = {c.plan for c in pending}
+        by_plan: dict[tuple[str, int], dict[int, Measurement]] = {}
+        for c, m in measured.items():
+            by_plan.setdefault(c.plan, {})[c.batch_size] = m
+
+        def outcomes(plan, limit):
+            return {b: _feasible(m, limit) for b, m in by_plan.get(plan, {}).items()}
+
+        def predicted(plan):
+            return None if plan not in model.plans else {b: model.predict(plan, b) for b in sizes}
+
+        # 1. The budget's boundary of every plan, measured on both sides.
+        waiting = False
+        for plan in plans:
+            b = next_in_bracket(sizes, outcomes(plan, budget_bytes), predicted(plan), budget_bytes,
+                                len(by_plan.get(plan, {})))
+            if b is not None:
+                if plan in busy:
+                    waiting = True
+                    continue
+                return Config(*plan, b)
+        if waiting:
+            return None  # the rest depends on trials other workers are running
+        # 2. Smaller budgets: measure a boundary only where the model is not clear of it.
+        margin = max(0.05, model.relative_error())
+        for limit in (b for b in self.budgets if budget_bytes is None or b < budget_bytes):
+            for plan in plans:
+                b = self._uncertain(sizes, outcomes(plan, limit), predicted(plan), limit, margin)
+                if b is not None and Config(*plan, b) not in pending:
+                    return Config(*plan, b)
+        # 3. Throughput along each precision's envelope, for every budget less headroom; a precision
+        # slower wherever both were measured, and needing more memory in every plan, is skipped.
+        for budget in dict.fromkeys([budget_bytes, *self.budgets]):
+            limit = None if budget is None else budget * (1.0 - self.headroom)
+            for precision in space.precisions:
+                if any(_dominates(other, precision, measured, model, plans, sizes[0], sizes[-1])
+                       for other in space.precisions if other != precision):
+                    continue
+                config = self._climb(precision, sorted(space.segments), sizes, by_plan, model, limit)
+                if config is not None and config not in pending:
+                    return config
+        return None
+
+    @staticmethod
+    def _uncertain(sizes, outcomes, predicted, limit, margin) -> int | None:
+        """A size whose fit under ``limit`` neither the measurements nor the model settle, or None."""
+        lo, hi = bracket(sizes, outcomes)
+        for i in range(lo + 1, hi):
+            guess = None if predicted is None else predicted[sizes[i]]
+            if guess is None or abs(guess - limit) <= margin * limit:
+                return sizes[i]
+        return None
+
+    @staticmethod
+    def _climb(precision, segments, sizes, by_plan, model, limit) -> Config | None:
+        """The next point of the precision's throughput climb under ``limit``, or None at a local maximum."""
+        envelope: list[Config] = []
+        for b in sizes:
+            for s in segments:  # fewest segments first: the least recompute
+                trials = by_plan.get((precision, s), {})
+                if b in trials:
+                    fits = _feasible(trials[b], limit)
+                else:  # not measured: not if a smaller size of the plan failed the limit, else as predicted
+                    guess = model.predict((precision, s), b)
+                    fits = (guess is not None and (limit is None or guess <= limit)
+                            and all(_feasible(m, limit) for c, m in trials.items() if c < b))
+                if fits:
+                    envelope.append(Config(precision, s, b))
+                    break
+        speeds = {i: by_plan[c.plan][c.batch_size].samples_per_s for i, c in enumerate(envelope)
+                  if c.batch_size in by_plan.get(c.plan, {})}
+        if not envelope:
+            return None
+        if not speeds:
+            return envelope[-1]
+        # Speed is taken to be unimodal along the envelope: the maximum lies between the fastest measured
+        # point's measured neighbours. Probe the middle of the wider side until both neighbours are measured.
+        best = max(speeds, key=lambda i: (speeds[i], -i))
+        left = max((i for i in speeds if i < best), default=-1)
+        right = min((i for i in speeds if i > best), default=len(envelope))
+        if best - left <= 1 and right - best <= 1:
+            return None
+        if right - best >= best - left:
+            return envelope[(best + right) // 2]
+        return envelope[(left + best + 1) // 2]

@@ -1,0 +1,76 @@
+"""Optuna: a multi-objective sampler (NSGA-II) over the whole space, within a trial budget.
+
+For spaces too large to bracket plan by plan (many precisions x plans x batch sizes), NSGA-II
+evolves a population towards the front of (samples/s up, peak memory down). A trial that runs out
+of memory, is cut, or exceeds the budget counts as zero samples/s at twice the budget, so every
+feasible point dominates it. The sampler's own study lives in memory next to the trial store; the
+driver still runs every proposal as a trial of the stored study. A configuration the sampler asks
+for again is answered from the measurements without running it.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import optuna
+
+from autotune.space import Config, SearchSpace
+from autotune.strategies.base import Strategy
+from autotune.trial import Measurement
+
+__all__ = ["OptunaStrategy"]
+
+
+class OptunaStrategy(Strategy):
+    """NSGA-II proposals until ``n_trials`` configurations are measured (default: a quarter of the space)."""
+
+    name = "optuna"
+
+    def __init__(self, *, n_trials: int | None = None, seed: int = 0) -> None:
+        self.n_trials = n_trials
+        self.seed = seed
+        self._shadow: optuna.Study | None = None
+        self._asked: dict[Config, optuna.Trial] = {}  # proposed, not measured yet
+        self._told: set[Config] = set()
+
+    def _values(self, m: Measurement, budget_bytes: int | None) -> list[float]:
+        if m.fits(budget_bytes) and m.samples_per_s is not None:
+            return [m.samples_per_s, float(m.peak_bytes or 0)]
+        return [0.0, 2.0 * float(budget_bytes or m.peak_bytes or 1)]
+
+    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
+                *, pending: frozenset[Config] = frozenset()) -> Config | None:
+        limit = self.n_trials if self.n_trials is not None else max(1, len(space) // 4)
+        distributions = {
+            "precision": optuna.distributions.CategoricalDistribution(space.precisions),
+            "segments": optuna.distributions.CategoricalDistribution(space.segments),
+            "batch_size": optuna.distributions.CategoricalDistribution(space.batch_sizes),
+        }
+        if self._shadow is None:
+            sampler = optuna.samplers.NSGAIISampler(population_size=max(4, min(20, limit // 3)), seed=self.seed)
+            self._shadow = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+        for config, m in measured.items():  # what the driver measured, and what came from the store
+            if config in self._told:
+                continue
+            self._told.add(config)
+            trial = self._asked.pop(config, None)
+            if trial is not None:
+                self._shadow.tell(trial, self._values(m, budget_bytes))
+            else:
+                self._shadow.add_trial(optuna.trial.create_trial(
+                    params={"precision": config.precision, "segments": config.segments, "batch_size": config.batch_size},
+                    distributions=distributions, values=self._values(m, budget_bytes)))
+        if len(measured) >= limit or len(measured) + len(pending) >= len(space):
+            return None
+        for _ in range(10 * len(space)):
+            trial = self._shadow.ask(distributions)
+            config = Config(**trial.params)
+            if config in measured:
+                self._shadow.tell(trial, self._values(measured[config], budget_bytes))
+            elif config in pending or config in self._asked:
+                self._shadow.tell(trial, state=optuna.trial.TrialState.FAIL)
+            else:
+                self._asked[config] = trial
+                return config
+        # The sampler keeps asking for what is known: take the next configuration nobody has.
+        return next((c for c in space.configs() if c not in measured and c not in pending and c not in self._asked), None)

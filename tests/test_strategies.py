@@ -1,0 +1,211 @@
+"""Strategies on synthetic memory curves: no model runs, only the decisions.
+
+Each curve maps a configuration to its peak bytes and speed; a trial "runs out of memory" above
+the budget, as the tensor meter makes it. The grid of the same curve is the reference.
+"""
+
+import math
+import random
+
+import pytest
+
+from autotune.memory_model import MemoryModel
+from autotune.pareto import batch_limits, recommend
+from autotune.space import Config, SearchSpace
+from autotune.strategies import AutoStrategy, GridStrategy, OptunaStrategy, make_strategy
+from autotune.strategies.auto import bracket, next_in_bracket
+from autotune.trial import Measurement
+from autotune.errors import UsageError
+
+MiB = 2**20
+BUDGET = 1024 * MiB
+SPACE = SearchSpace(("fp32", "bf16"), (0, 2, 3, 4, 8, 12), tuple(2**k for k in range(9)))  # 1..256: 108 configs
+
+
+def linear(config):
+    """Like TinyGPT on the CPU: checkpointing divides the chain's activations, bf16 roughly halves them."""
+    per_sample = 18 * MiB * (1.0 if config.segments == 0 else 1 / config.segments + 0.03 * config.segments)
+    per_sample *= 0.55 if config.precision == "bf16" else 1.0
+    return 8 * MiB + per_sample * config.batch_size
+
+
+def speed(config):
+    """Samples/s that peak at batch 16 (a CPU's caches), lower with more recompute and in fp32."""
+    base = 40.0 / (1 + abs(math.log2(config.batch_size) - 4) * 0.15)
+    return base * (1.0 if config.segments == 0 else 0.8 - 0.01 * config.segments) * (1.2 if config.precision == "bf16" else 1.0)
+
+
+def measure(curve, budget=BUDGET):
+    def trial(config):
+        peak = int(curve(config))
+        if budget is not None and peak > budget:
+            return Measurement(config, "oom", peak_bytes=budget + 1, error="DefaultCPUAllocator: can't allocate memory")
+        sps = speed(config)
+        return Measurement(config, "ok", peak_bytes=peak, step_s=config.batch_size / sps, samples_per_s=sps)
+    return trial
+
+
+def run(strategy, trial, space=SPACE, budget=BUDGET):
+    measured = {}
+    while (config := strategy.propose(space, measured, budget)) is not None:
+        assert config not in measured, f"{config} proposed twice"
+        assert config in space.configs()
+        measured[config] = trial(config)
+    return measured
+
+
+def limits(measured, budget=BUDGET, sizes=SPACE.batch_sizes):
+    return {(r["precision"], r["segments"]): (r["max_batch_size"], r["bracketed"])
+            for r in batch_limits(measured.values(), budget, batch_sizes=sizes)}
+
+
+def grid_limits(trial, space=SPACE, budget=BUDGET):
+    return {plan: (b, True) for plan, (b, _) in limits(run(GridStrategy(), trial, space, budget), budget, space.batch_sizes).items()}
+
+
+def stepwise(config):  # an allocator that hands out memory in 64 MiB blocks
+    return 64 * MiB * math.ceil(linear(config) / (64 * MiB))
+
+
+def noisy(config):  # +-4% around the line, the same for a configuration every time
+    return linear(config) * (1 + random.Random(str(config)).uniform(-0.04, 0.04))
+
+
+# A coarse allocator makes a line a worse guess: a few more trials, the same limits.
+@pytest.mark.parametrize("curve, share", [(linear, 0.25), (noisy, 0.25), (stepwise, 0.33)])
+def test_auto_finds_every_plans_exact_limit_with_a_fraction_of_the_grid(curve, share):
+    trial = measure(curve)
+    auto = run(AutoStrategy(fixed_bytes_hint=8 * MiB), trial)
+    found = limits(auto)
+    assert found == grid_limits(trial)  # the same largest batch per plan, each bracketed by measurement
+    assert len(auto) <= share * len(SPACE)
+    grid = recommend(run(GridStrategy(), trial).values(), BUDGET)
+    assert recommend(auto.values(), BUDGET).config == grid.config
+
+
+def test_bracketing_measures_both_sides_of_the_boundary():
+    auto = run(AutoStrategy(), measure(linear))
+    for (precision, segments), (largest, _) in limits(auto).items():
+        i = SPACE.batch_sizes.index(largest)
+        assert auto[Config(precision, segments, largest)].status == "ok"
+        if i + 1 < len(SPACE.batch_sizes):
+            assert auto[Config(precision, segments, SPACE.batch_sizes[i + 1])].status == "oom"
+
+
+def test_everything_infeasible_costs_one_trial_per_plan():
+    auto = run(AutoStrategy(), measure(lambda c: 2 * BUDGET))
+    assert sorted(auto) == sorted(Config(p, s, 1) for p in SPACE.precisions for s in SPACE.segments)
+    assert all(largest is None for largest, _ in limits(auto).values())
+    assert recommend(auto.values(), BUDGET) is None
+
+
+def test_everything_feasible_measures_the_largest_batch_and_climbs_from_there():
+    trial = measure(lambda c: 10 * MiB + c.batch_size * 1024)
+    auto = run(AutoStrategy(), trial)
+    assert all(largest == 256 and closed for largest, closed in limits(auto).values())
+    assert recommend(auto.values(), BUDGET).config == recommend(run(GridStrategy(), trial).values(), BUDGET).config
+    assert len(auto) <= 1 + 12 + 6  # the first plan's smallest batch, each plan once, the climb
+
+
+def test_without_a_budget_every_plan_is_measured_at_its_largest_batch():
+    auto = run(AutoStrategy(), measure(linear, budget=None), budget=None)
+    assert {c for c in auto if c.batch_size == 256} == {Config(p, s, 256) for p in SPACE.precisions for s in SPACE.segments}
+
+
+def test_a_list_of_batch_sizes_is_bracketed_too():
+    space = SearchSpace(("fp32",), (0, 4), (8, 24, 40, 56, 72, 88, 104))
+    trial = measure(linear)
+    assert limits(run(AutoStrategy(), trial, space), sizes=space.batch_sizes) == grid_limits(trial, space)
+
+
+def test_a_wrong_model_falls_back_to_bisection_and_still_brackets():
+    # Memory that jumps at batch 24 for no reason a line could foresee.
+    trial = measure(lambda c: 8 * MiB + c.batch_size * MiB * (1 if c.batch_size < 24 else 50))
+    space = SearchSpace(("fp32",), (0,), tuple(range(1, 65)))
+    auto = run(AutoStrategy(), trial, space)
+    assert limits(auto, sizes=space.batch_sizes) == {("fp32", 0): (23, True)}
+    # Guided jumps, then bisection, then the climb along 23 sizes: logarithmic, not a scan of 64.
+    assert len(auto) <= 3 + math.ceil(math.log2(64)) + 2 * math.ceil(math.log2(23))
+
+
+def test_timeouts_stop_the_bracket_like_out_of_memory():
+    def trial(config):
+        if config.batch_size >= 64:
+            return Measurement(config, "timeout", error="the trial would run past its limit")
+        return measure(linear)(config)
+    auto = run(AutoStrategy(), trial)
+    assert limits(auto)[("bf16", 12)] == (32, True)
+
+
+def test_a_plan_another_worker_is_measuring_is_left_to_it():
+    strategy = AutoStrategy(fixed_bytes_hint=8 * MiB)
+    first = strategy.propose(SPACE, {}, BUDGET)
+    second = strategy.propose(SPACE, {}, BUDGET, pending=frozenset({first}))
+    assert second is not None and second.plan != first.plan
+
+
+def test_smaller_budgets_come_from_the_same_trials_where_the_model_is_sure():
+    trial = measure(linear)
+    budgets = (256 * MiB, 512 * MiB, BUDGET)
+    auto = run(AutoStrategy(budgets=budgets, fixed_bytes_hint=8 * MiB), trial)
+    single = run(AutoStrategy(fixed_bytes_hint=8 * MiB), trial)
+    model = MemoryModel.fit(auto.values(), [(p, s) for p in SPACE.precisions for s in SPACE.segments])
+    for budget in budgets[:2]:
+        truth = {plan: b for plan, (b, _) in limits(run(GridStrategy(), trial), budget).items()}
+        rows = batch_limits(auto.values(), budget, batch_sizes=SPACE.batch_sizes, model=model)
+        got = {(r["precision"], r["segments"]): r["max_batch_size"] if r["bracketed"] else r["predicted_max_batch_size"]
+               for r in rows}
+        assert got == truth
+        grid = recommend(run(GridStrategy(), trial).values(), budget)
+        assert recommend(auto.values(), budget).config == grid.config
+    assert len(auto) < len(single) + 12  # a few trials more, not a search per budget
+
+
+def test_the_memory_model_recovers_lines_and_predicts_unmeasured_plans():
+    trial = measure(linear)
+    points = [trial(Config("fp32", 0, b)) for b in (1, 8)] + [trial(Config("fp32", 4, 16)), trial(Config("bf16", 0, 8))]
+    model = MemoryModel.fit(points, [(p, s) for p in ("fp32", "bf16") for s in (0, 4)])
+    fp32 = model.plans[("fp32", 0)]
+    assert fp32.source == "fit" and fp32.fixed_bytes == pytest.approx(8 * MiB, rel=1e-6)
+    assert fp32.per_sample_bytes == pytest.approx(18 * MiB, rel=1e-6) and fp32.max_error_bytes < 1
+    assert model.plans[("fp32", 4)].source == "shared-intercept"
+    assert model.predict(("fp32", 4), 64) == pytest.approx(linear(Config("fp32", 4, 64)), rel=1e-6)
+    bf16_4 = model.plans[("bf16", 4)]  # never measured: fp32's plan scaled by the bf16/fp32 ratio of plan 0
+    assert bf16_4.source == "predicted" and bf16_4.points == 0
+    assert bf16_4.predict(64) == pytest.approx(linear(Config("bf16", 4, 64)), rel=0.02)
+    row = model.to_list()[0]
+    assert set(row) == {"precision", "segments", "fixed_bytes", "per_sample_bytes", "points", "source",
+                        "max_error_bytes", "max_relative_error"}
+
+
+@pytest.mark.parametrize("outcomes, expected", [
+    ({}, (-1, 4)), ({1: True}, (0, 4)), ({1: True, 8: False}, (0, 3)), ({2: True, 4: True, 8: False}, (2, 3)),
+    ({1: False}, (-1, 0)), ({8: True}, (3, 4)),
+])
+def test_bracket_indices(outcomes, expected):
+    assert bracket([1, 2, 4, 8], outcomes) == expected
+
+
+def test_next_in_bracket_jumps_to_the_predicted_boundary_then_bisects():
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    predicted = {b: 10 + 3 * b for b in sizes}  # 64 bytes fits at most batch 16
+    assert next_in_bracket(sizes, {}, predicted, 64, tries=0) == 16
+    assert next_in_bracket(sizes, {16: True}, predicted, 64, tries=1) == 32  # the next size up, to close it
+    assert next_in_bracket(sizes, {16: True, 32: False}, predicted, 64, tries=2) is None
+    assert next_in_bracket(sizes, {}, None, 64, tries=0) == 1  # nothing known: the smallest first
+    assert next_in_bracket(sizes, {1: True, 2: True, 64: False}, predicted, 64, tries=3) == 8  # bisection of 2..64
+
+
+def test_optuna_strategy_stays_within_its_trial_budget_and_never_repeats():
+    trial = measure(linear)
+    measured = run(OptunaStrategy(n_trials=20, seed=1), trial)
+    assert len(measured) == 20
+    assert recommend(measured.values(), BUDGET) is not None
+
+
+def test_strategy_options_are_checked():
+    with pytest.raises(UsageError, match="--n-trials"):
+        make_strategy("auto", n_trials=5)
+    with pytest.raises(UsageError, match="at least 1"):
+        make_strategy("optuna", n_trials=0)
+    assert make_strategy("optuna").name == "optuna" and make_strategy("auto").name == "auto"
