@@ -37,7 +37,12 @@ class _Tracker(TorchDispatchMode):
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (nbytes, finaliser)
 
     def track(self, tensors: Iterable[object]) -> None:
-        """Count the storages of ``tensors`` (non-tensors are ignored); raise past the budget."""
+        """Count the storages of ``tensors`` (non-tensors are ignored); raise past the budget.
+
+        Past the budget the new storages are not counted, as a real allocator that refused them
+        would not: an out-of-memory handler can go on allocating what still fits.
+        """
+        added = []
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
@@ -53,10 +58,16 @@ class _Tracker(TorchDispatchMode):
                 self.live_bytes -= known[0]
             self._storages[storage] = (nbytes, weakref.finalize(storage, self._free, nbytes))
             self.live_bytes += nbytes
+            added.append(storage)
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
-                raise BudgetExceededError(nbytes, self.live_bytes, self.budget_bytes)
+                tried = self.live_bytes
+                for storage in added:
+                    size, finaliser = self._storages.pop(storage)
+                    finaliser.detach()
+                    self.live_bytes -= size
+                raise BudgetExceededError(nbytes, tried, self.budget_bytes)
 
     def _free(self, nbytes: int) -> None:
         self.live_bytes -= nbytes

@@ -1,0 +1,299 @@
+"""Search efficiency: `auto` vs `grid` vs the batch-size finders people use today, in one run.
+
+    python benchmarks/search_efficiency.py [--models TinyGPT,ResNetish] [--budget 1GiB] [--measure-steps 5]
+
+Per bundled model, on the CPU (or --device), under one budget, precisions fp32,bf16, segments
+auto, batch sizes 1..256:
+
+* ``grid``: every configuration, ``autotune.tune(strategy="grid")`` from an empty store.
+* ``auto``: ``autotune.tune(strategy="auto")`` from an empty store.
+* ``lightning-style``: per (precision, plan), Lightning's batch-size finder in ``binsearch`` mode
+  over the batch sizes of the space: double from the smallest until a trial runs out of memory,
+  then bisect between the last fit and the first failure.
+* ``accelerate-style``: per (precision, plan), accelerate's ``find_executable_batch_size``: start
+  at the largest size, after every out-of-memory try 90% of it (here: the largest size of the
+  space at most 90% of it), until one fits.
+
+The two finder emulations only search the batch axis; they take each trial from the grid's
+measurements (the same configuration measures the same), and their seconds are the grid's
+seconds for those trials. Their recommendation is the fastest of the largest batches they found.
+
+* ``lightning`` and ``accelerate``: the real ``Tuner.scale_batch_size(mode="binsearch")`` and
+  ``find_executable_batch_size`` (when installed), on the plan without checkpointing in fp32 and
+  bf16, inside autotune's tensor meter with the same budget: its error is a
+  ``torch.OutOfMemoryError`` both recognise. They search every integer, not the space's sizes.
+
+Writes ``results/search_efficiency-<device>.json`` and ``.md`` (with the environment) and each
+grid report as ``results/grid-<model>-<device>.json``, which ``benchmarks/claims.py`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+import autotune
+from autotune.meters import TensorMeter
+from autotune.pareto import recommend
+from autotune.report import environment
+from autotune.space import Config
+from autotune.units import format_bytes, parse_size
+from autotune.workload import Workload
+
+MODELS = {"TinyGPT": "autotune.examples:TinyGPT", "ResNetish": "autotune.examples:ResNetish"}
+
+
+def lightning_style(sizes, measured):
+    """Double from the smallest size until out of memory, then bisect (over the space's indices)."""
+    tried, i, lo, hi = [], 0, -1, None
+    while i < len(sizes):  # power phase: doubling the batch is the next size of a powers-of-two space
+        tried.append(sizes[i])
+        if not measured[sizes[i]].fits:
+            hi = i
+            break
+        lo, nxt = i, next((j for j, b in enumerate(sizes) if b >= 2 * sizes[i]), len(sizes))
+        i = nxt
+    while hi is not None and hi - lo > 1:  # binsearch phase
+        mid = (lo + hi) // 2
+        tried.append(sizes[mid])
+        lo, hi = (mid, hi) if measured[sizes[mid]].fits else (lo, mid)
+    return tried, (sizes[lo] if lo >= 0 else None)
+
+
+def accelerate_style(sizes, measured):
+    """Start at the largest size; after each out-of-memory, the largest size at most 90% of the last."""
+    tried, b = [], max(sizes)
+    while b is not None:
+        tried.append(b)
+        if measured[b].fits:
+            return tried, b
+        b = max((s for s in sizes if s <= int(b * 0.9)), default=None)
+    return tried, None
+
+
+class _Trial:
+    def __init__(self, m, budget):
+        self.m, self.fits = m, m.fits(budget)
+
+
+def finder_rows(grid, budget, headroom):
+    sizes = sorted(grid.search["space"]["batch_sizes"])
+    by_plan = {}
+    for m in grid.trials:
+        by_plan.setdefault(m.config.plan, {})[m.batch_size] = _Trial(m, budget)
+    rows = {}
+    for name, finder in (("lightning-style", lightning_style), ("accelerate-style", accelerate_style)):
+        trials, found, seconds = 0, {}, 0.0
+        for plan, measured in by_plan.items():
+            tried, largest = finder(sizes, measured)
+            trials += len(tried)
+            seconds += sum(measured[b].m.wall_s for b in tried)
+            found[plan] = largest
+        picks = [by_plan[plan][b].m for plan, b in found.items() if b is not None]
+        rec = recommend(picks, budget, headroom) or recommend(picks, budget, 0.0)
+        rows[name] = {"trials": trials, "trial_seconds": round(seconds, 1), "limits": found, "recommendation": rec}
+    return rows
+
+
+class _Batches(torch.utils.data.IterableDataset):
+    """The same batch of ``size`` four times, made on iteration."""
+
+    def __init__(self, workload, net, size):
+        self.workload, self.net, self.size = workload, net, size
+
+    def __iter__(self):
+        batch = self.workload.make_batch(self.net, self.size)
+        return iter([batch] * 4)
+
+    def __len__(self):
+        return 4
+
+
+def real_lightning(model_spec, precision, budget, max_batch, folder):
+    """Lightning's own finder on plan 0, inside the tensor meter; None when lightning is not installed."""
+    try:
+        import lightning as L
+        from lightning.pytorch.tuner import Tuner
+    except ImportError:
+        return None
+    workload = Workload.from_specs(model_spec)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.batch_size, self.calls = workload.build_model(), 1, 0
+
+        def training_step(self, batch, _):
+            self.calls += 1
+            return workload.loss(self.net, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self):
+            # The batch is made when iterated, not here: Lightning rebuilds the loader inside its
+            # `except` block, while the failed step's tensors are still referenced by the exception.
+            return torch.utils.data.DataLoader(_Batches(workload, self.net, self.batch_size), batch_size=None)
+
+    module = Module()
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    trainer = L.Trainer(default_root_dir=folder, accelerator="cpu", precision="bf16-mixed" if precision == "bf16" else "32-true", max_steps=4,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    started = time.monotonic()
+    with TensorMeter(budget_bytes=budget).measure():
+        found = Tuner(trainer).scale_batch_size(module, mode="binsearch", init_val=1, max_trials=25, steps_per_trial=3)
+    return {"found": found, "trials": None, "wall_s": round(time.monotonic() - started, 1), "steps": module.calls}
+
+
+def real_accelerate(model_spec, precision, budget, start, folder):
+    """accelerate's own find_executable_batch_size on plan 0, inside the tensor meter."""
+    try:
+        from accelerate.utils import find_executable_batch_size
+    except ImportError:
+        return None
+    workload = Workload.from_specs(model_spec)
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=start)
+    def train(batch_size):
+        tried.append(batch_size)
+        torch.manual_seed(0)
+        net = workload.build_model()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+        batch = workload.make_batch(net, batch_size)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = workload.loss(net, batch)
+            loss.backward()
+            opt.step()
+        return batch_size
+
+    started = time.monotonic()
+    with TensorMeter(budget_bytes=budget).measure():
+        found = train()
+    return {"found": found, "trials": len(tried), "wall_s": round(time.monotonic() - started, 1), "tried": tried}
+
+
+def run_model(name, args, folder):
+    spec = MODELS[name]
+    budget = parse_size(args.budget)
+    common = dict(device=args.device, budget=budget, precisions=args.precisions, segments="auto", batch_sizes=args.batch_sizes,
+                  measure_steps=args.measure_steps, warmup_steps=2, probe=False, trial_timeout=args.trial_timeout)
+    reports = {}
+    for strategy in ("grid", "auto"):
+        print(f"{name}: {strategy} ...", file=sys.stderr, flush=True)
+        reports[strategy] = autotune.tune(spec, strategy=strategy, storage=f"sqlite:///{folder}/{name}-{strategy}.db",
+                                          study=f"{name}-{strategy}", **common)
+    grid, auto = reports["grid"], reports["auto"]
+    grid_limits = {(r["precision"], r["segments"]): r["max_batch_size"] for r in grid.limits}
+    speed = {m.config: m.samples_per_s for m in grid.trials}  # every ratio uses the grid's own measurement
+    best = grid.recommendation
+    rows = []
+
+    def row(method, trials, seconds, limits, rec, wall_kind):
+        exact = sum(limits.get(plan) == grid_limits[plan] for plan in grid_limits)
+        rows.append({
+            "method": method, "trials": trials, "trials_share_of_grid": round(trials / len(grid.trials), 3),
+            "seconds": seconds, "seconds_kind": wall_kind, "plans_exact": exact, "plans": len(grid_limits),
+            "recommendation": None if rec is None else str(rec.config),
+            "throughput_vs_grid_best": None if rec is None or best is None else round(speed[rec.config] / speed[best.config], 3),
+        })
+
+    row("grid", len(grid.trials), round(grid.search["wall_s"], 1), grid_limits, best, "wall")
+    row("auto", len(auto.trials), round(auto.search["wall_s"], 1),
+        {(r["precision"], r["segments"]): r["max_batch_size"] for r in auto.limits}, auto.recommendation, "wall")
+    for method, found in finder_rows(grid, budget, grid.headroom).items():
+        row(method, found["trials"], found["trial_seconds"], found["limits"], found["recommendation"], "grid trial seconds")
+    real = []
+    if name in args.real_finders.split(","):
+        for precision in args.precisions.split(","):
+            print(f"{name}: lightning and accelerate on {precision}, segments 0 ...", file=sys.stderr, flush=True)
+            for method, run in (("lightning", real_lightning), ("accelerate", real_accelerate)):
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        result = run(spec, precision, budget, max(grid.search["space"]["batch_sizes"]), folder)
+                except Exception as exc:  # noqa: BLE001 - a third-party library failing is a result to report
+                    result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+                if result is not None:
+                    real.append({"method": method, "precision": precision, "segments": 0,
+                                 "grid_max_batch_size": grid_limits[(precision, 0)], **result})
+    grid.to_json(os.path.join(args.out, f"grid-{name}-{grid.environment['device_type']}.json"))
+    return {
+        "model": spec,
+        "parameter_count": grid.workload["parameter_count"],
+        "chain_length": (grid.workload["chain"] or {}).get("length"),
+        "space": grid.search["space"],
+        "budget_bytes": budget,
+        "grid_limits": [{"precision": p, "segments": s, "max_batch_size": b} for (p, s), b in grid_limits.items()],
+        "auto_limits": auto.limits,
+        "grid_recommendation": None if best is None else str(best.config),
+        "auto_recommendation": None if auto.recommendation is None else str(auto.recommendation.config),
+        "memory_model": auto.to_dict()["memory_model"],
+        "methods": rows,
+        "real_finders": real,
+    }
+
+
+def markdown(data) -> str:
+    env = data["environment"]
+    lines = [f"# Search efficiency ({env['device_name']}, torch {env['torch_version']}, {env.get('torch_threads', '')} threads)",
+             "", f"Command: `{data['command']}`", ""]
+    for model in data["models"]:
+        lines += [f"## {model['model']} ({model['parameter_count']:,} parameters, chain of {model['chain_length']}), "
+                  f"budget {format_bytes(model['budget_bytes'])}", "",
+                  f"grid recommendation: {model['grid_recommendation']}; auto: {model['auto_recommendation']}", "",
+                  "| method | trials | share of grid | seconds | exact limits | recommendation | throughput vs grid's best |",
+                  "|---|---:|---:|---:|---:|---|---:|"]
+        for r in model["methods"]:
+            secs = f"{r['seconds']}" + (" (grid's trials)" if r["seconds_kind"] != "wall" else "")
+            lines.append(f"| {r['method']} | {r['trials']} | {r['trials_share_of_grid']:.0%} | {secs} | "
+                         f"{r['plans_exact']}/{r['plans']} | {r['recommendation']} | {r['throughput_vs_grid_best']} |")
+        if model["real_finders"]:
+            lines += ["", "| real finder | precision | found batch | grid's largest (space) | trials | wall s |", "|---|---|---:|---:|---:|---:|"]
+            for r in model["real_finders"]:
+                lines.append(f"| {r['method']} | {r['precision']} | {r.get('found', r.get('error'))} | {r['grid_max_batch_size']} | "
+                             f"{r.get('trials') if r.get('trials') is not None else '-'} | {r.get('wall_s', '-')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="TinyGPT,ResNetish")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--budget", default="1GiB")
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--batch-sizes", default="1..256")
+    parser.add_argument("--measure-steps", type=int, default=5)
+    parser.add_argument("--trial-timeout", type=float, default=300.0)
+    parser.add_argument("--real-finders", default="TinyGPT", metavar="MODELS",
+                        help="models to run the real lightning and accelerate finders on ('' for none)")
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as folder:
+        models = [run_model(name, args, folder) for name in args.models.split(",")]
+    data = {"benchmark": "search_efficiency", "command": "python benchmarks/search_efficiency.py " + " ".join(sys.argv[1:]),
+            "environment": environment(torch.device(args.device)), "wall_s": round(time.monotonic() - started, 1),
+            "models": models}
+    stem = os.path.join(args.out, f"search_efficiency-{torch.device(args.device).type}")
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=2, default=str)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(data) + "\n")
+    print(markdown(data))
+
+
+if __name__ == "__main__":
+    main()
