@@ -58,6 +58,22 @@ def test_budget_raises_an_oom_error_that_pytorch_handlers_recognise():
     assert len(exc.args) == 1 and "DefaultCPUAllocator: can't allocate memory" in exc.args[0]
 
 
+def test_a_refused_allocation_is_not_counted_and_the_budget_still_holds_after_it():
+    # An out-of-memory handler (accelerate's find_executable_batch_size, Lightning's finder) catches
+    # the error and tries again in the same region: the meter must behave like an allocator then.
+    with TensorMeter(budget_bytes=10_000).measure() as h:
+        kept = torch.zeros(1_000)  # 4,000 bytes
+        with pytest.raises(BudgetExceededError):
+            torch.zeros(5_000)  # 24,000 bytes asked for
+        assert h.live_bytes == 4_000 and h.peak_bytes() == 4_000
+        with pytest.raises(BudgetExceededError):
+            torch.zeros(2_000)  # 12,000: less than the first attempt, still over the budget
+        more = torch.zeros(1_000)  # 8,000 in all: fits
+        assert h.live_bytes == 8_000 and h.peak_bytes() == 8_000
+        del kept, more
+    assert h.reading.peak_bytes == 24_000  # a region that ran out reports the total it asked for
+
+
 def test_budget_error_surfaces_from_backward():
     model = torch.nn.Sequential(torch.nn.Linear(500, 500), torch.nn.ReLU(), torch.nn.Linear(500, 500))
     meter = TensorMeter(budget_bytes=4 * 500 * 500 * 2 + 4 * 256 * 500 * 4)

@@ -33,14 +33,16 @@ class _Tracker(TorchDispatchMode):
         self.budget_bytes = budget_bytes
         self.deadline = deadline
         self.live_bytes = 0
-        self.peak_bytes = 0
+        self.peak_bytes = 0  # of what was allowed
+        self.refused_bytes = 0  # the largest total an allocation asked for and was refused
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (nbytes, finaliser)
 
     def track(self, tensors: Iterable[object]) -> None:
         """Count the storages of ``tensors`` (non-tensors are ignored); raise past the budget.
 
         Past the budget the new storages are not counted, as a real allocator that refused them
-        would not: an out-of-memory handler can go on allocating what still fits.
+        would not: an out-of-memory handler can go on allocating what still fits, and every later
+        allocation is held to the budget again.
         """
         added = []
         for t in tensors:
@@ -59,15 +61,15 @@ class _Tracker(TorchDispatchMode):
             self._storages[storage] = (nbytes, weakref.finalize(storage, self._free, nbytes))
             self.live_bytes += nbytes
             added.append(storage)
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
-            if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
-                tried = self.live_bytes
-                for storage in added:
-                    size, finaliser = self._storages.pop(storage)
-                    finaliser.detach()
-                    self.live_bytes -= size
-                raise BudgetExceededError(nbytes, tried, self.budget_bytes)
+        if added and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
+            tried = self.live_bytes
+            for storage in added:
+                size, finaliser = self._storages.pop(storage)
+                finaliser.detach()
+                self.live_bytes -= size
+            self.refused_bytes = max(self.refused_bytes, tried)
+            raise BudgetExceededError(nbytes, tried, self.budget_bytes)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _free(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
@@ -108,7 +110,8 @@ class TensorMeter(Meter):
             with tracker:
                 yield handle
         finally:
-            peak = max(tracker.peak_bytes, handle.region_peak)
+            # A region that ran out of memory reports the total it asked for: a lower bound on its need.
+            peak = max(tracker.peak_bytes, handle.region_peak, tracker.refused_bytes)
             handle.reading = MemoryReading(
                 peak_bytes=peak,
                 peak_allocated_bytes=peak,
