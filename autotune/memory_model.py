@@ -10,10 +10,10 @@ The model fits that line to the measured peaks and predicts plans not measured y
   from a hint (the tuner passes 4 x the parameter bytes: weights, gradients and AdamW's moments);
 * a plan with no point borrows its per-sample cost: from the same segment count in another
   precision, scaled by the ratio the two precisions show on plans measured in both (before there
-  is one, by the ratio of their element sizes); else from the
-  shape checkpointing gives activations within one precision, ``a(s) = H + A f(s) + C s`` with
-  ``f(0) = 1`` and ``f(s) = 1/s`` (one segment's internals are live at a time, plus the ``s``
-  stored segment inputs), fitted to that precision's measured plans.
+  is one, by the ratio of their element sizes); else from the shape checkpointing gives
+  activations within one precision, ``a(s) = H + A f(s) + C s`` with ``f(0) = 1`` and
+  ``f(s) = 1/s`` (one segment's internals are live at a time, plus the ``s`` stored segment
+  inputs), fitted to that precision's measured plans.
 
 The model only guides the search; every limit it reports as measured was measured.
 """

@@ -160,6 +160,25 @@ def test_two_workers_share_one_study_without_overlap(tmp_path, kind):
     assert reports[0]["recommendation"] == reports[1]["recommendation"]
 
 
+def test_two_workers_with_the_auto_strategy_split_its_trials_and_agree(tmp_path):
+    # auto decides from the store alone: a second worker must not repeat a trial the first runs,
+    # and both must find the grid's limits (here: segments 0 fits batch 4, segments 2 batch 8).
+    storage, study = f"sqlite:///{tmp_path}/a.db", "a"
+    search = SEARCH[:-1] + ["auto"]
+    outs = [tmp_path / f"w{i}.json" for i in range(2)]
+    procs = [cli(*search, "--storage", storage, "--study", study, "--out", str(o), "--quiet") for o in outs]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+    reports = [json.loads(o.read_text()) for o in outs]
+    params = [tuple(sorted(t.params.items())) for t in measured_trials(storage, study)]
+    assert len(params) == len(set(params)) < 16
+    assert reports[0]["trials"] == reports[1]["trials"]
+    assert reports[0]["recommendation"] == reports[1]["recommendation"]
+    limits = {(r["precision"], r["segments"]): (r["max_batch_size"], r["bracketed"]) for r in reports[0]["limits"]}
+    assert limits == {("fp32", 0): (4, True), ("bf16", 0): (4, True), ("fp32", 2): (8, True), ("bf16", 2): (8, True)}
+
+
 def _tensor_count():
     gc.collect()
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
