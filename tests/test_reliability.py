@@ -135,6 +135,16 @@ def test_ctrl_c_writes_a_partial_report_and_exits_130(tmp_path):
 POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
 
 
+def two_workers(search, storage, study, tmp_path):
+    """Run two CLI workers of ``search`` on one study at once; return their processes and reports."""
+    outs = [tmp_path / f"w{i}.json" for i in range(2)]
+    procs = [cli(*search, "--storage", storage, "--study", study, "--out", str(o), "--quiet") for o in outs]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+    return procs, [json.loads(o.read_text()) for o in outs]
+
+
 @pytest.mark.parametrize("kind", [
     "sqlite",
     "journal",
@@ -144,12 +154,7 @@ POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
 def test_two_workers_share_one_study_without_overlap(tmp_path, kind):
     storage = {"sqlite": f"sqlite:///{tmp_path}/p.db", "journal": f"journal:///{tmp_path}/p.log", "postgres": POSTGRES_URL}[kind]
     study = f"p-{os.getpid()}-{time.time_ns()}"  # a server keeps its studies between runs
-    outs = [tmp_path / f"w{i}.json" for i in range(2)]
-    procs = [cli(*SEARCH, "--storage", storage, "--study", study, "--out", str(o), "--quiet") for o in outs]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err
-    reports = [json.loads(o.read_text()) for o in outs]
+    procs, reports = two_workers(SEARCH, storage, study, tmp_path)
     trials = measured_trials(storage, study)
     params = [tuple(sorted(t.params.items())) for t in trials]
     assert len(params) == len(set(params)) == 16  # disjoint, and together the whole space
@@ -164,13 +169,7 @@ def test_two_workers_with_the_auto_strategy_split_its_trials_and_agree(tmp_path)
     # auto decides from the store alone: a second worker must not repeat a trial the first runs,
     # and both must find the grid's limits (here: segments 0 fits batch 4, segments 2 batch 8).
     storage, study = f"sqlite:///{tmp_path}/a.db", "a"
-    search = SEARCH[:-1] + ["auto"]
-    outs = [tmp_path / f"w{i}.json" for i in range(2)]
-    procs = [cli(*search, "--storage", storage, "--study", study, "--out", str(o), "--quiet") for o in outs]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err
-    reports = [json.loads(o.read_text()) for o in outs]
+    _, reports = two_workers(SEARCH[:-1] + ["auto"], storage, study, tmp_path)
     params = [tuple(sorted(t.params.items())) for t in measured_trials(storage, study)]
     assert len(params) == len(set(params)) < 16
     assert reports[0]["trials"] == reports[1]["trials"]
