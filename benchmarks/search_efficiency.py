@@ -23,6 +23,8 @@ seconds for those trials. Their recommendation is the fastest of the largest bat
   bf16, inside autotune's tensor meter with the same budget: its error is a
   ``torch.OutOfMemoryError`` both recognise. They search every integer, not the space's sizes.
 
+``--real-finders-only`` reruns just the real finders into an existing results JSON.
+
 Writes ``results/search_efficiency-<device>.json`` and ``.md`` (with the environment) and each
 grid report as ``results/grid-<model>-<device>.json``, which ``benchmarks/claims.py`` reads.
 """
@@ -104,7 +106,10 @@ def finder_rows(grid, budget, headroom):
 
 
 class _Batches(torch.utils.data.IterableDataset):
-    """The same batch of ``size`` four times, made on iteration."""
+    """The same batch of ``size`` four times, made on iteration.
+
+    It has no length on purpose: Lightning caps the batch size at a sized dataset's length.
+    """
 
     def __init__(self, workload, net, size):
         self.workload, self.net, self.size = workload, net, size
@@ -112,9 +117,6 @@ class _Batches(torch.utils.data.IterableDataset):
     def __iter__(self):
         batch = self.workload.make_batch(self.net, self.size)
         return iter([batch] * 4)
-
-    def __len__(self):
-        return 4
 
 
 def real_lightning(model_spec, precision, budget, max_batch, folder):
@@ -125,6 +127,7 @@ def real_lightning(model_spec, precision, budget, max_batch, folder):
     except ImportError:
         return None
     workload = Workload.from_specs(model_spec)
+    tried = []
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -133,6 +136,8 @@ def real_lightning(model_spec, precision, budget, max_batch, folder):
 
         def training_step(self, batch, _):
             self.calls += 1
+            if not tried or tried[-1] != self.batch_size:
+                tried.append(self.batch_size)
             return workload.loss(self.net, batch)
 
         def configure_optimizers(self):
@@ -149,8 +154,9 @@ def real_lightning(model_spec, precision, budget, max_batch, folder):
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     started = time.monotonic()
     with TensorMeter(budget_bytes=budget).measure():
-        found = Tuner(trainer).scale_batch_size(module, mode="binsearch", init_val=1, max_trials=25, steps_per_trial=3)
-    return {"found": found, "trials": None, "wall_s": round(time.monotonic() - started, 1), "steps": module.calls}
+        # margin=0: the boundary itself (Lightning's default then takes 5% off it)
+        found = Tuner(trainer).scale_batch_size(module, mode="binsearch", init_val=1, max_trials=25, steps_per_trial=3, margin=0.0)
+    return {"found": found, "trials": len(tried), "wall_s": round(time.monotonic() - started, 1), "steps": module.calls, "tried": tried}
 
 
 def real_accelerate(model_spec, precision, budget, start, folder):
@@ -183,6 +189,31 @@ def real_accelerate(model_spec, precision, budget, start, folder):
     return {"found": found, "trials": len(tried), "wall_s": round(time.monotonic() - started, 1), "tried": tried}
 
 
+def real_finders(spec, args, grid_limits, memory_model, max_batch, folder):
+    """The real Lightning and accelerate finders on the plan without checkpointing, per precision.
+
+    Each row carries the grid's largest batch (in the space's sizes) and the largest integer batch
+    that auto's fitted memory line allows, since the real finders search every integer.
+    """
+    real, budget = [], parse_size(args.budget)
+    lines = {(r["precision"], r["segments"]): r for r in memory_model}
+    for precision in args.precisions.split(","):
+        line = lines.get((precision, 0))
+        model_max = int((budget - line["fixed_bytes"]) // line["per_sample_bytes"]) if line else None
+        print(f"{spec}: lightning and accelerate on {precision}, segments 0 ...", file=sys.stderr, flush=True)
+        for method, run in (("lightning", real_lightning), ("accelerate", real_accelerate)):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    result = run(spec, precision, budget, max_batch, folder)
+            except Exception as exc:  # noqa: BLE001 - a third-party library failing is a result to report
+                result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            if result is not None:
+                real.append({"method": method, "precision": precision, "segments": 0,
+                             "grid_max_batch_size": grid_limits[(precision, 0)], "model_max_batch_size": model_max, **result})
+    return real
+
+
 def run_model(name, args, folder):
     spec = MODELS[name]
     budget = parse_size(args.budget)
@@ -213,20 +244,9 @@ def run_model(name, args, folder):
         {(r["precision"], r["segments"]): r["max_batch_size"] for r in auto.limits}, auto.recommendation, "wall")
     for method, found in finder_rows(grid, budget, grid.headroom).items():
         row(method, found["trials"], found["trial_seconds"], found["limits"], found["recommendation"], "grid trial seconds")
-    real = []
-    if name in args.real_finders.split(","):
-        for precision in args.precisions.split(","):
-            print(f"{name}: lightning and accelerate on {precision}, segments 0 ...", file=sys.stderr, flush=True)
-            for method, run in (("lightning", real_lightning), ("accelerate", real_accelerate)):
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        result = run(spec, precision, budget, max(grid.search["space"]["batch_sizes"]), folder)
-                except Exception as exc:  # noqa: BLE001 - a third-party library failing is a result to report
-                    result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-                if result is not None:
-                    real.append({"method": method, "precision": precision, "segments": 0,
-                                 "grid_max_batch_size": grid_limits[(precision, 0)], **result})
+    memory_model = auto.to_dict()["memory_model"]
+    real = (real_finders(spec, args, grid_limits, memory_model, max(grid.search["space"]["batch_sizes"]), folder)
+            if name in args.real_finders.split(",") else [])
     grid.to_json(os.path.join(args.out, f"grid-{name}-{grid.environment['device_type']}.json"))
     return {
         "model": spec,
@@ -238,7 +258,7 @@ def run_model(name, args, folder):
         "auto_limits": auto.limits,
         "grid_recommendation": None if best is None else str(best.config),
         "auto_recommendation": None if auto.recommendation is None else str(auto.recommendation.config),
-        "memory_model": auto.to_dict()["memory_model"],
+        "memory_model": memory_model,
         "methods": rows,
         "real_finders": real,
     }
@@ -259,10 +279,14 @@ def markdown(data) -> str:
             lines.append(f"| {r['method']} | {r['trials']} | {r['trials_share_of_grid']:.0%} | {secs} | "
                          f"{r['plans_exact']}/{r['plans']} | {r['recommendation']} | {r['throughput_vs_grid_best']} |")
         if model["real_finders"]:
-            lines += ["", "| real finder | precision | found batch | grid's largest (space) | trials | wall s |", "|---|---|---:|---:|---:|---:|"]
+            if data.get("real_finders_command"):
+                lines += ["", f"Real finders rerun with `{data['real_finders_command']}`."]
+            lines += ["", "| real finder | precision | found batch | grid's largest (space) | memory line's largest | tries | wall s |",
+                      "|---|---|---:|---:|---:|---:|---:|"]
             for r in model["real_finders"]:
+                tries = r.get("trials") if r.get("trials") is not None else r.get("steps", "-")
                 lines.append(f"| {r['method']} | {r['precision']} | {r.get('found', r.get('error'))} | {r['grid_max_batch_size']} | "
-                             f"{r.get('trials') if r.get('trials') is not None else '-'} | {r.get('wall_s', '-')} |")
+                             f"{r.get('model_max_batch_size', '-')} | {tries} | {r.get('wall_s', '-')} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -278,16 +302,30 @@ def main() -> None:
     parser.add_argument("--trial-timeout", type=float, default=300.0)
     parser.add_argument("--real-finders", default="TinyGPT", metavar="MODELS",
                         help="models to run the real lightning and accelerate finders on ('' for none)")
+    parser.add_argument("--real-finders-only", action="store_true",
+                        help="rerun only the real finders, into the existing results JSON (its grid limits and memory lines)")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory() as folder:
-        models = [run_model(name, args, folder) for name in args.models.split(",")]
-    data = {"benchmark": "search_efficiency", "command": "python benchmarks/search_efficiency.py " + " ".join(sys.argv[1:]),
-            "environment": environment(torch.device(args.device)), "wall_s": round(time.monotonic() - started, 1),
-            "models": models}
     stem = os.path.join(args.out, f"search_efficiency-{torch.device(args.device).type}")
+    command = "python benchmarks/search_efficiency.py " + " ".join(sys.argv[1:])
+    started = time.monotonic()
+    if args.real_finders_only:
+        with open(stem + ".json") as f:
+            data = json.load(f)
+        with tempfile.TemporaryDirectory() as folder:
+            for model in data["models"]:
+                if model["model"] in [MODELS[name] for name in args.real_finders.split(",") if name]:
+                    limits = {(r["precision"], r["segments"]): r["max_batch_size"] for r in model["grid_limits"]}
+                    model["real_finders"] = real_finders(model["model"], args, limits, model["memory_model"],
+                                                         max(model["space"]["batch_sizes"]), folder)
+        data["real_finders_command"], data["real_finders_wall_s"] = command, round(time.monotonic() - started, 1)
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            models = [run_model(name, args, folder) for name in args.models.split(",")]
+        data = {"benchmark": "search_efficiency", "command": command,
+                "environment": environment(torch.device(args.device)), "wall_s": round(time.monotonic() - started, 1),
+                "models": models}
     with open(stem + ".json", "w") as f:
         json.dump(data, f, indent=2, default=str)
     with open(stem + ".md", "w") as f:
