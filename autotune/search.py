@@ -27,6 +27,7 @@ import re
 import socket
 import threading
 import time
+import warnings
 from typing import Callable, Iterator
 
 import optuna
@@ -118,6 +119,9 @@ def make_storage(url: str) -> str | optuna.storages.BaseStorage:
     return url
 
 
+METRIC_NAMES = ("samples_per_s", "peak_bytes")  # the study's two objectives, maximised and minimised
+
+
 def open_study(study_name: str, storage: str, *, workload_key: str, space: SearchSpace | None = None) -> optuna.Study:
     """Create or load the study; refuse one made for a different workload or search space."""
     for attempt in range(_OPEN_ATTEMPTS):
@@ -143,6 +147,10 @@ def open_study(study_name: str, storage: str, *, workload_key: str, space: Searc
     for key, value in expected.items():
         if key not in known:
             study.set_user_attr(key, value)
+    if "workload_key" not in known:  # a new study: name its objectives for Optuna's own tools (optuna-dashboard)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # stable since 3.2 in practice
+            study.set_metric_names(list(METRIC_NAMES))
     if known.get("workload_key", workload_key) != workload_key:
         raise UsageError(
             f"study {study_name!r} in {storage} holds trials of a different model, data, loss or device: "
@@ -250,12 +258,14 @@ def run_search(
     workload_key: str,
     isolation: str = "none",
     on_trial: Callable[[Measurement, bool], None] | None = None,
+    on_trial_start: Callable[[Config], None] | None = None,
 ) -> SearchResult:
     """Run the strategy's proposals as trials in the study until it is done; return every measurement.
 
     ``isolation`` is ``"none"`` (trials run in this process with ``meter``) or ``"process"``
     (each trial in a fresh worker process). ``on_trial(measurement, reused)`` is called once for
-    each measurement as it becomes known, ``reused`` when it comes from the store.
+    each measurement as it becomes known, ``reused`` when it comes from the store;
+    ``on_trial_start(config)`` when this worker starts measuring one.
     """
     started = time.monotonic()
     study = open_study(study_name, storage, workload_key=workload_key, space=space)
@@ -300,6 +310,8 @@ def run_search(
                     continue
                 config = Config(**trial.params)
                 logger.debug("trial %d: %s", trial.number, config)
+                if on_trial_start:
+                    on_trial_start(config)
                 with _Heartbeat(study, trial):
                     m = _run_one(workload, config, device=device, meter=meter, budget_bytes=budget_bytes,
                                  settings=settings, isolation=isolation)

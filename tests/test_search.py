@@ -78,3 +78,11 @@ def test_unopenable_storage_is_bad_input(gpt, tmp_path):
 def test_unknown_strategy_is_bad_input():
     with pytest.raises(UsageError, match="grid"):
         make_strategy("bayes")
+
+
+def test_a_new_study_names_its_objectives_for_optunas_own_tools(tmp_path):
+    from autotune.search import open_study
+
+    open_study("named", f"sqlite:///{tmp_path}/n.db", workload_key="k")
+    assert optuna.load_study(study_name="named", storage=f"sqlite:///{tmp_path}/n.db").metric_names == [
+        "samples_per_s", "peak_bytes"]
