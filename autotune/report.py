@@ -90,6 +90,7 @@ class Report:
     probe_settings: dict[str, Any] | None = None
     target_batch_size: int | None = None
     budgets: tuple[int, ...] = ()  # more budgets to recommend for, from the same trials (--budgets)
+    library_checkpointing: dict[str, Any] | None = None  # the library's own per-layer checkpointing, measured beside ours
 
     @property
     def memory_model(self) -> MemoryModel:
@@ -161,6 +162,7 @@ class Report:
             },
             "memory_model": self.memory_model.to_list(),
             "budgets": [self.for_budget(b) for b in self.budgets],
+            "library_checkpointing": self.library_checkpointing,
             "notices": list(self.notices),
         }
 
@@ -207,6 +209,7 @@ class Report:
             probe_settings=None if data.get("probe") is None else data["probe"]["settings"],
             target_batch_size=(data.get("plan") or {}).get("target_batch_size"),
             budgets=tuple(b["budget_bytes"] for b in data.get("budgets", ())),
+            library_checkpointing=data.get("library_checkpointing"),
         )
 
     def to_dataframe(self):
@@ -265,6 +268,8 @@ class Report:
             if plan and plan["target_batch_size"]:
                 lines.append(f"plan: {plan['accumulation_steps']} x {plan['micro_batch_size']} = effective batch "
                              f"{plan['effective_batch_size']}; {plan['lr_note']}")
+        if self.library_checkpointing:
+            lines.append(_library_line(self.library_checkpointing))
         for budget in self.budgets:
             other = recommend(self.trials, budget, self.headroom)
             limits = ", ".join(f"{r['precision']}/{r['segments']}: {r['max_batch_size'] or 'none'}"
@@ -274,6 +279,19 @@ class Report:
                 f"{other.precision}, segments {other.segments}, batch size {other.batch_size}: {other.samples_per_s:.1f} "
                 f"samples/s, peak {format_bytes(other.peak_bytes)}" if other else "nothing fits") + f"; largest batch: {limits}")
         return "\n".join(lines)
+
+
+def _library_line(c: dict[str, Any]) -> str:
+    def one(r: dict[str, Any]) -> str:
+        if r["status"] != "ok":
+            return f"{r['status']} (peak {format_bytes(r['peak_bytes'])})"
+        return f"peak {format_bytes(r['peak_bytes'])}, {r['samples_per_s']:.1f} samples/s"
+
+    parts = [f"{c['method']} (every block): {one(c['library'])}",
+             f"autotune segments {c['autotune']['segments']}: {one(c['autotune'])}"]
+    if c.get("none"):
+        parts.append(f"no checkpointing: {one(c['none'])}")
+    return f"library checkpointing at {c['precision']}, batch {c['batch_size']}: " + "; ".join(parts)
 
 
 def load(path: str | os.PathLike) -> Report:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import logging
 import math
 import statistics
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from autotune._log import logger
 from autotune.checkpointing import apply_plan
 from autotune.errors import TrialTimeoutError, UsageError, first_line, is_oom
 from autotune.meters import Meter
@@ -258,6 +260,14 @@ class _Run(Trainer):
             if deadline is not None and time.monotonic() + projected > deadline:
                 raise TrialTimeoutError(f"the trial would run past its {self.settings.timeout_s:g} s limit (--trial-timeout)")
             self.step_times.append(self.timed_step(self.batch))
+            self._log_step("timed", self.step_times[-1])
+
+    def _log_step(self, kind: str, seconds: float | None = None) -> None:
+        """One line per step with --verbose: the step's time, its loss and, in fp16, the loss scale."""
+        if logger.isEnabledFor(logging.DEBUG):
+            scale = f", loss scale {self.scales[-1]:g}" if self.scales else ""
+            took = f" {seconds:.4f} s," if seconds is not None else ""
+            logger.debug("  %s %s step %d:%s loss %.4g%s", self.config, kind, len(self.losses), took, self.losses[-1], scale)
 
 
 def run_trial(
@@ -286,6 +296,7 @@ def run_trial(
             # untimed steps (the optimizer creates its state in the first) to see the steady peak.
             for _ in range(max(settings.warmup_steps, 2 if meter.slows_steps else 0)):
                 run.step(run.batch)
+                run._log_step("warm-up (metered)" if meter.slows_steps else "warm-up")
             if not meter.slows_steps:
                 run.timed_steps(deadline)
         if meter.slows_steps:

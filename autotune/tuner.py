@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -19,7 +20,9 @@ from autotune.search import SearchInterrupted, default_storage, default_study_na
 from autotune.space import SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
 from autotune.strategies import make_strategy
 from autotune.probe import ProbeResult, ProbeSettings, probe_candidates, run_probe
-from autotune.trial import GuardRails, Measurement, TrialSettings, keep_in_fp32
+from autotune.space import Config
+from autotune.thirdparty import library_checkpointing
+from autotune.trial import GuardRails, Measurement, TrialSettings, keep_in_fp32, run_trial
 from autotune.units import format_bytes, parse_size
 from autotune.workload import Workload, parse_model_kwargs, to_device
 
@@ -89,8 +92,10 @@ def tune(
     target_batch_size: int | None = None,
     clip_grad_norm: float | None = None,
     fp32_modules: str | Sequence[str] = (),
+    compare_library: bool = True,
     on_trial: Callable[[Measurement, bool], None] | None = None,
     on_probe: Callable[[ProbeResult], None] | None = None,
+    progress: Any = None,
 ) -> Report:
     """Measure training configurations of ``model`` and return the :class:`Report`.
 
@@ -103,7 +108,12 @@ def tune(
     (``auto``: on CUDA only). With ``data``, the ``probe_top`` fastest candidates then train
     ``probe_epochs`` epochs over ``probe_fraction`` of it and the recommendation comes from that
     probe (``probe=False`` skips it). ``target_batch_size`` adds a gradient-accumulation plan;
-    ``clip_grad_norm`` and ``fp32_modules`` are guard rails used in trials, probe and ``apply``. Raises :class:`~autotune.errors.UsageError` for bad input and
+    ``clip_grad_norm`` and ``fp32_modules`` are guard rails used in trials, probe and ``apply``.
+    For a model whose library has its own per-layer checkpointing (Hugging Face, timm), two more
+    trials at the recommendation's precision and batch size compare it with autotune's plan of
+    one segment per block (``compare_library=False`` skips them). ``progress`` receives the
+    events of :class:`autotune.progress.Progress` (search and trial started and done, probe
+    candidates); ``on_trial`` and ``on_probe`` are the plain callbacks. Raises :class:`~autotune.errors.UsageError` for bad input and
     :class:`~autotune.errors.Interrupted` (holding the partial report) on Ctrl-C.
     """
     for flag, value in (("--headroom", headroom), ("--trial-timeout", trial_timeout), ("--probe-fraction", probe_fraction),
@@ -188,16 +198,21 @@ def tune(
     # With process isolation each worker makes its own meter; this one stays unused (and sets nothing).
     meter = make_meter(dev, budget_bytes=enforced if isolation_mode == "none" else None)
     interrupted = None
+    events = _Events(progress, on_trial, on_probe)
+    planned = {"grid": len(space), "optuna": min(len(space), n_trials or max(1, len(space) // 4))}.get(strategy_obj.name)
+    events.call("search_started", space_size=len(space), planned=planned, strategy=strategy_obj.name,
+                budget_bytes=budget_bytes)
     try:
         result = run_search(
             workload, space, strategy_obj, device=dev, meter=meter, budget_bytes=enforced, settings=settings,
             study_name=study_name, storage=storage_url, workload_key=workload_key, isolation=isolation_mode,
-            on_trial=on_trial,
+            on_trial=events.trial_done, on_trial_start=events.trial_started,
         )
     except SearchInterrupted as exc:
         result, interrupted = exc.result, exc
     finally:
         meter.close()
+        events.call("search_done")
     report = Report(
         environment=environment(dev),
         workload={
@@ -209,6 +224,7 @@ def tune(
             "parameter_count": info["parameter_count"],
             "parameter_bytes": info["parameter_bytes"],
             "chain": chain,
+            "library_checkpointing": info["library_checkpointing"],
         },
         budget_bytes=budget_bytes,
         headroom=headroom,
@@ -238,17 +254,19 @@ def tune(
     if interrupted is not None:
         raise Interrupted(report) from None
     try:
-        return _probe(report, workload, dev, budget_bytes=budget_bytes, headroom=headroom, guard=guard, probe=probe,
-                      settings=ProbeSettings(top=probe_top, epochs=probe_epochs, fraction=probe_fraction,
-                                             num_workers=num_workers, seed=0, timeout_s=trial_timeout),
-                      on_probe=on_probe)
+        report = _probe(report, workload, dev, budget_bytes=budget_bytes, headroom=headroom, guard=guard, probe=probe,
+                        settings=ProbeSettings(top=probe_top, epochs=probe_epochs, fraction=probe_fraction,
+                                               num_workers=num_workers, seed=0, timeout_s=trial_timeout),
+                        events=events)
+        if compare_library and info["library_checkpointing"] and chain is not None:
+            report = _compare_library(report, workload, info["library_checkpointing"], dev, enforced, settings)
+        return report
     except KeyboardInterrupt:
         raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
 
 
 def _probe(report: Report, workload: Workload, dev: torch.device, *, budget_bytes: int | None, headroom: float,
-           guard: GuardRails, probe: bool, settings: ProbeSettings, on_probe: Callable[[ProbeResult], None] | None
-           ) -> Report:
+           guard: GuardRails, probe: bool, settings: ProbeSettings, events: "_Events") -> Report:
     """Run the probe on the report's best candidates; return the report with its results."""
     if probe and workload.dataset is None:
         report = dataclasses.replace(report, notices=report.notices + (
@@ -260,13 +278,13 @@ def _probe(report: Report, workload: Workload, dev: torch.device, *, budget_byte
         results: list[ProbeResult] = []
         probe_meter = make_meter(dev, budget_bytes=budget_bytes)
         try:
-            for candidate in candidates:
+            for i, candidate in enumerate(candidates, 1):
+                events.call("probe_started", candidate.config, i, len(candidates))
                 logger.info("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config,
                             100 * settings.fraction, settings.epochs)
                 results.append(run_probe(workload, candidate, device=dev, meter=probe_meter, budget_bytes=budget_bytes,
                                          headroom=headroom, settings=settings, guard=guard))
-                if on_probe:
-                    on_probe(results[-1])
+                events.probe_done(results[-1])
         except KeyboardInterrupt:  # the probe is incomplete: report what it did, marked partial
             raise Interrupted(dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict(),
                                                   search={**report.search, "partial": True})) from None
@@ -274,6 +292,71 @@ def _probe(report: Report, workload: Workload, dev: torch.device, *, budget_byte
             probe_meter.close()
         report = dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict())
     return report
+
+
+class _Events:
+    """The plain callbacks and the ``progress`` object's methods (those it has), as one."""
+
+    def __init__(self, progress: Any, on_trial: Callable[[Measurement, bool], None] | None,
+                 on_probe: Callable[[ProbeResult], None] | None) -> None:
+        self.progress, self.on_trial, self.on_probe = progress, on_trial, on_probe
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> None:
+        method = getattr(self.progress, name, None)
+        if method is not None:
+            method(*args, **kwargs)
+
+    def trial_started(self, config: Config) -> None:
+        self.call("trial_started", config)
+
+    def trial_done(self, m: Measurement, reused: bool) -> None:
+        if self.on_trial:
+            self.on_trial(m, reused)
+        self.call("trial_done", m, reused)
+
+    def probe_done(self, result: ProbeResult) -> None:
+        if self.on_probe:
+            self.on_probe(result)
+        self.call("probe_done", result)
+
+
+def _build_with_library_checkpointing(factory: Callable[[], nn.Module]) -> nn.Module:
+    model = factory()
+    library_checkpointing(model)
+    return model
+
+
+def _compare_library(report: Report, workload: Workload, method: str, dev: torch.device, budget_bytes: int | None,
+                     settings: TrialSettings) -> Report:
+    """Measure the library's per-layer checkpointing beside autotune's one-segment-per-block plan.
+
+    Both at the recommendation's precision and batch size, in this process; the plan's trial is
+    taken from the search when it was measured there. The trials are not part of the search
+    space, so they are reported, not stored.
+    """
+    rec = report.recommendation
+    if rec is None:
+        return report
+    blocks = report.workload["chain"]["length"]
+    lib = dataclasses.replace(workload, model_factory=functools.partial(_build_with_library_checkpointing, workload.model_factory))
+    ours_config = Config(rec.precision, blocks, rec.batch_size)
+    logger.info("comparing %s with segments %d at %s, batch %d", method, blocks, rec.precision, rec.batch_size)
+    meter = make_meter(dev, budget_bytes=budget_bytes)
+    try:
+        measured = {m.config: m for m in report.trials}
+        library = run_trial(lib, Config(rec.precision, 0, rec.batch_size), device=dev, meter=meter, settings=settings)
+        ours = measured.get(ours_config) or run_trial(workload, ours_config, device=dev, meter=meter, settings=settings)
+    finally:
+        meter.close()
+    none = measured.get(Config(rec.precision, 0, rec.batch_size))
+
+    def row(m: Measurement) -> dict[str, Any]:
+        return {"status": m.status, "peak_bytes": m.peak_bytes, "step_s": m.step_s, "samples_per_s": m.samples_per_s, "error": m.error}
+
+    return dataclasses.replace(report, library_checkpointing={
+        "method": method, "precision": rec.precision, "batch_size": rec.batch_size,
+        "library": row(library), "autotune": {"segments": blocks, **row(ours)}, "none": None if none is None else row(none),
+    })
 
 
 def _budgets(value: str | Sequence[str | int] | None) -> tuple[int, ...]:
@@ -322,6 +405,7 @@ def _preflight(workload: Workload, device: torch.device, budget_bytes: int | Non
     batch = None
     try:
         model.to(device)
+        library = library_checkpointing(model)  # on this throwaway model: has its library a switch of its own?
         batch = to_device(workload.make_batch(model, batch_size), device)
         with torch.no_grad():
             workload.loss(model, batch)
@@ -340,5 +424,6 @@ def _preflight(workload: Workload, device: torch.device, budget_bytes: int | Non
         "model_class": model_class,
         "parameter_count": parameter_count,
         "parameter_bytes": parameter_bytes,
+        "library_checkpointing": library,
         "chain": None if chain is None else {"path": chain.path, "kind": chain.kind, "length": chain.length, "block_type": chain.block_type},
     }

@@ -1,0 +1,149 @@
+"""Third-party models built offline from a configuration: Hugging Face transformers and timm.
+
+Each factory builds a model with random weights (nothing is downloaded) and gives it an
+``example_batch(batch_size)`` method, so it runs under autotune with no ``--data``::
+
+    python -m autotune --model autotune.thirdparty:gpt2 --model-kwargs '{"n_layer": 12, "seq_len": 512}'
+    python -m autotune --model autotune.thirdparty:timm_model --model-kwargs '{"name": "vit_small_patch16_224"}'
+
+With ``--data`` the user's own batches are used instead. Transformers take a dict batch with
+``labels`` and return an output with ``.loss``; timm models take ``(images, labels)`` and get a
+cross-entropy ``loss(output, target)`` method. autotune finds the checkpoint chain in their block
+lists (``transformer.h``, ``bert.encoder.layer``, ``blocks``) like any other model.
+
+:func:`library_checkpointing` turns on the library's own per-layer checkpointing
+(``activation_checkpointing_enable()``, timm's ``set_grad_checkpointing()``), which the tuner
+measures beside autotune's plans.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.errors import UsageError
+
+__all__ = ["hf_causal_lm", "hf_masked_lm", "gpt2", "bert", "timm_model", "library_checkpointing"]
+
+
+def _require(package: str) -> Any:
+    try:
+        return __import__(package)
+    except ImportError as exc:
+        raise UsageError(f"this model needs {package} ({exc}): pip install {package}") from None
+
+
+def _hf_config(model_type: str, config: dict[str, Any]) -> Any:
+    transformers = _require("transformers")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **config)
+    except ValueError as exc:  # an unknown model_type
+        raise UsageError(f"transformers: {str(exc).splitlines()[0]}") from None
+
+
+def _seq_len(config: Any, seq_len: int | None) -> int:
+    longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if seq_len is None:
+        return longest or 512
+    if longest is not None and seq_len > longest:
+        raise UsageError(f"seq_len {seq_len} is longer than the model's {longest} positions: lower it or raise the config's")
+    return seq_len
+
+
+def hf_causal_lm(model_type: str = "gpt2", seq_len: int | None = None, **config: Any) -> nn.Module:
+    """A causal language model (``AutoModelForCausalLM``) from its config, trained on random tokens.
+
+    ``config`` goes to the model type's config class (for GPT-2: ``n_layer``, ``n_embd``, ...);
+    ``seq_len`` defaults to the model's context length. The key/value cache is off: training
+    does not use it.
+    """
+    transformers = _require("transformers")
+    cfg = _hf_config(model_type, {"use_cache": False, **config})
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    length, vocab = _seq_len(cfg, seq_len), cfg.vocab_size
+
+    def example_batch(self: nn.Module, batch_size: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, vocab, (batch_size, length))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    model.example_batch = types.MethodType(example_batch, model)
+    return model
+
+
+def hf_masked_lm(model_type: str = "bert", seq_len: int | None = None, mask_share: float = 0.15, **config: Any) -> nn.Module:
+    """A masked language model (``AutoModelForMaskedLM``) from its config: ``mask_share`` of the tokens are predicted."""
+    transformers = _require("transformers")
+    cfg = _hf_config(model_type, config)
+    model = transformers.AutoModelForMaskedLM.from_config(cfg)
+    length, vocab = _seq_len(cfg, seq_len), cfg.vocab_size
+
+    def example_batch(self: nn.Module, batch_size: int) -> dict[str, torch.Tensor]:
+        labels = torch.randint(0, vocab, (batch_size, length))
+        masked = torch.rand(batch_size, length) < mask_share
+        ids = torch.where(masked, torch.zeros_like(labels), labels)  # token 0 stands for [MASK]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.where(masked, labels, -100)}
+
+    model.example_batch = types.MethodType(example_batch, model)
+    return model
+
+
+def gpt2(seq_len: int | None = None, **config: Any) -> nn.Module:
+    """GPT-2 (``GPT2LMHeadModel``) from a ``GPT2Config``: e.g. ``{"n_layer": 12, "n_embd": 768}``."""
+    return hf_causal_lm("gpt2", seq_len, **config)
+
+
+def bert(seq_len: int | None = None, **config: Any) -> nn.Module:
+    """BERT (``BertForMaskedLM``) from a ``BertConfig``: e.g. ``{"num_hidden_layers": 12}``."""
+    return hf_masked_lm("bert", seq_len, **config)
+
+
+def timm_model(name: str = "vit_small_patch16_224", num_classes: int = 1000, **kwargs: Any) -> nn.Module:
+    """A timm model (``timm.create_model(name, pretrained=False, ...)``) trained on random images.
+
+    ``kwargs`` go to ``create_model`` (for a ViT: ``img_size``, ``patch_size``, ``depth``,
+    ``embed_dim``, ...); the image size comes from the model's ``pretrained_cfg`` or ``img_size``.
+    """
+    timm = _require("timm")
+    try:
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs)
+    except RuntimeError as exc:  # timm's "Unknown model (...)"
+        raise UsageError(f"timm: {exc}") from None
+    channels, height, width = model.pretrained_cfg.get("input_size", (3, 224, 224))
+    size = kwargs.get("img_size")
+    if size is not None:
+        height, width = (size, size) if isinstance(size, int) else size
+
+    def example_batch(self: nn.Module, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(batch_size, channels, height, width), torch.randint(0, num_classes, (batch_size,))
+
+    def loss(self: nn.Module, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, target)
+
+    model.example_batch = types.MethodType(example_batch, model)
+    model.loss = types.MethodType(loss, model)
+    return model
+
+
+def library_checkpointing(model: nn.Module) -> str | None:
+    """Turn on the model's own per-layer checkpointing, if its library has one; return its name, or None.
+
+    Hugging Face: ``activation_checkpointing_enable`` (transformers 5; before it,
+    ``gradient_checkpointing_enable``), non-reentrant; timm: ``set_grad_checkpointing(True)``.
+    Both recompute every layer, the last one included.
+    """
+    if getattr(model, "supports_gradient_checkpointing", False):
+        for name, keyword in (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+                              ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs")):
+            if callable(getattr(model, name, None)):
+                getattr(model, name)(**{keyword: {"use_reentrant": False}})
+                return name
+    if callable(getattr(model, "set_grad_checkpointing", None)):
+        try:
+            model.set_grad_checkpointing(True)
+        except (AssertionError, NotImplementedError):  # timm models without support assert
+            return None
+        return "set_grad_checkpointing"
+    return None
