@@ -1,4 +1,4 @@
-"""Command line: ``python -m autotune --model MODULE:ATTR [options]``.
+"""Command line: ``python -m autotune --model MODULE:ATTR [options]``, and ``python -m autotune show X.json``.
 
 Exit codes: 0 with a recommendation, 3 when nothing fits the budget (the JSON is still written),
 2 for bad input (one line on stderr), 130 when interrupted, 1 for an unexpected failure (one line).
@@ -84,11 +84,85 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clip the global gradient norm (after unscaling fp16) in trials, probe and apply")
     b.add_argument("--fp32-modules", default="", metavar="NAME,NAME",
                    help="module class names kept outside autocast, e.g. LayerNorm,Softmax")
+    b.add_argument("--no-library-compare", action="store_true",
+                   help="skip measuring the model library's own per-layer checkpointing (Hugging Face, timm) "
+                   "beside autotune's plan")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, metavar="PATH", help="JSON report path (default: results/<study>.json)")
+    _output_flags(o)
     o.add_argument("--quiet", action="store_true", help="print only the final table and errors")
-    o.add_argument("--verbose", action="store_true", help="log each trial as it starts, too")
+    o.add_argument("--verbose", action="store_true", help="log each trial as it starts and each of its steps")
     return p
+
+
+def _output_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--export", action="append", default=[], metavar="FRAMEWORK[,FRAMEWORK]",
+                       help="also write the recommendation for hf (TrainingArguments), lightning (Trainer), deepspeed "
+                       "(config) or accelerate (Accelerator), next to the JSON as <stem>.<framework>.json; repeatable")
+    group.add_argument("--plot", action="store_true",
+                       help="also write <stem>.pareto.png and <stem>.memory.png next to the JSON (needs matplotlib)")
+
+
+def build_show_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m autotune show", description="Print a saved report's table and recommendation again; "
+                "optionally export it or plot it.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("report", metavar="REPORT.json", help="a JSON report written by autotune")
+    _output_flags(p.add_argument_group("output"))
+    return p
+
+
+def _outputs(args: argparse.Namespace) -> tuple[tuple[str, ...], bool]:
+    """Check --export and --plot before any work: unknown frameworks or a missing matplotlib are bad input."""
+    frameworks: tuple[str, ...] = ()
+    if args.export:
+        from autotune.export import parse_frameworks
+
+        frameworks = parse_frameworks(",".join(args.export))
+    if args.plot:
+        from autotune.plot import require_matplotlib
+
+        require_matplotlib()
+    return frameworks, args.plot
+
+
+def _write_outputs(report, json_path: str, frameworks: tuple[str, ...], plot: bool) -> list[str]:
+    paths: list[str] = []
+    if frameworks and report.recommendation is not None:
+        from autotune.export import write_exports
+
+        paths += write_exports(report, json_path, frameworks)
+    if plot:
+        from autotune.plot import write_plots
+
+        paths += write_plots(report, json_path)
+    return paths
+
+
+def show(argv: Sequence[str]) -> int:
+    """``python -m autotune show REPORT.json [--export ...] [--plot]``."""
+    args = build_show_parser().parse_args(argv)
+    import autotune
+
+    try:
+        frameworks, plot = _outputs(args)
+        try:
+            report = autotune.load(args.report)
+        except FileNotFoundError:
+            raise UsageError(f"{args.report}: no such file") from None
+        except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not an autotune report
+            raise UsageError(f"{args.report} is not an autotune report ({type(exc).__name__}: {first_line(exc)})") from None
+        print(report.table())
+        if frameworks and report.recommendation is None:
+            raise UsageError("nothing to export: the report has no recommendation")
+        for path in _write_outputs(report, args.report, frameworks, plot):
+            print(f"autotune: wrote {path}", file=sys.stderr)
+    except UsageError as exc:
+        print(f"autotune: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"autotune: error: {exc.filename or args.report}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK if report.recommendation is not None else EXIT_NOTHING_FITS
 
 
 def _check_writable(path: str, *, create_folder: bool = False) -> None:
@@ -105,33 +179,20 @@ def _check_writable(path: str, *, create_folder: bool = False) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["show"]:
+        return show(argv[1:])
     args = build_parser().parse_args(argv)
     level = logging.WARNING if args.quiet else (logging.DEBUG if args.verbose else logging.INFO)
     logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
     logging.getLogger("autotune").setLevel(level)  # only ours: libraries keep their own levels
 
     import autotune
-    from autotune.units import format_bytes
+    from autotune.progress import Progress
 
-    counter = {"n": 0}
-
-    def progress(m: autotune.Measurement, reused: bool) -> None:
-        counter["n"] += 1
-        if args.quiet:
-            return
-        detail = f"{format_bytes(m.peak_bytes)}" + (f", {m.step_s:.4f} s/step" if m.step_s else "")
-        if m.error and m.status != "ok":
-            detail += f" ({m.error[:100]})"
-        print(f"autotune: [{counter['n']}] {m.config}: {m.status} {detail}{' (from the store)' if reused else ''}",
-              file=sys.stderr, flush=True)
-
-    def probe_progress(r) -> None:
-        if not args.quiet:
-            verdict = "accepted" if r.accepted else f"rejected ({r.reason})"
-            print(f"autotune: probe {r.config}: {r.steps} steps, worst-case peak {format_bytes(r.peak_bytes_max)}, "
-                  f"{verdict}", file=sys.stderr, flush=True)
-
+    progress = Progress(quiet=args.quiet)
     try:
+        frameworks, plot = _outputs(args)
         _check_writable(args.out or os.path.join("results", "report.json"), create_folder=not args.out)
         report = autotune.tune(
             args.model, model_kwargs=args.model_kwargs, data=args.data, loss=args.loss, device=args.device,
@@ -142,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             study=args.study, isolation=args.isolation, probe=not args.no_probe, probe_top=args.probe_top,
             probe_epochs=args.probe_epochs, probe_fraction=args.probe_fraction, num_workers=args.num_workers,
             target_batch_size=args.target_batch_size, clip_grad_norm=args.clip_grad_norm,
-            fp32_modules=args.fp32_modules, on_trial=progress, on_probe=probe_progress,
+            fp32_modules=args.fp32_modules, compare_library=not args.no_library_compare, progress=progress,
         )
     except autotune.Interrupted as exc:
         try:
@@ -179,6 +240,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.table())
     if not args.quiet:
         print(f"autotune: wrote {out}", file=sys.stderr)
+    try:
+        written = _write_outputs(report, out, frameworks, plot)
+    except (OSError, UsageError) as exc:
+        print(f"autotune: error: the report is written ({out}) but its exports or plots are not: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if not args.quiet:
+        for path in written:
+            print(f"autotune: wrote {path}", file=sys.stderr)
     if report.recommendation is None:
         print(_nothing_fits_hint(report), file=sys.stderr)
         return EXIT_NOTHING_FITS

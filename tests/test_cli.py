@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -91,6 +92,7 @@ BAD_INPUT = [
     (["--model", "autotune.examples:TinyGPT", "--fp32-modules", "LayerNorm,Banana"], "Banana"),
     (["--model", "autotune.examples:TinyGPT", "--probe-fraction", "1.5"], "--probe-fraction"),
     (["--model", "autotune.examples:TinyGPT", "--clip-grad-norm", "-1"], "--clip-grad-norm"),
+    (["--model", "autotune.examples:TinyGPT", "--export", "hf,keras"], "keras"),
     ([], "required: --model"),
 ]
 
@@ -144,6 +146,59 @@ def test_help_documents_every_flag_with_its_default():
                  "--segments", "--batch-sizes", "--strategy", "--warmup-steps", "--measure-steps", "--trial-timeout",
                  "--isolation", "--storage", "--study", "--out", "--quiet", "--verbose", "--no-probe", "--probe-top",
                  "--probe-epochs", "--probe-fraction", "--num-workers", "--target-batch-size", "--clip-grad-norm",
-                 "--fp32-modules", "--budgets", "--n-trials"]:
+                 "--fp32-modules", "--budgets", "--n-trials", "--export", "--plot", "--no-library-compare"]:
         assert flag in text
     assert "(default: 1..512)" in text and "(default: 0.1)" in text and "(default: auto)" in text
+
+
+def test_exports_and_plots_are_written_next_to_the_json(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
+    out = tmp_path / "r.json"
+    code = main(["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "3MiB", "--precisions", "fp32",
+                 "--segments", "0,2", "--batch-sizes", "1..8", "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(out),
+                 "--export", "hf,lightning", "--export", "deepspeed", "--export", "accelerate", "--plot", *QUICK])
+    assert code == 0
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["r.accelerate.json", "r.deepspeed.json", "r.hf.json", "r.json", "r.lightning.json", "r.memory.png",
+                       "r.pareto.png", "s.db"]
+    rec = json.loads(out.read_text())["recommendation"]
+    hf = json.loads((tmp_path / "r.hf.json").read_text())
+    assert hf["training_arguments"]["per_device_train_batch_size"] == rec["batch_size"]
+    err = capsys.readouterr().err
+    for name in written[:-1]:
+        assert err.count(f"wrote {tmp_path / name}\n") == 1
+    assert (tmp_path / "r.pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_show_prints_a_saved_report_again_and_exports_it(tmp_path, capsys):
+    report = tmp_path / "q.json"
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "results", "quickstart-cpu.json"), report)
+    assert main(["show", str(report), "--export", "accelerate"]) == 0
+    captured = capsys.readouterr()
+    assert "recommendation: bf16, segments 0, batch size 16" in captured.out
+    assert "largest batch that fits" in captured.out
+    assert json.loads((tmp_path / "q.accelerate.json").read_text())["accelerator"]["mixed_precision"] == "bf16"
+    assert f"wrote {tmp_path / 'q.accelerate.json'}" in captured.err
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("not json", "is not an autotune report"),
+    ('{"schema_version": 99}', "unsupported schema_version 99"),
+])
+def test_show_of_a_missing_or_foreign_file_is_one_line_and_exit_2(tmp_path, capsys, content, message):
+    path = tmp_path / "x.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["show", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0]
+
+
+def test_plot_without_matplotlib_is_bad_input_before_any_trial(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    code = main(["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--plot", "--quiet",
+                 "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o.json"), *QUICK])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "pip install matplotlib" in err[0]
+    assert not (tmp_path / "s.db").exists()

@@ -1,0 +1,209 @@
+"""Export a recommendation as the configuration Hugging Face, Lightning, DeepSpeed and accelerate expect.
+
+    report = autotune.load("results/TinyGPT-cpu.json")
+    args = TrainingArguments(output_dir="out", **export(report, "hf")["training_arguments"])
+    write_exports(report, "results/TinyGPT-cpu.json", ("hf", "lightning"))  # results/TinyGPT-cpu.hf.json, ...
+
+Each export holds the measured ``autotune_recommendation``, the framework's own keyword arguments
+(micro-batch, accumulation steps from the report's plan, precision) and ``notes``: what the
+framework cannot express. None of them can group a chain of L blocks into s checkpoint segments
+as the trials did; the notes say what the export does instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from autotune.errors import UsageError
+from autotune.precision import get_mode
+
+if TYPE_CHECKING:
+    from autotune.report import Report
+
+__all__ = ["FRAMEWORKS", "export", "write_exports", "parse_frameworks"]
+
+FRAMEWORKS = ("hf", "lightning", "deepspeed", "accelerate")
+
+LIGHTNING_PRECISION = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
+ACCELERATE_PRECISION = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
+NAMES = {"hf": "Hugging Face", "lightning": "Lightning", "deepspeed": "DeepSpeed", "accelerate": "accelerate"}
+APPLY_HINT = "autotune.apply(model, report)"  # apply(model, recommendation, *, device_type=None) -> Applied
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What every exporter needs from the report."""
+
+    precision: str
+    segments: int
+    micro: int  # the recommendation's batch size, one micro-batch
+    steps: int  # gradient accumulation steps: the report's plan, else 1
+    recomputes: bool  # s segments recompute all but the last one, so s = 1 (like 0) recomputes nothing
+    chain: dict[str, Any]
+    device_type: str | None  # where the trials ran
+    clip: float | None
+
+    @property
+    def plan_text(self) -> str:
+        length = self.chain.get("length")
+        blocks = f"the {length} blocks of {self.chain.get('path') or 'the model'}" if length else "the model's chain"
+        return f"{self.segments} checkpoint segments over {blocks}"
+
+
+def parse_frameworks(text: str | Iterable[str]) -> tuple[str, ...]:
+    """Return the framework names in ``text`` ("hf,lightning", or values already split), in order, once each."""
+    parts = [text] if isinstance(text, str) else list(text)
+    names = [name.strip() for part in parts for name in part.split(",") if name.strip()]
+    unknown = [name for name in names if name not in FRAMEWORKS]
+    if unknown:
+        raise UsageError(f"unknown framework {', '.join(map(repr, unknown))}: choose from {', '.join(FRAMEWORKS)}")
+    if not names:
+        raise UsageError(f"no framework given: choose from {', '.join(FRAMEWORKS)}")
+    return tuple(dict.fromkeys(names))
+
+
+def export(report: Report, framework: str) -> dict[str, Any]:
+    """Return ``report``'s recommendation as ``framework``'s configuration, a JSON-safe dict with ``notes``."""
+    if framework not in FRAMEWORKS:
+        raise UsageError(f"unknown framework {framework!r}: choose from {', '.join(FRAMEWORKS)}")
+    rec = report.recommendation
+    if rec is None:
+        raise UsageError("nothing to export: the report has no recommendation")
+    plan = report.plan or {}
+    ctx = _Context(
+        precision=rec.precision,
+        segments=rec.segments,
+        micro=rec.batch_size,
+        steps=int(plan.get("accumulation_steps") or 1),
+        recomputes=rec.segments > 1,
+        chain=report.workload.get("chain") or {},
+        device_type=report.environment.get("device_type"),
+        clip=report.guard.clip_grad_norm,
+    )
+    data: dict[str, Any] = {"framework": framework, "autotune_recommendation": {
+        "precision": rec.precision, "segments": rec.segments, "batch_size": rec.batch_size}}
+    notes: list[str] = []
+    data.update(_BUILDERS[framework](ctx, notes))
+    notes += _common_notes(ctx, report, framework)
+    if plan.get("lr_note"):
+        notes.append(plan["lr_note"])
+    data["notes"] = notes
+    return data
+
+
+def write_exports(report: Report, json_path: str | os.PathLike, frameworks: str | Iterable[str]) -> list[str]:
+    """Write ``<stem>.<framework>.json`` next to the report at ``json_path`` for each framework; return the paths."""
+    stem = os.path.splitext(os.fspath(json_path))[0]
+    exports = {f"{stem}.{name}.json": export(report, name) for name in parse_frameworks(frameworks)}  # all or none
+    for path, data in exports.items():
+        with open(path, "w") as f:
+            f.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    return list(exports)
+
+
+def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": ctx.micro,
+        "gradient_accumulation_steps": ctx.steps,
+        "bf16": ctx.precision == "bf16",
+        "fp16": ctx.precision == "fp16",
+        "gradient_checkpointing": ctx.recomputes,
+    }
+    if ctx.recomputes:
+        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}  # autotune's checkpoints are non-reentrant
+        notes.append(
+            f"autotune measured {ctx.plan_text}; TrainingArguments cannot group blocks, so this export turns on "
+            f"gradient_checkpointing, which checkpoints every layer of a transformers model (segments = L): the same "
+            f"or lower peak memory, more recompute (slower) than measured. To train exactly as measured, set it to "
+            f"false and call {APPLY_HINT} before building the Trainer"
+        )
+        notes.append("newer transformers call these two arguments activation_checkpointing(_kwargs) and warn on the "
+                     "old names, which v6 removes")
+    if ctx.clip is not None:
+        args["max_grad_norm"] = ctx.clip
+    if ctx.device_type == "cpu" and ctx.precision == "bf16":
+        notes.append("without a GPU, TrainingArguments refuses bf16=True unless use_cpu=True is passed too")
+    return {"training_arguments": args}
+
+
+def _lightning(ctx: _Context, notes: list[str]) -> dict[str, Any]:
+    trainer: dict[str, Any] = {"precision": LIGHTNING_PRECISION[ctx.precision], "accumulate_grad_batches": ctx.steps}
+    if ctx.clip is not None:
+        trainer["gradient_clip_val"] = ctx.clip
+    if ctx.device_type == "cpu" and ctx.precision == "fp16":
+        notes.append("on a CPU, Lightning replaces precision '16-mixed' with 'bf16-mixed' (with a warning)")
+    return {"trainer": trainer, "batch_size": ctx.micro}
+
+
+def _deepspeed(ctx: _Context, notes: list[str]) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": ctx.micro,
+        "gradient_accumulation_steps": ctx.steps,
+        "bf16": {"enabled": ctx.precision == "bf16"},
+        "fp16": {"enabled": ctx.precision == "fp16"},
+    }
+    if ctx.precision == "fp16":
+        # Dynamic loss scaling as autotune's GradScaler does it: start at 2**16, halve on every overflow
+        # (hysteresis 1), double after growth_interval clean steps. DeepSpeed's factors are fixed at 2 and 1/2,
+        # GradScaler's defaults; it floors the scale at min_loss_scale, GradScaler has no floor.
+        scaler = get_mode("fp16").grad_scaler("cpu")
+        config["fp16"].update(loss_scale=0, initial_scale_power=int(math.log2(scaler.get_scale())),
+                              loss_scale_window=scaler.get_growth_interval(), hysteresis=1, min_loss_scale=1)
+    if ctx.clip is not None:
+        config["gradient_clipping"] = ctx.clip
+    if ctx.precision != "fp32":
+        notes.append(
+            f"DeepSpeed's {ctx.precision} section casts the model's weights to 16 bits (fp32 master weights in the "
+            f"optimizer) instead of autocasting an fp32 model as the trials did, so memory and speed differ from the "
+            f"measurement; its torch_autocast section is the measured mode"
+        )
+    notes.append("train_batch_size is left out: DeepSpeed derives it as micro-batch x accumulation steps x "
+                 "data-parallel processes")
+    return {"config": config}
+
+
+def _accelerate(ctx: _Context, notes: list[str]) -> dict[str, Any]:
+    if ctx.clip is not None:
+        notes.append(f"clip as measured with accelerator.clip_grad_norm_(model.parameters(), {ctx.clip}) before each "
+                     f"optimizer step")
+    if ctx.device_type == "cpu" and ctx.precision == "fp16":
+        notes.append("on a CPU, Accelerator(mixed_precision='fp16') neither autocasts nor scales the loss: "
+                     "it trains in fp32")
+    return {"accelerator": {"mixed_precision": ACCELERATE_PRECISION[ctx.precision],
+                            "gradient_accumulation_steps": ctx.steps},
+            "batch_size": ctx.micro}
+
+
+_BUILDERS: dict[str, Callable[[_Context, list[str]], dict[str, Any]]] = {
+    "hf": _hf, "lightning": _lightning, "deepspeed": _deepspeed, "accelerate": _accelerate,
+}
+
+
+def _common_notes(ctx: _Context, report: Report, framework: str) -> list[str]:
+    notes = []
+    if ctx.segments == 1:
+        notes.append("segments 1 recomputes nothing (the last segment is never recomputed): "
+                     "no checkpointing is exported")
+    name = NAMES[framework]
+    if ctx.recomputes and framework != "hf":
+        extra = (" (its activation_checkpointing section only configures the deepspeed.checkpointing.checkpoint calls "
+                 "the model code makes itself)" if framework == "deepspeed" else "")
+        notes.append(
+            f"autotune measured {ctx.plan_text}; {name} has no setting for gradient checkpointing{extra}. Apply "
+            f"the measured plan in the model with {APPLY_HINT} (use only its model; {name} handles precision and "
+            f"accumulation), or the library's per-layer switch (transformers' model.gradient_checkpointing_enable(), "
+            f"activation_checkpointing_enable() in newer releases; timm's model.set_grad_checkpointing()), which "
+            f"checkpoints every block: the same or lower peak memory, more recompute (slower) than measured"
+        )
+    if report.guard.fp32_modules:
+        notes.append(f"the trials kept {', '.join(report.guard.fp32_modules)} in fp32; this export does not: "
+                     f"{APPLY_HINT} does")
+    if ctx.device_type == "cpu" and ctx.precision != "fp32":
+        notes.append(f"the trials ran on a CPU: the {ctx.precision} setting asks for the same autocast mode on the "
+                     f"device you train on (a GPU), where peak memory and speed differ; run autotune there to "
+                     f"measure them")
+    return notes

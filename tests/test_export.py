@@ -1,0 +1,234 @@
+"""Framework exports, checked by building each framework's own object from them where it is installed.
+
+The reports are the committed CPU quickstart report and variants of it (another precision, checkpoint
+segments, a target batch size), so no model runs. On a machine without a GPU some frameworks refuse
+or rewrite a 16-bit setting; those tests assert the framework's known behaviour there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+
+import pytest
+import torch
+
+import autotune
+from autotune.errors import UsageError
+from autotune.export import FRAMEWORKS, export, parse_frameworks, write_exports
+from autotune.precision import INIT_LOSS_SCALE
+
+QUICKSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "quickstart-cpu.json")
+HAS_GPU = torch.cuda.is_available()
+
+# (precision, segments, target batch size): the quickstart recommendation is bf16, segments 0, batch 16
+VARIANTS = [("fp32", 0, None), ("fp16", 0, 64), ("bf16", 0, None), ("bf16", 3, 40), ("fp16", 12, None)]
+VARIANT_IDS = [f"{p}-s{s}-t{t}" for p, s, t in VARIANTS]
+
+
+@pytest.fixture(scope="module")
+def quickstart() -> autotune.Report:
+    return autotune.load(QUICKSTART)
+
+
+def variant(report: autotune.Report, precision: str, segments: int, target: int | None = None,
+            **guard: object) -> autotune.Report:
+    """The report with its recommended trial alone, as ``precision`` and ``segments``, planned for ``target``."""
+    rec = report.recommendation
+    trial = dataclasses.replace(rec, config=dataclasses.replace(rec.config, precision=precision, segments=segments))
+    return dataclasses.replace(report, trials=(trial,), probe=None, target_batch_size=target,
+                               guard=dataclasses.replace(report.guard, **guard))
+
+
+def steps_of(report: autotune.Report) -> int:
+    return report.plan["accumulation_steps"] if report.plan else 1
+
+
+def test_quickstart_export_is_json_safe_and_carries_the_recommendation(quickstart):
+    for framework in FRAMEWORKS:
+        data = export(quickstart, framework)
+        assert json.loads(json.dumps(data, allow_nan=False)) == data
+        assert data["framework"] == framework
+        assert data["autotune_recommendation"] == {"precision": "bf16", "segments": 0, "batch_size": 16}
+        assert data["notes"] and all(isinstance(n, str) for n in data["notes"])
+        assert any("ran on a CPU" in n for n in data["notes"])  # bf16 measured on a CPU
+        assert not any("checkpoint segments" in n for n in data["notes"])  # nothing to checkpoint
+
+
+def test_plan_sets_accumulation_everywhere(quickstart):
+    report = variant(quickstart, "fp32", 0, target=64)  # micro 16 -> 4 steps
+    assert report.plan["accumulation_steps"] == 4
+    assert export(report, "hf")["training_arguments"]["gradient_accumulation_steps"] == 4
+    assert export(report, "lightning")["trainer"]["accumulate_grad_batches"] == 4
+    assert export(report, "deepspeed")["config"]["gradient_accumulation_steps"] == 4
+    assert export(report, "accelerate")["accelerator"]["gradient_accumulation_steps"] == 4
+    assert report.plan["lr_note"] in export(report, "hf")["notes"]
+
+
+def test_checkpoint_notes_say_what_each_framework_does_instead(quickstart):
+    report = variant(quickstart, "fp32", 3)
+    hf = export(report, "hf")
+    assert hf["training_arguments"]["gradient_checkpointing"] is True
+    assert hf["training_arguments"]["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    plan = "3 checkpoint segments over the 12 blocks of transformer.h"
+    assert any(plan in n and "every layer" in n for n in hf["notes"])
+    for framework in ("lightning", "deepspeed", "accelerate"):
+        notes = " ".join(export(report, framework)["notes"])
+        assert "no setting for gradient checkpointing" in notes and "autotune.apply(model, report)" in notes
+    assert "deepspeed.checkpointing.checkpoint" in " ".join(export(report, "deepspeed")["notes"])
+    # segments 1 recomputes nothing: nothing to switch on
+    one = export(variant(quickstart, "fp32", 1), "hf")
+    assert one["training_arguments"]["gradient_checkpointing"] is False
+    assert any("segments 1 recomputes nothing" in n for n in one["notes"])
+
+
+def test_the_cited_apply_call_matches_its_signature():
+    params = list(inspect.signature(autotune.apply).parameters.values())
+    assert [p.name for p in params[:2]] == ["model", "recommendation"]
+    assert all(p.kind is p.KEYWORD_ONLY for p in params[2:])
+
+
+def test_guard_rails_are_exported_or_noted(quickstart):
+    report = variant(quickstart, "fp16", 0, clip_grad_norm=1.0, fp32_modules=("lm_head",))
+    assert export(report, "hf")["training_arguments"]["max_grad_norm"] == 1.0
+    assert export(report, "lightning")["trainer"]["gradient_clip_val"] == 1.0
+    assert export(report, "deepspeed")["config"]["gradient_clipping"] == 1.0
+    assert any("clip_grad_norm_" in n for n in export(report, "accelerate")["notes"])
+    assert all(any("lm_head" in n for n in export(report, f)["notes"]) for f in FRAMEWORKS)
+
+
+# --- each framework's own object, built from the export -------------------------------------------------------------
+
+
+# transformers 5 renamed gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs) and warns on the old
+# names; the export keeps the old ones, which every release up to v6 accepts (the export's notes say so).
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
+@pytest.mark.parametrize("precision,segments,target", VARIANTS, ids=VARIANT_IDS)
+def test_hf_training_arguments(quickstart, tmp_path, precision, segments, target):
+    transformers = pytest.importorskip("transformers")
+    report = variant(quickstart, precision, segments, target)
+    kwargs = export(report, "hf")["training_arguments"]
+    if precision == "bf16" and not HAS_GPU:
+        # without a GPU, TrainingArguments refuses bf16 unless told to train on the CPU (the export's note)
+        with pytest.raises(ValueError, match="doesn't support bf16/gpu.*use_cpu"):
+            transformers.TrainingArguments(output_dir=str(tmp_path), **kwargs)
+        assert any("use_cpu=True" in n for n in export(report, "hf")["notes"])
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=not HAS_GPU, **kwargs)
+    assert {k: getattr(args, k) for k in kwargs} == kwargs
+    assert args.per_device_train_batch_size == 16 and args.gradient_accumulation_steps == steps_of(report)
+    assert (args.fp16, args.bf16) == (precision == "fp16", precision == "bf16")
+    assert args.gradient_checkpointing is (segments > 1)
+
+
+@pytest.mark.parametrize("precision,segments,target", VARIANTS, ids=VARIANT_IDS)
+def test_lightning_trainer(quickstart, precision, segments, target):
+    pytest.importorskip("lightning")
+    from lightning.pytorch import Trainer
+
+    report = variant(quickstart, precision, segments, target)
+    data = export(report, "lightning")
+
+    def build() -> Trainer:
+        return Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, **data["trainer"])
+
+    if precision == "fp16":
+        # Lightning has no fp16 autocast on a CPU: it warns and trains in bf16 (the export's note)
+        with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
+            trainer = build()
+        assert trainer.precision == "bf16-mixed"
+        assert any("'bf16-mixed'" in n for n in data["notes"])
+    else:
+        trainer = build()
+        assert trainer.precision == data["trainer"]["precision"]
+    assert trainer.accumulate_grad_batches == steps_of(report)
+    assert data["batch_size"] == 16
+
+
+@pytest.mark.parametrize("precision,segments,target", VARIANTS, ids=VARIANT_IDS)
+def test_deepspeed_config(quickstart, precision, segments, target):
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    report = variant(quickstart, precision, segments, target)
+    config = DeepSpeedConfig(export(report, "deepspeed")["config"])
+    assert config.train_micro_batch_size_per_gpu == 16
+    assert config.gradient_accumulation_steps == steps_of(report)
+    assert config.train_batch_size == 16 * steps_of(report)  # one process: world size 1
+    assert (config.float16_config.enabled, config.bfloat16_config.enabled) == (precision == "fp16", precision == "bf16")
+    if precision == "fp16":  # dynamic loss scaling as autotune's GradScaler does it
+        scaler = autotune.precision.get_mode("fp16").grad_scaler("cpu")
+        fp16 = config.float16_config
+        assert fp16.loss_scale == 0 and fp16.initial_dynamic_scale() == INIT_LOSS_SCALE
+        assert fp16.loss_scale_window == scaler.get_growth_interval() == 2000
+        assert fp16.hysteresis == 1
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """accelerate keeps its state in process-wide singletons: reset them around each test."""
+    state = pytest.importorskip("accelerate.state")
+    state.AcceleratorState._reset_state(True)
+    state.GradientState._reset_state()
+    yield
+    state.AcceleratorState._reset_state(True)
+    state.GradientState._reset_state()
+
+
+@pytest.mark.parametrize("precision,segments,target", VARIANTS, ids=VARIANT_IDS)
+def test_accelerate_accelerator(quickstart, fresh_accelerate, precision, segments, target):
+    from accelerate import Accelerator
+
+    report = variant(quickstart, precision, segments, target)
+    data = export(report, "accelerate")
+    accelerator = Accelerator(**data["accelerator"])
+    assert accelerator.mixed_precision == {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}[precision]
+    assert accelerator.gradient_accumulation_steps == steps_of(report)
+    assert data["batch_size"] == 16
+    x = torch.ones(2, 2, device=accelerator.device)
+    with accelerator.autocast():
+        dtype = (x @ x).dtype
+    if precision == "fp16" and accelerator.device.type == "cpu":
+        # accepted, but on a CPU accelerate neither autocasts to fp16 nor makes a GradScaler (the export's note)
+        assert (dtype, accelerator.scaler) == (torch.float32, None)
+        assert any("trains in fp32" in n for n in data["notes"])
+    else:
+        assert dtype == {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+
+
+# --- files and errors -----------------------------------------------------------------------------------------------
+
+
+def test_write_exports_next_to_the_report(quickstart, tmp_path):
+    json_path = tmp_path / "quickstart-cpu.json"
+    paths = write_exports(quickstart, json_path, "hf,deepspeed")
+    assert paths == [str(tmp_path / "quickstart-cpu.hf.json"), str(tmp_path / "quickstart-cpu.deepspeed.json")]
+    for path, framework in zip(paths, ("hf", "deepspeed")):
+        with open(path) as f:
+            assert json.load(f) == export(quickstart, framework)
+    assert write_exports(quickstart, str(json_path), ["lightning", "accelerate"]) == [
+        str(tmp_path / "quickstart-cpu.lightning.json"), str(tmp_path / "quickstart-cpu.accelerate.json")]
+
+
+def test_parse_frameworks():
+    assert parse_frameworks("hf,lightning") == ("hf", "lightning")
+    assert parse_frameworks(["deepspeed", "hf, accelerate", "hf"]) == ("deepspeed", "hf", "accelerate")
+    valid = "choose from hf, lightning, deepspeed, accelerate$"
+    with pytest.raises(UsageError, match="unknown framework 'keras': " + valid):
+        parse_frameworks("hf,keras")
+    with pytest.raises(UsageError, match="no framework given"):
+        parse_frameworks(" , ")
+
+
+def test_usage_errors(quickstart, tmp_path):
+    with pytest.raises(UsageError, match="unknown framework 'jax'"):
+        export(quickstart, "jax")
+    nothing_fits = dataclasses.replace(quickstart, budget_bytes=1, probe=None)
+    with pytest.raises(UsageError, match="^nothing to export: the report has no recommendation$"):
+        export(nothing_fits, "hf")
+    with pytest.raises(UsageError):
+        write_exports(quickstart, tmp_path / "r.json", "hf,keras")
+    with pytest.raises(UsageError):
+        write_exports(nothing_fits, tmp_path / "r.json", "hf")
+    assert os.listdir(tmp_path) == []  # all or nothing
