@@ -10,14 +10,17 @@ trial's time limit (plus start-up time) is killed and recorded as ``timeout``.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import signal
+import sys
 import time
 import traceback
 from typing import Any
 
 import torch
 
+from autotune._log import logger
 from autotune.errors import UsageError
 from autotune.space import Config
 from autotune.trial import Measurement, TrialSettings
@@ -30,9 +33,13 @@ _POLL_S = 1.0
 _EXIT_GRACE_S = 30.0
 
 
-def _worker(conn: Any, spec: dict, config: Config, device: str, budget_bytes: int | None, settings: TrialSettings) -> None:
+def _worker(conn: Any, spec: dict, config: Config, device: str, budget_bytes: int | None, settings: TrialSettings,
+            log_level: int = logging.WARNING) -> None:
     # Ctrl-C reaches the whole process group: the parent decides, and kills this worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log_level < logging.WARNING:  # --verbose: the trial's per-step lines, on the stderr the worker shares
+        logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
+        logger.setLevel(log_level)
     try:
         from autotune.meters import make_meter
         from autotune.trial import run_trial
@@ -82,7 +89,7 @@ def run_trial_isolated(
     receiver, sender = ctx.Pipe(duplex=False)
     started = time.monotonic()
     proc = ctx.Process(
-        target=_worker, args=(sender, workload.spec, config, str(device), budget_bytes, settings),
+        target=_worker, args=(sender, workload.spec, config, str(device), budget_bytes, settings, logger.getEffectiveLevel()),
         name=f"autotune-trial-{config.precision}-s{config.segments}-b{config.batch_size}", daemon=True,
     )
     proc.start()

@@ -83,6 +83,25 @@ def test_isolated_trial_measures_like_an_in_process_one():
     assert there.status == "ok" and there.peak_bytes == here.peak_bytes and there.loss_first == here.loss_first
 
 
+def test_an_isolated_trial_logs_its_steps_with_verbose(capfd):
+    # --verbose sets the autotune logger to DEBUG; a worker process must log its steps as this one would
+    import logging
+
+    from autotune._log import logger
+
+    w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)
+    before = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        m = isolation.run_trial_isolated(w, Config("fp32", 0, 2), device="cpu", budget_bytes=2**30,
+                                         settings=TrialSettings(measure_steps=2))
+    finally:
+        logger.setLevel(before)
+    err = capfd.readouterr().err
+    assert m.status == "ok"
+    assert err.count("fp32 segments=0 batch=2 timed step") == 2 and "warm-up (metered) step 1" in err
+
+
 def test_search_killed_with_sigkill_resumes_without_measuring_twice(tmp_path):
     storage, out = f"sqlite:///{tmp_path}/r.db", tmp_path / "r.json"
     proc = cli(*SEARCH, "--storage", storage, "--study", "r", "--out", str(out))
