@@ -42,7 +42,7 @@ from autotune.strategies import Strategy
 from autotune.trial import Measurement, TrialSettings, run_trial
 from autotune.workload import Workload
 
-__all__ = ["SearchResult", "SearchInterrupted", "run_search", "default_study_name", "default_storage", "open_study"]
+__all__ = ["SearchResult", "SearchInterrupted", "run_search", "default_study_name", "default_storage", "open_study", "run_one"]
 
 _STATE = {"ok": TrialState.COMPLETE, "oom": TrialState.PRUNED, "timeout": TrialState.PRUNED,
           "failed": TrialState.FAIL, "crashed": TrialState.FAIL}
@@ -313,7 +313,7 @@ def run_search(
                 if on_trial_start:
                     on_trial_start(config)
                 with _Heartbeat(study, trial):
-                    m = _run_one(workload, config, device=device, meter=meter, budget_bytes=budget_bytes,
+                    m = run_one(workload, config, device=device, meter=meter, budget_bytes=budget_bytes,
                                  settings=settings, isolation=isolation)
                 finished = m
                 _record(study, trial, m, distributions, record_attrs)
@@ -335,8 +335,9 @@ def run_search(
     return result(partial=False)
 
 
-def _run_one(workload: Workload, config: Config, *, device: torch.device, meter: Meter, budget_bytes: int | None,
+def run_one(workload: Workload, config: Config, *, device: torch.device, meter: Meter, budget_bytes: int | None,
              settings: TrialSettings, isolation: str) -> Measurement:
+    """Run one trial in this process with ``meter``, or (``isolation="process"``) in a fresh worker."""
     if isolation == "process":
         from autotune.isolation import run_trial_isolated
 

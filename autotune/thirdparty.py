@@ -83,6 +83,7 @@ def hf_masked_lm(model_type: str = "bert", seq_len: int | None = None, mask_shar
     def example_batch(self: nn.Module, batch_size: int) -> dict[str, torch.Tensor]:
         labels = torch.randint(0, vocab, (batch_size, length))
         masked = torch.rand(batch_size, length) < mask_share
+        masked[torch.arange(batch_size), torch.randint(0, length, (batch_size,))] = True  # no row without a target
         ids = torch.where(masked, torch.zeros_like(labels), labels)  # token 0 stands for [MASK]
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.where(masked, labels, -100)}
 

@@ -16,13 +16,13 @@ from autotune.errors import Interrupted, UsageError, first_line
 from autotune.meters import make_meter
 from autotune.precision import default_precisions, supported_precisions
 from autotune.report import Report, environment, ram_bytes
-from autotune.search import SearchInterrupted, default_storage, default_study_name, fingerprint, run_search
+from autotune.search import SearchInterrupted, run_one, default_storage, default_study_name, fingerprint, run_search
 from autotune.space import SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
 from autotune.strategies import make_strategy
 from autotune.probe import ProbeResult, ProbeSettings, probe_candidates, run_probe
 from autotune.space import Config
 from autotune.thirdparty import library_checkpointing
-from autotune.trial import GuardRails, Measurement, TrialSettings, keep_in_fp32, run_trial
+from autotune.trial import GuardRails, Measurement, TrialSettings, keep_in_fp32
 from autotune.units import format_bytes, parse_size
 from autotune.workload import Workload, parse_model_kwargs, to_device
 
@@ -259,7 +259,8 @@ def tune(
                                                num_workers=num_workers, seed=0, timeout_s=trial_timeout),
                         events=events)
         if compare_library and info["library_checkpointing"] and chain is not None:
-            report = _compare_library(report, workload, info["library_checkpointing"], dev, enforced, settings)
+            report = _compare_library(report, workload, info["library_checkpointing"], dev, enforced, settings,
+                                      isolation_mode)
         return report
     except KeyboardInterrupt:
         raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
@@ -280,7 +281,7 @@ def _probe(report: Report, workload: Workload, dev: torch.device, *, budget_byte
         try:
             for i, candidate in enumerate(candidates, 1):
                 events.call("probe_started", candidate.config, i, len(candidates))
-                logger.info("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config,
+                logger.debug("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config,
                             100 * settings.fraction, settings.epochs)
                 results.append(run_probe(workload, candidate, device=dev, meter=probe_meter, budget_bytes=budget_bytes,
                                          headroom=headroom, settings=settings, guard=guard))
@@ -320,32 +321,33 @@ class _Events:
         self.call("probe_done", result)
 
 
-def _build_with_library_checkpointing(factory: Callable[[], nn.Module]) -> nn.Module:
-    model = factory()
-    library_checkpointing(model)
-    return model
-
-
 def _compare_library(report: Report, workload: Workload, method: str, dev: torch.device, budget_bytes: int | None,
-                     settings: TrialSettings) -> Report:
+                     settings: TrialSettings, isolation: str) -> Report:
     """Measure the library's per-layer checkpointing beside autotune's one-segment-per-block plan.
 
-    Both at the recommendation's precision and batch size, in this process; the plan's trial is
-    taken from the search when it was measured there. The trials are not part of the search
-    space, so they are reported, not stored.
+    Both at the recommendation's precision and batch size, as the search ran its trials (in this
+    process, or each in a fresh worker); the plan's trial is taken from the search when it was
+    measured there. The trials are not part of the search space, so they are reported, not
+    stored. A comparison that cannot be made is a notice: the search and probe are kept.
     """
     rec = report.recommendation
     if rec is None:
         return report
     blocks = report.workload["chain"]["length"]
-    lib = dataclasses.replace(workload, model_factory=functools.partial(_build_with_library_checkpointing, workload.model_factory))
     ours_config = Config(rec.precision, blocks, rec.batch_size)
+    measured = {m.config: m for m in report.trials}
     logger.info("comparing %s with segments %d at %s, batch %d", method, blocks, rec.precision, rec.batch_size)
-    meter = make_meter(dev, budget_bytes=budget_bytes)
+    meter = make_meter(dev, budget_bytes=budget_bytes if isolation == "none" else None)
     try:
-        measured = {m.config: m for m in report.trials}
-        library = run_trial(lib, Config(rec.precision, 0, rec.batch_size), device=dev, meter=meter, settings=settings)
-        ours = measured.get(ours_config) or run_trial(workload, ours_config, device=dev, meter=meter, settings=settings)
+        lib = Workload.from_specs(**{**workload.spec, "library_checkpointing": True})  # rebuilt the same way in a worker
+        run = functools.partial(run_one, device=dev, meter=meter, budget_bytes=budget_bytes, settings=settings,
+                                isolation=isolation)
+        library = run(lib, Config(rec.precision, 0, rec.batch_size))
+        ours = measured.get(ours_config) or run(workload, ours_config)
+    except Exception as exc:  # noqa: BLE001 - an extra measurement: its failure must not cost the report
+        notice = f"the comparison with {method} could not be made ({type(exc).__name__}: {first_line(exc)})"
+        logger.warning(notice)
+        return dataclasses.replace(report, notices=report.notices + (notice,))
     finally:
         meter.close()
     none = measured.get(Config(rec.precision, 0, rec.batch_size))
@@ -404,18 +406,24 @@ def _preflight(workload: Workload, device: torch.device, budget_bytes: int | Non
     chain = find_chain(model)
     batch = None
     try:
-        model.to(device)
-        library = library_checkpointing(model)  # on this throwaway model: has its library a switch of its own?
-        batch = to_device(workload.make_batch(model, batch_size), device)
-        with torch.no_grad():
-            workload.loss(model, batch)
-    except UsageError:
-        raise
-    except Exception as exc:
-        raise UsageError(
-            f"{model_class} failed on a batch of {batch_size}: {type(exc).__name__}: {first_line(exc)} "
-            f"(check --data, --loss and the model's example_batch)"
-        ) from None
+        try:
+            model.to(device)
+            batch = to_device(workload.make_batch(model, batch_size), device)
+            with torch.no_grad():
+                workload.loss(model, batch)
+        except UsageError:
+            raise
+        except Exception as exc:
+            raise UsageError(
+                f"{model_class} failed on a batch of {batch_size}: {type(exc).__name__}: {first_line(exc)} "
+                f"(check --data, --loss and the model's example_batch)"
+            ) from None
+        try:  # on this throwaway model: has its library a per-layer checkpointing switch of its own?
+            library = library_checkpointing(model)
+        except Exception as exc:  # noqa: BLE001 - a switch that fails is one not compared with
+            library = None
+            logger.info("the model's own checkpointing switch failed (%s: %s): not compared", type(exc).__name__,
+                        first_line(exc))
     finally:
         model = params = batch = None
         if device.type == "cuda":

@@ -81,8 +81,13 @@ class Workload:
         model_kwargs: str | dict | None = None,
         data: str | Dataset | Callable[[], Dataset] | None = None,
         loss: str | Callable | None = None,
+        library_checkpointing: bool = False,
     ) -> "Workload":
-        """Build a workload from ``MODULE:ATTR`` strings (the CLI's flags) or the objects themselves."""
+        """Build a workload from ``MODULE:ATTR`` strings (the CLI's flags) or the objects themselves.
+
+        ``library_checkpointing`` builds every model with its library's own per-layer
+        checkpointing turned on (see :func:`autotune.thirdparty.library_checkpointing`).
+        """
         name = model if isinstance(model, str) else getattr(model, "__qualname__", type(model).__name__)
         target = load_object(model, flag="--model") if isinstance(model, str) else model
         kwargs = parse_model_kwargs(model_kwargs)
@@ -107,7 +112,11 @@ class Workload:
         if loss_fn is not None and not callable(loss_fn):
             raise UsageError(f"--loss {loss!r} is not callable: name a function loss(output, target)")
         spec = {"model": model, "model_kwargs": model_kwargs, "data": data, "loss": loss}
-        return cls(functools.partial(_call, target, "--model", name, **kwargs), name, dataset, loss_fn, collate_fn, spec)
+        factory = functools.partial(_call, target, "--model", name, **kwargs)
+        if library_checkpointing:
+            spec["library_checkpointing"] = True
+            factory = functools.partial(_with_library_checkpointing, factory)
+        return cls(factory, name, dataset, loss_fn, collate_fn, spec)
 
     def build_model(self) -> nn.Module:
         """Return a freshly built model (on the CPU, in training mode)."""
@@ -205,6 +214,15 @@ def _call(factory: Callable, flag: str, spec: Any, **kwargs: Any) -> Any:
         if is_oom(exc):
             raise  # a model too big for the budget is an outcome, not bad input
         raise UsageError(f"{flag} {spec!r} raised {type(exc).__name__} while building: {exc}") from None
+
+
+def _with_library_checkpointing(factory: Callable[[], nn.Module]) -> nn.Module:
+    from autotune.thirdparty import library_checkpointing
+
+    model = factory()
+    if library_checkpointing(model) is None:
+        raise UsageError(f"{type(model).__name__} has no per-layer checkpointing of its library's own")
+    return model
 
 
 def _signature(factory: Callable) -> str:

@@ -116,3 +116,41 @@ def test_bad_third_party_configs_are_one_line_usage_errors():
         Workload.from_specs("autotune.thirdparty:gpt2", model_kwargs={**GPT2, "seq_len": 128}).build_model()
     with pytest.raises(UsageError, match="transformers: Unrecognized model identifier"):
         Workload.from_specs("autotune.thirdparty:hf_causal_lm", model_kwargs={"model_type": "no-such-model"}).build_model()
+
+
+def test_a_comparison_that_fails_is_a_notice_and_the_report_is_kept(tmp_path, monkeypatch):
+    _needs("transformers")
+
+    def failing(workload, config, **kwargs):
+        raise RuntimeError("the library's switch broke")
+
+    monkeypatch.setattr("autotune.tuner.run_one", failing)
+    report = autotune.tune("autotune.thirdparty:gpt2", model_kwargs=GPT2, device="cpu", budget="40MiB", precisions="fp32",
+                           segments="0,4", batch_sizes="1,2", measure_steps=1, probe=False,
+                           storage=f"sqlite:///{tmp_path}/f.db", study="f")
+    assert report.recommendation is not None and report.library_checkpointing is None
+    assert any("could not be made (RuntimeError: the library's switch broke)" in n for n in report.notices)
+
+
+def test_the_library_switch_survives_a_rebuild_from_the_spec_in_a_worker():
+    _needs("transformers")
+    from autotune import isolation
+    from autotune.space import Config
+    from autotune.trial import TrialSettings
+
+    spec = Workload.from_specs("autotune.thirdparty:gpt2", model_kwargs=GPT2).spec
+    lib = Workload.from_specs(**{**spec, "library_checkpointing": True})
+    settings = TrialSettings(measure_steps=1)
+    here = autotune.run_trial(lib, Config("fp32", 0, 4), device="cpu", meter=TensorMeter(budget_bytes=2**30), settings=settings)
+    there = isolation.run_trial_isolated(lib, Config("fp32", 0, 4), device="cpu", budget_bytes=2**30, settings=settings)
+    plain = autotune.run_trial(Workload.from_specs(**spec), Config("fp32", 0, 4), device="cpu",
+                               meter=TensorMeter(budget_bytes=2**30), settings=settings)
+    assert there.status == "ok" and there.peak_bytes == here.peak_bytes < plain.peak_bytes
+
+
+def test_a_masked_lm_batch_has_a_target_in_every_row():
+    _needs("transformers")
+    w = Workload.from_specs("autotune.thirdparty:bert", model_kwargs={**BERT, "seq_len": 4, "mask_share": 0.01})
+    batch = w.make_batch(w.build_model(), 64)
+    assert ((batch["labels"] != -100).sum(dim=1) >= 1).all()
+    assert (batch["input_ids"][batch["labels"] != -100] == 0).all()  # what is predicted is masked
