@@ -152,10 +152,10 @@ def show(argv: Sequence[str]) -> int:
         except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not an autotune report
             raise UsageError(f"{args.report} is not an autotune report ({type(exc).__name__}: {first_line(exc)})") from None
         print(report.table())
-        if frameworks and report.recommendation is None:
-            raise UsageError("nothing to export: the report has no recommendation")
         for path in _write_outputs(report, args.report, frameworks, plot):
             print(f"autotune: wrote {path}", file=sys.stderr)
+        if frameworks and report.recommendation is None:
+            print("autotune: nothing to export: the report has no recommendation", file=sys.stderr)
     except UsageError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -248,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.quiet:
         for path in written:
             print(f"autotune: wrote {path}", file=sys.stderr)
+    if frameworks and report.recommendation is None:
+        print("autotune: nothing to export: no configuration fits (see below)", file=sys.stderr)
     if report.recommendation is None:
         print(_nothing_fits_hint(report), file=sys.stderr)
         return EXIT_NOTHING_FITS

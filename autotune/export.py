@@ -31,6 +31,8 @@ FRAMEWORKS = ("hf", "lightning", "deepspeed", "accelerate")
 LIGHTNING_PRECISION = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
 ACCELERATE_PRECISION = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
 NAMES = {"hf": "Hugging Face", "lightning": "Lightning", "deepspeed": "DeepSpeed", "accelerate": "accelerate"}
+# The switches TrainingArguments(gradient_checkpointing=True) calls; "unknown": a report from before the tuner looked.
+HF_SWITCHES = ("activation_checkpointing_enable", "gradient_checkpointing_enable", "unknown")
 APPLY_HINT = "autotune.apply(model, report)"  # apply(model, recommendation, *, device_type=None) -> Applied
 
 
@@ -46,6 +48,7 @@ class _Context:
     chain: dict[str, Any]
     device_type: str | None  # where the trials ran
     clip: float | None
+    library: str | None  # the model's own checkpointing switch the tuner found; "unknown" in reports before it looked
 
     @property
     def plan_text(self) -> str:
@@ -83,6 +86,7 @@ def export(report: Report, framework: str) -> dict[str, Any]:
         chain=report.workload.get("chain") or {},
         device_type=report.environment.get("device_type"),
         clip=report.guard.clip_grad_norm,
+        library=report.workload.get("library_checkpointing", "unknown"),
     )
     data: dict[str, Any] = {"framework": framework, "autotune_recommendation": {
         "precision": rec.precision, "segments": rec.segments, "batch_size": rec.batch_size}}
@@ -111,9 +115,15 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         "gradient_accumulation_steps": ctx.steps,
         "bf16": ctx.precision == "bf16",
         "fp16": ctx.precision == "fp16",
-        "gradient_checkpointing": ctx.recomputes,
+        "gradient_checkpointing": ctx.recomputes and ctx.library in HF_SWITCHES,
     }
-    if ctx.recomputes:
+    if ctx.recomputes and ctx.library not in HF_SWITCHES:
+        notes.append(
+            f"autotune measured {ctx.plan_text}, but the model has no transformers checkpointing switch (found: "
+            f"{ctx.library or 'none'}), which TrainingArguments' gradient_checkpointing calls: it is left off. Apply the "
+            f"measured plan with {APPLY_HINT} before building the Trainer"
+        )
+    elif ctx.recomputes:
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}  # autotune's checkpoints are non-reentrant
         notes.append(
             f"autotune measured {ctx.plan_text}; TrainingArguments cannot group blocks, so this export turns on "
@@ -159,7 +169,8 @@ def _deepspeed(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         notes.append(
             f"DeepSpeed's {ctx.precision} section casts the model's weights to 16 bits (fp32 master weights in the "
             f"optimizer) instead of autocasting an fp32 model as the trials did, so memory and speed differ from the "
-            f"measurement; its torch_autocast section is the measured mode"
+            f"measurement. Its torch_autocast section ({{\"enabled\": true, \"dtype\": ...}}) autocasts as the trials "
+            f"did, for the module types it lists"
         )
     notes.append("train_batch_size is left out: DeepSpeed derives it as micro-batch x accumulation steps x "
                  "data-parallel processes")

@@ -73,7 +73,7 @@ class Progress:
         self._exit.close()
 
     def probe_started(self, config: Config, index: int, count: int) -> None:
-        if not self.quiet and self.use_bar:
+        if not self.quiet:
             self._say(f"autotune: probe {index}/{count}: {config} ...")
 
     def probe_done(self, result: Any) -> None:

@@ -193,6 +193,8 @@ class Report:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Report":
+        if not isinstance(data, dict):
+            raise ValueError(f"a report is a JSON object, not a {type(data).__name__}")
         if data.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"unsupported schema_version {data.get('schema_version')!r} (this autotune reads {SCHEMA_VERSION})")
         return cls(

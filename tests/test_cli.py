@@ -185,6 +185,7 @@ def test_show_prints_a_saved_report_again_and_exports_it(tmp_path, capsys):
     (None, "no such file"),
     ("not json", "is not an autotune report"),
     ('{"schema_version": 99}', "unsupported schema_version 99"),
+    ("[]", "a report is a JSON object, not a list"),
 ])
 def test_show_of_a_missing_or_foreign_file_is_one_line_and_exit_2(tmp_path, capsys, content, message):
     path = tmp_path / "x.json"
@@ -202,3 +203,15 @@ def test_plot_without_matplotlib_is_bad_input_before_any_trial(tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "pip install matplotlib" in err[0]
     assert not (tmp_path / "s.db").exists()
+
+
+def test_show_of_a_report_where_nothing_fits_still_plots_and_exits_3(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
+    with open(os.path.join(os.path.dirname(__file__), "..", "results", "quickstart-cpu.json")) as f:
+        data = json.load(f)
+    data["budget_bytes"] = 1000  # nothing measured fits 1000 bytes
+    report = tmp_path / "none.json"
+    report.write_text(json.dumps(data))
+    assert main(["show", str(report), "--export", "hf", "--plot"]) == 3
+    err = capsys.readouterr().err
+    assert "nothing to export" in err and (tmp_path / "none.pareto.png").exists() and not (tmp_path / "none.hf.json").exists()

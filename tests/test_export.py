@@ -232,3 +232,14 @@ def test_usage_errors(quickstart, tmp_path):
     with pytest.raises(UsageError):
         write_exports(nothing_fits, tmp_path / "r.json", "hf")
     assert os.listdir(tmp_path) == []  # all or nothing
+
+
+@pytest.mark.parametrize("switch, on", [("activation_checkpointing_enable", True), ("gradient_checkpointing_enable", True),
+                                        ("set_grad_checkpointing", False), (None, False)])
+def test_hf_turns_on_checkpointing_only_for_a_model_with_the_transformers_switch(quickstart, switch, on):
+    report = variant(quickstart, "bf16", 3)
+    report = dataclasses.replace(report, workload={**report.workload, "library_checkpointing": switch})
+    data = export(report, "hf")
+    assert data["training_arguments"]["gradient_checkpointing"] is on
+    assert ("gradient_checkpointing_kwargs" in data["training_arguments"]) is on
+    assert any("it is left off" in n and "autotune.apply(model, report)" in n for n in data["notes"]) is not on
