@@ -44,11 +44,15 @@ class _Context:
     segments: int
     micro: int  # the recommendation's batch size, one micro-batch
     steps: int  # gradient accumulation steps: the report's plan, else 1
-    recomputes: bool  # s segments recompute all but the last one, so s = 1 (like 0) recomputes nothing
     chain: dict[str, Any]
     device_type: str | None  # where the trials ran
     clip: float | None
     library: str | None  # the model's own checkpointing switch the tuner found; "unknown" in reports before it looked
+
+    @property
+    def recomputes(self) -> bool:
+        """s segments recompute all but the last one, so s = 1 (like 0) recomputes nothing."""
+        return self.segments > 1
 
     @property
     def plan_text(self) -> str:
@@ -82,7 +86,6 @@ def export(report: Report, framework: str) -> dict[str, Any]:
         segments=rec.segments,
         micro=rec.batch_size,
         steps=int(plan.get("accumulation_steps") or 1),
-        recomputes=rec.segments > 1,
         chain=report.workload.get("chain") or {},
         device_type=report.environment.get("device_type"),
         clip=report.guard.clip_grad_norm,

@@ -94,6 +94,3 @@ class Progress:
             self._bar.write(line, file=self.stream)
         else:
             print(line, file=self.stream, flush=True)
-
-    def close(self) -> None:
-        self.search_done()

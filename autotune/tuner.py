@@ -16,11 +16,10 @@ from autotune.errors import Interrupted, UsageError, first_line
 from autotune.meters import make_meter
 from autotune.precision import default_precisions, supported_precisions
 from autotune.report import Report, environment, ram_bytes
-from autotune.search import SearchInterrupted, run_one, default_storage, default_study_name, fingerprint, run_search
-from autotune.space import SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
+from autotune.search import SearchInterrupted, default_storage, default_study_name, fingerprint, run_one, run_search
+from autotune.space import Config, SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
 from autotune.strategies import make_strategy
 from autotune.probe import ProbeResult, ProbeSettings, probe_candidates, run_probe
-from autotune.space import Config
 from autotune.thirdparty import library_checkpointing
 from autotune.trial import GuardRails, Measurement, TrialSettings, keep_in_fp32
 from autotune.units import format_bytes, parse_size
