@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 from autotune.apply import Applied, accumulation_plan, apply
 from autotune.checkpointing import AppliedPlan, Chain, apply_plan, find_chain, remove_plan
+from autotune.plan_check import PlanCheck, check_plans
 from autotune.errors import (
     AutotuneError,
     BudgetExceededError,
@@ -56,6 +57,8 @@ __all__ = [
     "find_chain",
     "apply_plan",
     "remove_plan",
+    "PlanCheck",
+    "check_plans",
     "AutotuneError",
     "UsageError",
     "Interrupted",

@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the budget the recommendation leaves free")
     s.add_argument("--precisions", default="auto",
                    help="comma-separated fp32,fp16,bf16; auto: the modes the device runs well")
-    s.add_argument("--segments", default="auto",
-                   help="checkpoint segment counts, e.g. 0,2,4 (0 is off); auto: 0 and a spread up to the chain length")
+    s.add_argument("--segments", default="auto", metavar="PLANS",
+                   help="checkpoint plans, e.g. 0,2,every2,all: 0 is off, N recomputes the blocks of the first N-1 of N "
+                   "segments, everyN every N-th block, all every block; auto: a spread from 0 to all")
     s.add_argument("--batch-sizes", default="1..512",
                    help="a range A..B (the powers of two in it) or a list such as 8,16,24")
     r = p.add_argument_group("search and trials")
@@ -278,7 +279,7 @@ def _nothing_fits_hint(report) -> str:
     space = report.search["space"]
     if "bf16" not in space["precisions"] and "fp16" not in space["precisions"]:
         tries.append("--precisions with bf16 or fp16")
-    if max(space["segments"]) == 0 and report.workload.get("chain"):
+    if all(str(s) in ("0", "1") for s in space["segments"]) and report.workload.get("chain"):
         tries.append("--segments auto")
     if min(space["batch_sizes"]) > 1:
         tries.append("smaller --batch-sizes")

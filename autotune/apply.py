@@ -20,8 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.checkpointing import apply_plan
+from autotune._log import logger
+from autotune.checkpointing import Chain, apply_plan
 from autotune.errors import UsageError
+from autotune.plans import canonical, is_off
 from autotune.precision import get_mode
 from autotune.trial import GuardRails, Measurement, keep_in_fp32
 
@@ -60,7 +62,7 @@ class Applied:
 
     model: nn.Module  # with the checkpoint plan and fp32 modules applied (same parameters)
     precision: str
-    segments: int
+    segments: str  # the checkpoint plan's name
     micro_batch_size: int
     accumulation_steps: int
     scaler: "torch.amp.GradScaler | None"  # fp16 only
@@ -92,24 +94,60 @@ class Applied:
         return norm
 
 
-def _recommendation_fields(recommendation: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Return (trial fields, plan, guard rails) from a Report, a Measurement or a report/trial dict."""
+@dataclasses.dataclass(frozen=True)
+class _Recommended:
+    """What ``apply`` reads from a report, a trial or their JSON."""
+
+    trial: dict[str, Any]  # the recommended trial's fields
+    accumulation: dict[str, Any] = dataclasses.field(default_factory=dict)  # the gradient-accumulation plan
+    guard: dict[str, Any] = dataclasses.field(default_factory=dict)
+    checks: list | None = None  # the plan checks; None where there were none (a bare trial, a version 1 report)
+    chain: dict[str, Any] | None = None  # the model's blocks in forward order, as the tuner found them
+
+
+def _recommendation_fields(recommendation: Any) -> _Recommended:
+    """Read a Report, a Measurement or the JSON dict of either."""
     from autotune.report import Report
 
     if isinstance(recommendation, Report):
         rec = recommendation.recommendation
         if rec is None:
             raise UsageError("the report has no recommendation: nothing fitted the budget")
-        return rec.to_dict(), recommendation.plan or {}, recommendation.guard.to_dict()
+        return _Recommended(rec.to_dict(), recommendation.plan or {}, recommendation.guard.to_dict(),
+                            [c.to_dict() for c in recommendation.plan_checks], recommendation.workload.get("chain"))
     if isinstance(recommendation, Measurement):
-        return recommendation.to_dict(), {}, {}
+        return _Recommended(recommendation.to_dict())
     if isinstance(recommendation, dict):
         if "recommendation" in recommendation:  # a whole report, as loaded from JSON
             if recommendation["recommendation"] is None:
                 raise UsageError("the report has no recommendation: nothing fitted the budget")
-            return recommendation["recommendation"], recommendation.get("plan") or {}, recommendation.get("guard") or {}
-        return recommendation, {}, {}
+            return _Recommended(recommendation["recommendation"], recommendation.get("plan") or {},
+                                recommendation.get("guard") or {}, recommendation.get("plan_checks"),
+                                (recommendation.get("workload") or {}).get("chain"))
+        return _Recommended(recommendation)
     raise UsageError(f"cannot apply a {type(recommendation).__name__}: pass a Report, its recommendation or its JSON dict")
+
+
+def _require_checked(plan: str, checks: list | None) -> None:
+    """Refuse a plan whose check on the model failed; say so when there is no check to go by."""
+    if is_off(plan):
+        return
+    check = next((c for c in checks or () if c.get("plan") == plan), None)
+    if check is None:
+        logger.warning("checkpoint plan %s was not checked on this model (a report from before the checks, or a bare "
+                       "trial): autotune cannot vouch that it trains the same model", plan)
+    elif check.get("status") not in ("exact", "within_noise"):
+        raise UsageError(f"checkpoint plan {plan} failed its check on this model ({check.get('status')}: "
+                         f"{check.get('error') or check.get('worst')}): it would train a different model; "
+                         f"use another configuration of the report")
+
+
+def _has_submodule(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = None) -> Applied:
@@ -119,19 +157,28 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
     plan and guard rails are used), a :class:`~autotune.trial.Measurement`, or the JSON dict of
     either. ``device_type`` defaults to where the model's parameters are.
     """
-    fields, plan, guard_dict = _recommendation_fields(recommendation)
-    guard = GuardRails(clip_grad_norm=guard_dict.get("clip_grad_norm"), fp32_modules=tuple(guard_dict.get("fp32_modules", ())))
+    source = _recommendation_fields(recommendation)
+    fields, plan = source.trial, source.accumulation
+    guard = GuardRails(clip_grad_norm=source.guard.get("clip_grad_norm"),
+                       fp32_modules=tuple(source.guard.get("fp32_modules", ())))
     if device_type is None:
         first = next(model.parameters(), None)
         device_type = first.device.type if first is not None else "cpu"
-    applied_plan = apply_plan(model, int(fields["segments"]))
+    segments = canonical(fields["segments"])
+    _require_checked(segments, source.checks)
+    chain = Chain.from_dict(source.chain) if source.chain else None
+    missing = [path for path in (chain.blocks if chain else ()) if not _has_submodule(model, path)]
+    if missing:
+        raise UsageError(f"the report's blocks are not in this {type(model).__name__} (no {missing[0]}): apply a report "
+                         f"made for this model")
     keep_in_fp32(model, guard.fp32_modules, device_type)
+    applied_plan = apply_plan(model, segments, chain)
     mode = get_mode(fields["precision"])
     micro = int(plan.get("micro_batch_size") or fields["batch_size"])
     return Applied(
         model=model,
         precision=mode.name,
-        segments=int(fields["segments"]),
+        segments=segments,
         micro_batch_size=micro,
         accumulation_steps=int(plan.get("accumulation_steps") or 1),
         scaler=mode.grad_scaler(device_type),

@@ -1,206 +1,299 @@
-"""Gradient-checkpoint plans: find a model's chain of repeated blocks and recompute it in segments.
+"""Gradient-checkpoint plans applied to a model: each chosen block recomputed on its own, exactly.
 
-A plan with ``segments = s`` cuts a chain of L blocks into s contiguous segments. During the
-forward pass only each segment's input is kept; backward recomputes one segment at a time, so
-peak activation memory falls from O(L) blocks to O(s + L/s), smallest near s = sqrt(L). As in
-``torch.utils.checkpoint.checkpoint_sequential``, the last segment is not checkpointed: its
-activations are needed as soon as backward starts, so recomputing it would cost time and save
-nothing. ``segments = 0`` is no checkpointing (and so, in effect, is ``segments = 1``).
+A plan (:mod:`autotune.plans` names them) picks some of the model's repeated blocks; in the
+forward pass a picked block keeps only its inputs, and the backward pass runs it again to get its
+activations back. The design is the one transformers, timm and torchtitan use, for the same
+reason: **each block call is checkpointed on its own, with exactly the arguments of that call**
+(non-reentrant :func:`torch.utils.checkpoint.checkpoint`). A model's loop may pass every block
+its own mask, scale or position bias, and do anything between blocks (norms, residual sums,
+collected hidden states, router logits); the recompute replays the one call it belongs to, so a
+plan never changes what the model computes. Grouping several blocks into one recompute unit
+would save one stored input per block but has to guess the later blocks' arguments: autotune
+does not group.
 
-Two kinds of chain are found automatically:
+**Blocks** are found in every ``nn.ModuleList`` and ``nn.Sequential`` holding two or more
+children of one type that is not a plain ``torch.nn`` layer, outermost first: a GPT's
+``transformer.h``, T5's encoder *and* decoder blocks, a CNN's blocks across all its stages.
+Their order is the order the forward pass runs them (the preflight records it), and plan names
+count in that order.
 
-* an ``nn.Sequential``: its forward becomes ``checkpoint_sequential(use_reentrant=False)``;
-* an ``nn.ModuleList`` of blocks of one type that the model's own forward loops over (a GPT or
-  Hugging Face transformer): the first block of each segment runs the whole segment under one
-  non-reentrant ``checkpoint`` and the segment's other blocks hand its result on. Blocks may
-  return tuples (the first element is the hidden state passed to the next block); every block
-  of a segment receives the extra arguments its first block was called with.
+**State.** The recompute pass runs inside a context (``context_fn``, shared with per-operation
+policies) that puts back every buffer the block's forward changed, so BatchNorm's running
+statistics and ``num_batches_tracked`` are updated once per step, as without a plan. Dropout
+masks are replayed from the saved RNG state. Anything else a block reads that its model changes
+between the forward and the backward pass cannot be replayed: the run-time check
+(:mod:`autotune.plan_check`) finds such plans and drops them.
 
-Plans patch ``forward`` on module instances, so parameters and ``state_dict`` keys are untouched
-and :func:`remove_plan` restores the model.
+Plans set an instance ``forward`` on each picked block that wraps the forward it had (its class's,
+or one set before: ``--fp32-modules``, accelerate's hooks), so module hooks stay outside the
+recompute (they run once, as without a plan), parameters and ``state_dict`` keys are untouched,
+and :func:`remove_plan` restores exactly what was there.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
-import math
-from typing import Any
+import weakref
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.checkpoint import checkpoint
 
 from autotune.errors import AutotuneError, UsageError
+from autotune.plans import canonical, check_plan_fits, is_off, recomputed_blocks
 
-__all__ = ["Chain", "AppliedPlan", "find_chain", "auto_segment_counts", "apply_plan", "remove_plan"]
+__all__ = ["Chain", "AppliedPlan", "find_chain", "order_chain", "apply_plan", "remove_plan", "plan_blocks", "restore_buffers"]
+
+# The recompute contexts a block's checkpoint gets: a function of the block's call state returning
+# (forward context, recompute context), as torch's ``context_fn`` does.
+Contexts = Callable[["_Call"], "tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Chain:
-    """A run of blocks the model executes one after the other."""
+    """The model's repeated blocks, in the order its forward pass runs them."""
 
-    path: str  # dotted module path inside the model ("" is the model itself)
-    kind: str  # "sequential" or "module_list"
-    length: int  # L, the number of modules in the chain
-    block_type: str  # class name of the repeated block
+    blocks: tuple[str, ...]  # dotted module paths
+    containers: tuple[str, ...]  # the ModuleList / Sequential paths holding them ("" is the model itself)
+    block_types: tuple[str, ...]  # class names of the blocks
+    ordered_by: str = "definition"  # "forward" once a forward pass has been traced
+
+    @property
+    def length(self) -> int:
+        return len(self.blocks)
+
+    def describe(self) -> str:
+        """A short name for messages: ``transformer.h`` or ``encoder.block + decoder.block``."""
+        return " + ".join(c or "the model" for c in self.containers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"length": self.length, "containers": list(self.containers), "block_types": list(self.block_types),
+                "blocks": list(self.blocks), "ordered_by": self.ordered_by}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Chain | None":
+        """The chain of a report; ``None`` for reports of schema version 1 (one container, no block list)."""
+        if not data or "blocks" not in data:
+            return None
+        return cls(tuple(data["blocks"]), tuple(data["containers"]), tuple(data["block_types"]),
+                   data.get("ordered_by", "definition"))
 
 
 @dataclasses.dataclass(frozen=True)
 class AppliedPlan:
-    """The checkpoint plan applied to a model, as reported in the JSON."""
+    """The checkpoint plan applied to a model, as reported in each trial's JSON."""
 
-    segments: int
+    name: str
     chain: Chain | None
-    checkpointed: tuple[tuple[int, int], ...] = ()  # [start, end) block ranges recomputed in backward
+    recomputed: tuple[int, ...] = ()  # indices into chain.blocks
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "segments": self.segments,
-            "module": self.chain.path if self.chain else None,
-            "kind": self.chain.kind if self.chain else None,
-            "chain_length": self.chain.length if self.chain else None,
-            "block_type": self.chain.block_type if self.chain else None,
-            "checkpointed_blocks": [list(r) for r in self.checkpointed],
-        }
+        return {"name": self.name, "recomputed_blocks": list(self.recomputed),
+                "chain_length": self.chain.length if self.chain else None}
+
+
+def _is_block_type(cls: type) -> bool:
+    """A class that can be a block: not a container or layer of ``torch.nn`` itself."""
+    return not cls.__module__.startswith("torch.nn.")
 
 
 def find_chain(model: nn.Module) -> Chain | None:
-    """Return the model's longest chain of same-type blocks, or ``None`` when it has none.
+    """Return the model's repeated blocks (in definition order), or ``None`` when it has none.
 
-    Candidates are ``nn.ModuleList`` containers whose children all share one type, and
-    ``nn.Sequential`` containers (whose every child is part of the chain); a candidate scores the
-    number of children of its most common type and needs at least two. The highest score wins;
-    on a tie, the outermost container.
+    Candidates are the children of ``nn.ModuleList`` / ``nn.Sequential`` containers whose type
+    appears at least twice in that container and is not a ``torch.nn`` layer. Candidates inside
+    another candidate are left out (a block's own sub-blocks, a mixture of experts' experts).
+    Of the rest, the type holding the most parameters is kept, with every other type holding at
+    least a tenth as many (an encoder-decoder whose encoder and decoder layers differ).
     """
-    best: Chain | None = None
-    best_score = 1
+    candidates: dict[str, tuple[str, nn.Module]] = {}  # path -> (container path, module)
     for path, module in model.named_modules():
-        if not isinstance(module, (nn.Sequential, nn.ModuleList)) or len(module) < 2:
+        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
             continue
         counts = collections.Counter(type(child) for child in module)
-        block_type, score = counts.most_common(1)[0]
-        if isinstance(module, nn.ModuleList) and len(counts) > 1:
-            continue
-        if score > best_score:
-            kind = "sequential" if isinstance(module, nn.Sequential) else "module_list"
-            best = Chain(path, kind, len(module), block_type.__name__)
-            best_score = score
-    return best
+        for name, child in module.named_children():
+            if counts[type(child)] >= 2 and _is_block_type(type(child)):
+                candidates[f"{path}.{name}" if path else name] = (path, child)
+    outer = {p: c for p, c in candidates.items()
+             if not any(p.startswith(q + ".") for q in candidates if q != p)}
+    if not outer:
+        return None
+    params: dict[type, int] = collections.Counter()
+    for _, module in outer.values():
+        params[type(module)] += sum(p.numel() for p in module.parameters())
+    best = max(params.values())
+    types = {t for t, n in params.items() if n >= best / 10}
+    kept = [(p, c) for p, (c, m) in outer.items() if type(m) in types]
+    if len(kept) < 2:
+        return None
+    return Chain(
+        blocks=tuple(p for p, _ in kept),
+        containers=tuple(dict.fromkeys(c for _, c in kept)),
+        block_types=tuple(dict.fromkeys(type(model.get_submodule(p)).__name__ for p, _ in kept)),
+    )
 
 
-def auto_segment_counts(length: int) -> list[int]:
-    """Return the spread of segment counts ``--segments auto`` tries for a chain of ``length``.
+def order_chain(model: nn.Module, chain: Chain, run: Callable[[], Any]) -> Chain:
+    """Return ``chain`` with its blocks in the order ``run()`` (a forward pass of ``model``) calls them.
 
-    0 (off), the powers of two below ``length``, round(sqrt(length)) and ``length`` itself.
+    Blocks called more than once count at their first call; blocks never called go last.
     """
-    if length < 2:
-        return [0]
-    counts = {0, length, max(2, round(math.sqrt(length)))}
-    counts.update(2**k for k in range(1, length.bit_length()) if 2**k < length)
-    return sorted(counts)
+    first_call: dict[str, int] = {}
+    handles = []
+    for path in chain.blocks:
+        def seen(module: nn.Module, args: Any, path: str = path) -> None:
+            first_call.setdefault(path, len(first_call))
+        handles.append(model.get_submodule(path).register_forward_pre_hook(seen))
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    order = sorted(chain.blocks, key=lambda p: (first_call.get(p, len(chain.blocks)), chain.blocks.index(p)))
+    return dataclasses.replace(chain, blocks=tuple(order), ordered_by="forward")
 
 
-def _segment_bounds(length: int, segments: int) -> list[tuple[int, int]]:
-    """Cut ``range(length)`` into ``segments`` contiguous [start, end) ranges, sizes differing by at most one."""
-    bounds, start = [], 0
-    for i in range(segments):
-        end = start + length // segments + (1 if i < length % segments else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+def apply_plan(model: nn.Module, plan: str | int, chain: Chain | None = None, *,
+               contexts: Contexts | None = None) -> AppliedPlan:
+    """Apply checkpoint plan ``plan`` (a name of :mod:`autotune.plans`) to ``model`` in place.
 
-
-def apply_plan(model: nn.Module, segments: int, chain: Chain | None = None) -> AppliedPlan:
-    """Apply a checkpoint plan of ``segments`` segments to ``model`` in place; return what was done.
-
-    ``chain`` defaults to :func:`find_chain`. ``segments = 0`` leaves the model unchanged.
+    ``chain`` defaults to :func:`find_chain` (in definition order); the tuner passes the chain
+    in forward order. ``contexts`` adds per-operation policies to the recompute (default: the
+    buffer restore alone). Returns what was done; ``0`` leaves the model unchanged.
     """
-    if segments < 0:
-        raise UsageError(f"segments must be 0 (off) or a positive count, not {segments}")
-    if segments == 0:
-        return AppliedPlan(0, chain)
+    name = canonical(plan)
+    if is_off(name):
+        return AppliedPlan(name, chain)
     chain = chain if chain is not None else find_chain(model)
     if chain is None:
-        raise UsageError(
-            f"{type(model).__name__} has no chain of repeated blocks to checkpoint: use --segments 0"
-        )
-    if segments > chain.length:
-        raise UsageError(
-            f"--segments {segments} is more than the {chain.length} blocks of "
-            f"{chain.path or type(model).__name__}: use at most {chain.length}"
-        )
-    container = model.get_submodule(chain.path)
-    if chain.kind == "sequential":
-        container.forward = functools.partial(_checkpointed_sequential, container, segments)
-        # checkpoint_sequential's own split: segments of len // segments, the rest in the last one
-        size = chain.length // segments
-        checkpointed = tuple((i * size, (i + 1) * size) for i in range(segments - 1))
-        return AppliedPlan(segments, chain, checkpointed)
-    blocks = list(container)
-    bounds = _segment_bounds(len(blocks), segments)
-    for start, end in bounds[:-1]:
-        _group(blocks[start:end], name=f"{chain.path}[{start}:{end}]")
-    return AppliedPlan(segments, chain, tuple(bounds[:-1]))
+        raise UsageError(f"{type(model).__name__} has no repeated blocks to checkpoint: use --segments 0")
+    check_plan_fits(name, chain.length, chain.describe())
+    indices = recomputed_blocks(name, chain.length)
+    blocks = [model.get_submodule(chain.blocks[i]) for i in indices]
+    if any(block in _APPLIED for block in blocks):
+        raise UsageError(f"{type(model).__name__} already has a checkpoint plan: call remove_plan(model) first")
+    for block in blocks:
+        _Recompute(block, contexts or restore_buffers).install()
+    return AppliedPlan(name, chain, indices)
 
 
 def remove_plan(model: nn.Module) -> None:
-    """Undo :func:`apply_plan` on every module of ``model``."""
+    """Undo :func:`apply_plan` on every block of ``model``: each gets back the ``forward`` it had."""
     for module in model.modules():
-        if "forward" in vars(module):
-            del module.forward
+        wrapper = _APPLIED.get(module)
+        if wrapper is not None:
+            wrapper.uninstall()
 
 
-def _checkpointed_sequential(container: nn.Sequential, segments: int, input: torch.Tensor) -> torch.Tensor:
-    if not torch.is_grad_enabled():
-        return nn.Sequential.forward(container, input)
-    return checkpoint_sequential(container, segments, input, use_reentrant=False)
+_ABSENT = object()
+_APPLIED: "weakref.WeakKeyDictionary[nn.Module, _Recompute]" = weakref.WeakKeyDictionary()
 
 
-class _Segment:
-    """Blocks recomputed as one unit: the first runs them all, the others pass its result on."""
+class _Call:
+    """One checkpointed call of a block: the buffers its forward pass changed, known once it returns.
 
-    def __init__(self, blocks: list[nn.Module], name: str) -> None:
-        self.forwards = [type(block).forward.__get__(block) for block in blocks]
-        self.name = name
-        self.pending: Any = None  # the segment's output, until the last block has handed it on
-        self.hidden: Any = None  # the hidden state the next block must be called with
-        self.remaining = 0
+    A buffer is changed when its forward updates it in place (its version counter moves) or puts
+    a new tensor in its place (``self.calls = self.calls + 1``). Batch norm kernels update their
+    running statistics without moving the version counter: those of every norm layer that tracks
+    them in training mode count as changed.
+    """
 
-    def run(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
-        out = None
-        for forward in self.forwards:
-            out = forward(hidden, *args, **kwargs)
-            hidden = out[0] if isinstance(out, (tuple, list)) else out
+    def __init__(self, module: nn.Module) -> None:
+        self.slots = [(m, name, b, b._version) for m in module.modules() for name, b in m._buffers.items()
+                      if b is not None]
+        self.stats = [b for m in module.modules() if isinstance(m, _NormBase) and m.training and m.track_running_stats
+                      for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+        self.changed: list[torch.Tensor] = []  # updated in place
+        self.replaced: list[tuple[nn.Module, str]] = []  # (module, buffer name) holding a new tensor
+
+    def forward_done(self) -> None:
+        changed = list(self.stats)
+        for module, name, before, version in self.slots:
+            if module._buffers.get(name) is not before:
+                self.replaced.append((module, name))
+            elif before._version != version:
+                changed.append(before)
+        self.changed = list({id(b): b for b in changed}.values())
+        self.slots = self.stats = None  # type: ignore[assignment]
+
+
+class _RestoreBuffers:
+    """The recompute context: whatever the recompute does to the buffers the forward changed is undone."""
+
+    def __init__(self, call: _Call) -> None:
+        self.call = call
+        self.saved: list[torch.Tensor] = []
+        self.held: list[tuple[nn.Module, str, Any]] = []
+
+    def __enter__(self) -> None:
+        self.saved = [b.detach().clone() for b in self.call.changed]
+        self.held = [(module, name, module._buffers.get(name)) for module, name in self.call.replaced]
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for buffer, value in zip(self.call.changed, self.saved):
+                buffer.copy_(value)
+        for module, name, value in self.held:
+            module._buffers[name] = value
+        self.saved, self.held = [], []
+
+
+def restore_buffers(call: _Call) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """The default contexts: nothing in the forward pass; the buffer restore in the recompute."""
+    return contextlib.nullcontext(), _RestoreBuffers(call)
+
+
+class _Recompute:
+    """The forward of one picked block: every call checkpointed on its own, with its own arguments.
+
+    It holds its block weakly: a plan adds no reference cycle, so a dropped model is freed at once.
+    """
+
+    def __init__(self, module: nn.Module, contexts: Contexts) -> None:
+        self.module = weakref.ref(module)
+        self.contexts = contexts
+        self.previous = module.__dict__.get("forward", _ABSENT)  # an instance forward set before the plan
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module()
+        inner = self.previous if self.previous is not _ABSENT else type(module).forward.__get__(module)
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)  # nothing to recompute without a backward pass
+        call = _Call(module)
+        function = functools.partial(inner, **kwargs) if kwargs else inner
+        out = checkpoint(function, *args, use_reentrant=False, context_fn=functools.partial(self.contexts, call))
+        call.forward_done()
         return out
 
-    def head(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
-            out = checkpoint(self.run, *args, use_reentrant=False, **kwargs)
-        else:
-            out = self.run(*args, **kwargs)
-        self.pending, self.remaining = out, len(self.forwards) - 1
-        self.hidden = out[0] if isinstance(out, (tuple, list)) else out
-        return out
+    def install(self) -> None:
+        module = self.module()
+        module.forward = self
+        _APPLIED[module] = self
 
-    def follower(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.remaining == 0 or hidden is not self.hidden:
-            self.pending = self.hidden = None
+    def uninstall(self) -> None:
+        module = self.module()
+        if module.__dict__.get("forward") is not self:
             raise AutotuneError(
-                f"checkpoint segment {self.name}: the model does not pass each block's output straight "
-                f"to the next block, so blocks cannot be grouped; use --segments equal to the number of blocks "
-                f"or 0"
+                f"cannot undo the checkpoint plan on a {type(module).__name__}: its forward was replaced after "
+                f"the plan was applied; undo that first"
             )
-        out = self.pending
-        self.remaining -= 1
-        if self.remaining == 0:
-            self.pending = self.hidden = None
-        return out
+        if self.previous is _ABSENT:
+            del module.forward
+        else:
+            module.forward = self.previous
+        del _APPLIED[module]
 
 
-def _group(blocks: list[nn.Module], name: str) -> None:
-    segment = _Segment(blocks, name)
-    blocks[0].forward = segment.head
-    for block in blocks[1:]:
-        block.forward = segment.follower
+def plan_blocks(chain: Chain, plan: str) -> list[str]:
+    """The paths of the blocks ``plan`` recomputes (for reports and messages)."""
+    return [chain.blocks[i] for i in recomputed_blocks(plan, chain.length)]
+
+
+def iter_wrapped(model: nn.Module) -> Iterable[nn.Module]:
+    """The blocks of ``model`` a plan is applied to now."""
+    return (m for m in model.modules() if m in _APPLIED)

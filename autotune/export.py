@@ -6,8 +6,9 @@
 
 Each export holds the measured ``autotune_recommendation``, the framework's own keyword arguments
 (micro-batch, accumulation steps from the report's plan, precision) and ``notes``: what the
-framework cannot express. None of them can group a chain of L blocks into s checkpoint segments
-as the trials did; the notes say what the export does instead.
+framework cannot express. Hugging Face's per-layer switch expresses the plans ``all`` (every
+layer) and ``everyN`` (``every_n_layers``) exactly; no framework has a setting for the other plans
+(the blocks of the first N-1 of N segments); the notes say what the export does instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from autotune.errors import UsageError
+from autotune.plans import ALL, canonical, is_off
 from autotune.precision import get_mode
 
 if TYPE_CHECKING:
@@ -41,7 +43,7 @@ class _Context:
     """What every exporter needs from the report."""
 
     precision: str
-    segments: int
+    segments: str  # the checkpoint plan's name
     micro: int  # the recommendation's batch size, one micro-batch
     steps: int  # gradient accumulation steps: the report's plan, else 1
     chain: dict[str, Any]
@@ -51,14 +53,26 @@ class _Context:
 
     @property
     def recomputes(self) -> bool:
-        """s segments recompute all but the last one, so s = 1 (like 0) recomputes nothing."""
-        return self.segments > 1
+        """Whether the plan recomputes any block (``0`` and ``1`` do not)."""
+        return not is_off(self.segments)
+
+    @property
+    def every_n(self) -> int | None:
+        """N where the plan is transformers' ``every_n_layers`` (``all`` is N = 1), else None."""
+        if self.segments == ALL:
+            return 1
+        return int(self.segments[5:]) if self.segments.startswith("every") else None
 
     @property
     def plan_text(self) -> str:
         length = self.chain.get("length")
-        blocks = f"the {length} blocks of {self.chain.get('path') or 'the model'}" if length else "the model's chain"
-        return f"{self.segments} checkpoint segments over {blocks}"
+        where = " + ".join(self.chain.get("containers") or [self.chain.get("path") or ""]) or "the model"
+        blocks = f"the {length} blocks of {where}" if length else "the model's blocks"
+        if self.segments == ALL:
+            return f"checkpoint plan all (every one of {blocks} recomputed)"
+        if self.every_n:
+            return f"checkpoint plan {self.segments} (every {self.every_n}th of {blocks} recomputed)"
+        return f"checkpoint plan {self.segments} ({self.segments} segments over {blocks}, the last not recomputed)"
 
 
 def parse_frameworks(text: str | Iterable[str]) -> tuple[str, ...]:
@@ -83,7 +97,7 @@ def export(report: Report, framework: str) -> dict[str, Any]:
     plan = report.plan or {}
     ctx = _Context(
         precision=rec.precision,
-        segments=rec.segments,
+        segments=canonical(rec.segments),
         micro=rec.batch_size,
         steps=int(plan.get("accumulation_steps") or 1),
         chain=report.workload.get("chain") or {},
@@ -128,12 +142,17 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         )
     elif ctx.recomputes:
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}  # autotune's checkpoints are non-reentrant
-        notes.append(
-            f"autotune measured {ctx.plan_text}; TrainingArguments cannot group blocks, so this export turns on "
-            f"gradient_checkpointing, which checkpoints every layer of a transformers model (segments = L): the same "
-            f"or lower peak memory, more recompute (slower) than measured. To train exactly as measured, set it to "
-            f"false and call {APPLY_HINT} before building the Trainer"
-        )
+        if ctx.every_n and ctx.every_n > 1:
+            args["gradient_checkpointing_kwargs"]["every_n_layers"] = ctx.every_n
+            notes.append(f"every_n_layers needs transformers 5.24 or later: earlier releases pass it on to "
+                         f"torch.utils.checkpoint, which refuses it")
+        elif not ctx.every_n:
+            notes.append(
+                f"autotune measured {ctx.plan_text}; TrainingArguments has no setting for it, so this export turns "
+                f"on gradient_checkpointing, which checkpoints every layer of a transformers model (plan all): the "
+                f"same or lower peak memory, more recompute (slower) than measured. To train exactly as measured, set "
+                f"it to false and call {APPLY_HINT} before building the Trainer"
+            )
         notes.append("newer transformers call these two arguments activation_checkpointing(_kwargs) and warn on the "
                      "old names, which v6 removes")
     if ctx.clip is not None:
@@ -199,7 +218,7 @@ _BUILDERS: dict[str, Callable[[_Context, list[str]], dict[str, Any]]] = {
 
 def _common_notes(ctx: _Context, report: Report, framework: str) -> list[str]:
     notes = []
-    if ctx.segments == 1:
+    if ctx.segments == "1":
         notes.append("segments 1 recomputes nothing (the last segment is never recomputed): "
                      "no checkpointing is exported")
     name = NAMES[framework]

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,37 +26,40 @@ from autotune.space import Config
 from autotune.trial import Measurement, TrialSettings
 from autotune.workload import Workload
 
-__all__ = ["run_trial_isolated", "STARTUP_GRACE_S"]
+__all__ = ["run_trial_isolated", "run_isolated", "STARTUP_GRACE_S"]
 
 STARTUP_GRACE_S = 120.0  # importing torch and building a CUDA context can take this long on a busy machine
 _POLL_S = 1.0
 _EXIT_GRACE_S = 30.0
 
 
-def _worker(conn: Any, spec: dict, config: Config, device: str, budget_bytes: int | None, settings: TrialSettings,
-            log_level: int = logging.WARNING) -> None:
+def _worker(conn: Any, spec: dict, job: Callable[..., Any], job_kwargs: dict, log_level: int = logging.WARNING) -> None:
     # Ctrl-C reaches the whole process group: the parent decides, and kills this worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_level < logging.WARNING:  # --verbose: the trial's per-step lines, on the stderr the worker shares
         logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
         logger.setLevel(log_level)
     try:
-        from autotune.meters import make_meter
-        from autotune.trial import run_trial
-
         workload = Workload.from_specs(**spec)
-        meter = make_meter(device, budget_bytes=budget_bytes)
-        try:
-            measurement = run_trial(workload, config, device=device, meter=meter, settings=settings)
-        finally:
-            meter.close()
-        conn.send(("measurement", measurement.to_dict()))
+        conn.send(("result", job(workload, **job_kwargs)))
     except UsageError as exc:
         conn.send(("usage", str(exc)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which records the trial
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"))
     finally:
         conn.close()
+
+
+def _trial_job(workload: Workload, *, config: Config, device: str, budget_bytes: int | None,
+               settings: TrialSettings) -> dict:
+    from autotune.meters import make_meter
+    from autotune.trial import run_trial
+
+    meter = make_meter(device, budget_bytes=budget_bytes)
+    try:
+        return run_trial(workload, config, device=device, meter=meter, settings=settings).to_dict()
+    finally:
+        meter.close()
 
 
 def _exit_cause(exitcode: int | None) -> str:
@@ -70,31 +73,25 @@ def _exit_cause(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-def run_trial_isolated(
-    workload: Workload,
-    config: Config,
-    *,
-    device: torch.device | str,
-    budget_bytes: int | None,
-    settings: TrialSettings,
-) -> Measurement:
-    """Run one trial in a fresh spawned process and return its measurement.
+def run_isolated(workload: Workload, job: Callable[..., Any], job_kwargs: dict, *, name: str,
+                 timeout_s: float | None) -> tuple[str, Any, float]:
+    """Run ``job(workload, **job_kwargs)`` in a fresh spawned process; return (outcome, payload, seconds).
 
-    Bad input found in the worker is raised here as :class:`UsageError`; ``KeyboardInterrupt``
-    kills the worker.
+    ``job`` is a module-level function (the worker imports it by name) whose result pickles. The
+    outcome is ``"result"`` (payload: what the job returned), ``"timeout"``, ``"crashed"`` or
+    ``"failed"`` (payload: one line saying why; for ``"crashed"``, "worker process killed by SIGKILL"). Bad input found in the worker is raised here as
+    :class:`UsageError`; ``KeyboardInterrupt`` kills the worker.
     """
     if workload.spec is None:
         raise UsageError("process isolation needs a workload built by Workload.from_specs (or autotune.tune)")
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     started = time.monotonic()
-    proc = ctx.Process(
-        target=_worker, args=(sender, workload.spec, config, str(device), budget_bytes, settings, logger.getEffectiveLevel()),
-        name=f"autotune-trial-{config.precision}-s{config.segments}-b{config.batch_size}", daemon=True,
-    )
+    proc = ctx.Process(target=_worker, args=(sender, workload.spec, job, job_kwargs, logger.getEffectiveLevel()),
+                       name=name, daemon=True)
     proc.start()
     sender.close()  # the worker holds the only writing end: its death closes the pipe
-    limit = settings.timeout_s + STARTUP_GRACE_S if settings.timeout_s else None
+    limit = timeout_s + STARTUP_GRACE_S if timeout_s else None
     message = None
     try:
         while message is None:
@@ -108,8 +105,8 @@ def run_trial_isolated(
             if message is None and limit is not None and time.monotonic() - started > limit:
                 proc.kill()
                 proc.join()
-                return Measurement(config=config, status="timeout", wall_s=time.monotonic() - started,
-                                   error=f"the worker ran past {limit:g} s and was killed (--trial-timeout plus start-up)")
+                return ("timeout", f"the worker ran past {limit:g} s and was killed (--trial-timeout plus start-up)",
+                        time.monotonic() - started)
     finally:
         if message is None:
             proc.kill()
@@ -118,13 +115,31 @@ def run_trial_isolated(
             proc.kill()
             proc.join()
         receiver.close()
+    seconds = time.monotonic() - started
     if message is None:
-        return Measurement(config=config, status="crashed", wall_s=time.monotonic() - started,
-                           error=f"the trial's worker process {_exit_cause(proc.exitcode)}")
+        return "crashed", f"worker process {_exit_cause(proc.exitcode)}", seconds
     kind, payload = message
     if kind == "usage":
         raise UsageError(payload)
     if kind == "error":
-        return Measurement(config=config, status="failed", wall_s=time.monotonic() - started,
-                           error=payload.splitlines()[0])
-    return Measurement.from_dict(payload)
+        return "failed", payload.splitlines()[0], seconds
+    return "result", payload, seconds
+
+
+def run_trial_isolated(
+    workload: Workload,
+    config: Config,
+    *,
+    device: torch.device | str,
+    budget_bytes: int | None,
+    settings: TrialSettings,
+) -> Measurement:
+    """Run one trial in a fresh spawned process and return its measurement (see :func:`run_isolated`)."""
+    outcome, payload, seconds = run_isolated(
+        workload, _trial_job, {"config": config, "device": str(device), "budget_bytes": budget_bytes, "settings": settings},
+        name=f"autotune-trial-{config.precision}-{config.segments}-b{config.batch_size}", timeout_s=settings.timeout_s)
+    if outcome == "result":
+        return Measurement.from_dict(payload)
+    if outcome == "crashed":
+        payload = f"the trial's {payload}"  # "the trial's worker process killed by SIGKILL"
+    return Measurement(config=config, status=outcome, wall_s=seconds, error=payload)

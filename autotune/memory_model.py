@@ -8,12 +8,12 @@ The model fits that line to the measured peaks and predicts plans not measured y
 * a plan with one point shares its precision's intercept (the state is the same whatever the plan),
   fitted jointly over that precision's multi-point plans, else taken from another precision or
   from a hint (the tuner passes 4 x the parameter bytes: weights, gradients and AdamW's moments);
-* a plan with no point borrows its per-sample cost: from the same segment count in another
-  precision, scaled by the ratio the two precisions show on plans measured in both (before there
-  is one, by the ratio of their element sizes); else from the shape checkpointing gives
-  activations within one precision, ``a(s) = H + A f(s) + C s`` with ``f(0) = 1`` and
-  ``f(s) = 1/s`` (one segment's internals are live at a time, plus the ``s`` stored segment
-  inputs), fitted to that precision's measured plans.
+* a plan with no point borrows its per-sample cost: from the same plan in another precision,
+  scaled by the ratio the two precisions show on plans measured in both (before there is one, by
+  the ratio of their element sizes); else from the line checkpointing draws within one
+  precision, per-sample cost against the share ``r`` of blocks a plan recomputes
+  (:func:`autotune.plans.recompute_fraction`): ``a(r) = a0 + a1 r``, fitted to that precision's
+  measured plans (one plan: a prior that a recomputed block keeps 15% of its activations).
 
 The model only guides the search; every limit it reports as measured was measured.
 """
@@ -23,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Iterable
+from typing import Callable, Iterable
 
+from autotune.plans import recompute_fraction
 from autotune.trial import Measurement
 
 __all__ = ["PlanModel", "MemoryModel"]
 
-Plan = tuple[str, int]
+Plan = tuple[str, str]  # (precision, checkpoint plan name)
 # Bytes per element of the activations autocast produces: a first guess of how precisions compare,
 # replaced by the measured ratio once a plan is measured in both.
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -37,10 +38,10 @@ _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 @dataclasses.dataclass(frozen=True)
 class PlanModel:
-    """The fitted line of one (precision, segments) plan."""
+    """The fitted line of one (precision, checkpoint plan) pair."""
 
     precision: str
-    segments: int
+    segments: str
     fixed_bytes: float
     per_sample_bytes: float
     points: int  # measured peaks the line was fitted to
@@ -97,20 +98,22 @@ def _shared_intercept(plans: list[dict[int, float]]) -> float | None:
     return num / den if den > 1e-9 else None
 
 
-def _shape(segments: int) -> float:
-    return 1.0 if segments <= 1 else 1.0 / segments
+_KEPT = 0.15  # prior, before two plans of a precision are measured: a recomputed block keeps this share
 
 
-def _shape_fit(slopes: dict[int, float]) -> tuple[float, float, float]:
-    """Fit per-sample cost vs segment count, ``H + A f(s) + C s``, to as many terms as the points allow."""
-    if len(slopes) == 1:
-        (s, a), = slopes.items()
-        return 0.0, a / _shape(s), 0.0
-    rows = [(1.0, _shape(s), float(s)) for s in slopes]
-    ys = list(slopes.values())
-    if len(slopes) == 2:  # A and C only
-        rows = [(0.0, f, c) for _, f, c in rows]
-    return _least_squares(rows, ys)
+def _prior(r: float) -> float:
+    """Per-sample activations at recompute share ``r``, relative to no checkpointing (the prior's shape)."""
+    return 1.0 - (1.0 - _KEPT) * r
+
+
+def _shape_fit(slopes: dict[float, float]) -> Callable[[float], float]:
+    """Per-sample bytes against the recompute share, ``a0 + a1 r``, fitted to {share: per-sample bytes}."""
+    if len(slopes) == 1 or len(set(slopes)) == 1:
+        r0, a = next(iter(slopes.items()))
+        scale = a / _prior(r0) if _prior(r0) > 0 else a
+        return lambda r: scale * _prior(r)
+    a0, a1, _ = _least_squares([(1.0, r, 0.0) for r in slopes], list(slopes.values()))
+    return lambda r: a0 + a1 * r
 
 
 def _least_squares(rows: list[tuple[float, float, float]], ys: list[float]) -> tuple[float, float, float]:
@@ -133,7 +136,8 @@ class MemoryModel:
 
     @classmethod
     def fit(cls, measurements: Iterable[Measurement], plans: Iterable[Plan], *,
-            fixed_bytes_hint: float | None = None) -> "MemoryModel":
+            fixed_bytes_hint: float | None = None, blocks: int | None = None) -> "MemoryModel":
+        """Fit the lines; ``blocks`` is the model's L, which plan names count in."""
         plans = list(dict.fromkeys(plans))
         points = _points(measurements)
         precisions = list(dict.fromkeys(p for p, _ in plans + list(points)))
@@ -163,7 +167,7 @@ class MemoryModel:
         slopes = {plan: m.per_sample_bytes for plan, m in models.items()}
         for plan in plans:
             if plan not in models:
-                slope = _borrowed_slope(plan, slopes)
+                slope = _borrowed_slope(plan, slopes, blocks)
                 if slope is not None:
                     models[plan] = PlanModel(plan[0], plan[1], intercept.get(plan[0], fallback), slope, 0, "predicted")
         return cls(models)
@@ -181,32 +185,33 @@ class MemoryModel:
         return [self.plans[plan].to_dict() for plan in sorted(self.plans, key=lambda pl: (pl[0], pl[1]))]
 
 
-def _borrowed_slope(plan: Plan, slopes: dict[Plan, float]) -> float | None:
+def _borrowed_slope(plan: Plan, slopes: dict[Plan, float], blocks: int | None) -> float | None:
     """Per-sample bytes for a plan with no measurement, from the plans that have one."""
-    precision, segments = plan
+    precision, name = plan
     others = [q for q in dict.fromkeys(p for p, _ in slopes) if q != precision]
 
     def ratio(q: str) -> float | None:  # per-sample cost of `precision` relative to `q`, on shared plans
         shared = [slopes[(precision, s)] / slopes[(q, s)] for (p, s) in slopes if p == q and (precision, s) in slopes]
         return statistics.median(shared) if shared else None
 
+    def along_shape(of: str) -> float | None:  # the recompute-share line of precision `of`, at this plan
+        own = {recompute_fraction(s, blocks): a for (p, s), a in slopes.items() if p == of}
+        if not own:
+            return None
+        value = _shape_fit(own)(recompute_fraction(name, blocks))
+        return value if math.isfinite(value) and value > 0 else min(own.values())
+
     for q in others:  # the same plan in another precision, scaled
-        if (q, segments) in slopes and ratio(q) is not None:
-            return slopes[(q, segments)] * ratio(q)
-    own = {s: a for (p, s), a in slopes.items() if p == precision}
-    if own:  # the shape of checkpointing within this precision
-        h, a, c = _shape_fit(own)
-        value = h + a * _shape(segments) + c * segments
-        if math.isfinite(value) and value > 0:
-            return value
-        return min(own.values())
+        if (q, name) in slopes and ratio(q) is not None:
+            return slopes[(q, name)] * ratio(q)
+    value = along_shape(precision)
+    if value is not None:
+        return value
     for q in others:  # no plan measured in both: scale by the activations' element size
         scale = _ELEMENT_BYTES.get(precision, 4) / _ELEMENT_BYTES.get(q, 4)
-        if (q, segments) in slopes:
-            return slopes[(q, segments)] * scale
-        theirs = {s: a for (p, s), a in slopes.items() if p == q}
-        if theirs:
-            h, a, c = _shape_fit(theirs)
-            value = h + a * _shape(segments) + c * segments
-            return scale * (value if math.isfinite(value) and value > 0 else min(theirs.values()))
+        if (q, name) in slopes:
+            return slopes[(q, name)] * scale
+        theirs = along_shape(q)
+        if theirs is not None:
+            return scale * theirs
     return None

@@ -12,6 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autotune.errors import UsageError
+from autotune.plans import is_off, plan_order
 from autotune.units import format_bytes
 
 if TYPE_CHECKING:
@@ -116,11 +117,12 @@ def memory_figure(report: Report) -> Figure:
     space_sizes = (report.search.get("space") or {}).get("batch_sizes") or []
     measured = [m for m in report.trials if m.peak_bytes and m.status in ("ok", "oom")]
     all_sizes = sorted({m.batch_size for m in measured} | set(space_sizes))
+    blocks = (report.search.get("space") or {}).get("blocks")
     rec = report.recommendation
     budget_handles: list[Any] = []
     for ax, p in zip(axes, precisions):
         trials = [m for m in measured if m.precision == p]
-        for s in sorted({m.segments for m in trials} | {seg for q, seg in model.plans if q == p}):
+        for s in plan_order({m.segments for m in trials} | {seg for q, seg in model.plans if q == p}, blocks):
             kw = dict(marker=_marker(p), color=colors[s], markersize=6, linestyle="none")
             ok = [m for m in trials if m.segments == s and m.status == "ok"]
             oom = [m for m in trials if m.segments == s and m.status == "oom"]
@@ -187,23 +189,31 @@ def _marker(precision: str) -> str:
     return MARKERS.get(precision, OTHER_MARKER)
 
 
-def _segment_colors(report: Report) -> dict[int, Any]:
-    """One colour per segment count in the report, the same in both plots."""
+def _segment_colors(report: Report) -> dict[str, Any]:
+    """One colour per checkpoint plan in the report, the same in both plots."""
     from matplotlib import colormaps
 
-    space = (report.search.get("space") or {}).get("segments") or []
-    segments = sorted({*space, *(m.segments for m in report.trials)})
+    space = report.search.get("space") or {}
+    segments = plan_order({*(space.get("segments") or []), *(m.segments for m in report.trials)}, space.get("blocks"))
     cmap = colormaps["tab10" if len(segments) <= 10 else "tab20"]
     return {s: cmap(i % cmap.N) for i, s in enumerate(segments)}
 
 
-def _style_handles(report: Report, colors: dict[int, Any]) -> list[Any]:
-    """Legend entries: a grey marker per precision, a colour per segment count."""
+def _style_handles(report: Report, colors: dict[str, Any]) -> list[Any]:
+    """Legend entries: a grey marker per precision, a colour per checkpoint plan."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     return ([Line2D([], [], linestyle="none", marker=_marker(p), color="0.35", label=p) for p in _precisions(report)]
-            + [Patch(color=c, label="no checkpointing" if s == 0 else f"{s} segments") for s, c in colors.items()])
+            + [Patch(color=c, label=_plan_label(s)) for s, c in colors.items()])
+
+
+def _plan_label(plan: str) -> str:
+    if is_off(plan):
+        return "no checkpointing"
+    if plan == "all" or plan.startswith("every"):
+        return f"recompute {plan}"
+    return f"{plan} segments"
 
 
 def _unit(report: Report) -> tuple[str, float]:

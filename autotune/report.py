@@ -15,15 +15,35 @@ import torch
 from autotune.apply import accumulation_plan
 from autotune.memory_model import MemoryModel
 from autotune.pareto import batch_limits, pareto_front, recommend
+from autotune.plan_check import PlanCheck
+from autotune.plans import canonical
 from autotune.probe import ProbeResult, choose
 from autotune.trial import GuardRails, Measurement
 from autotune.units import format_bytes
 
 __all__ = ["SCHEMA_VERSION", "Report", "environment", "load", "ram_bytes"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: checkpoint plans by name ("segments": "2", "all", "every2"), the blocks, plan_checks
+READABLE_VERSIONS = (1, 2)
 
 TABLE_COLUMNS = ["precision", "segments", "batch_size", "status", "peak_bytes", "step_s", "samples_per_s"]
+
+
+def _from_version_1(data: dict[str, Any]) -> dict[str, Any]:
+    """A report of schema version 1 in version 2's terms: segment counts become plan names.
+
+    Version 1 grouped the blocks of each segment into one recompute unit; the plan of the same
+    name now recomputes the same blocks one by one (the trials' figures stay as measured).
+    """
+    search = dict(data["search"])
+    space = dict(search.get("space") or {})
+    if "segments" in space:
+        space["segments"] = [canonical(s) for s in space["segments"]]
+    search["space"] = {**space, "blocks": (data["workload"].get("chain") or {}).get("length")}
+    library = data.get("library_checkpointing")
+    if library and "autotune" in library:
+        library = {**library, "autotune": {**library["autotune"], "segments": canonical(library["autotune"]["segments"])}}
+    return {**data, "search": search, "library_checkpointing": library}
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -91,14 +111,15 @@ class Report:
     target_batch_size: int | None = None
     budgets: tuple[int, ...] = ()  # more budgets to recommend for, from the same trials (--budgets)
     library_checkpointing: dict[str, Any] | None = None  # the library's own per-layer checkpointing, measured beside ours
+    plan_checks: tuple[PlanCheck, ...] = ()  # each plan's step compared with the plan-free step, before the search
 
     @property
     def memory_model(self) -> MemoryModel:
-        """``peak = fixed + per_sample x batch`` per (precision, segments), fitted to the trials."""
+        """``peak = fixed + per_sample x batch`` per (precision, plan), fitted to the trials."""
         space = self.search.get("space") or {}
         plans = [(p, s) for p in space.get("precisions", ()) for s in space.get("segments", ())]
         hint = self.workload.get("parameter_bytes")
-        return MemoryModel.fit(self.trials, plans, fixed_bytes_hint=4 * hint if hint else None)
+        return MemoryModel.fit(self.trials, plans, fixed_bytes_hint=4 * hint if hint else None, blocks=space.get("blocks"))
 
     def for_budget(self, budget_bytes: int | None) -> dict[str, Any]:
         """Limits and recommendation (from the short trials) for another budget, with the same headroom."""
@@ -163,6 +184,7 @@ class Report:
             "memory_model": self.memory_model.to_list(),
             "budgets": [self.for_budget(b) for b in self.budgets],
             "library_checkpointing": self.library_checkpointing,
+            "plan_checks": [c.to_dict() for c in self.plan_checks],
             "notices": list(self.notices),
         }
 
@@ -195,8 +217,11 @@ class Report:
     def from_dict(cls, data: dict[str, Any]) -> "Report":
         if not isinstance(data, dict):
             raise ValueError(f"a report is a JSON object, not a {type(data).__name__}")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(f"unsupported schema_version {data.get('schema_version')!r} (this autotune reads {SCHEMA_VERSION})")
+        if data.get("schema_version") not in READABLE_VERSIONS:
+            raise ValueError(f"unsupported schema_version {data.get('schema_version')!r} (this autotune reads "
+                             f"{', '.join(map(str, READABLE_VERSIONS))})")
+        if data["schema_version"] == 1:
+            data = _from_version_1(data)
         return cls(
             environment=data["environment"],
             workload=data["workload"],
@@ -212,6 +237,7 @@ class Report:
             target_batch_size=(data.get("plan") or {}).get("target_batch_size"),
             budgets=tuple(b["budget_bytes"] for b in data.get("budgets", ())),
             library_checkpointing=data.get("library_checkpointing"),
+            plan_checks=tuple(PlanCheck.from_dict(c) for c in data.get("plan_checks", ())),
         )
 
     def to_dataframe(self):

@@ -37,12 +37,14 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune._log import logger
 from autotune.errors import AutotuneError, UsageError, first_line
 from autotune.meters import Meter
+from autotune.plans import canonical
 from autotune.space import Config, SearchSpace
 from autotune.strategies import Strategy
 from autotune.trial import Measurement, TrialSettings, run_trial
 from autotune.workload import Workload
 
-__all__ = ["SearchResult", "SearchInterrupted", "run_search", "default_study_name", "default_storage", "open_study", "run_one"]
+__all__ = ["SearchResult", "SearchInterrupted", "run_search", "default_study_name", "default_storage", "open_study", "run_one",
+           "stored_plan_checks", "store_plan_checks"]
 
 _STATE = {"ok": TrialState.COMPLETE, "oom": TrialState.PRUNED, "timeout": TrialState.PRUNED,
           "failed": TrialState.FAIL, "crashed": TrialState.FAIL}
@@ -164,6 +166,18 @@ def open_study(study_name: str, storage: str, *, workload_key: str, space: Searc
             f"pass the same flags, or another --study name"
         )
     return study
+
+
+def stored_plan_checks(study_name: str, storage: str, *, workload_key: str, key: str) -> list[dict] | None:
+    """The plan checks stored in the study under ``key`` (how they were made), or None."""
+    study = open_study(study_name, storage, workload_key=workload_key)
+    return (study.user_attrs.get("plan_checks") or {}).get(key)
+
+
+def store_plan_checks(study_name: str, storage: str, *, workload_key: str, key: str, checks: list[dict]) -> None:
+    """Keep the plan checks in the study, so that a resumed search (or another worker) reuses them."""
+    study = open_study(study_name, storage, workload_key=workload_key)
+    study.set_user_attr("plan_checks", {**(study.user_attrs.get("plan_checks") or {}), key: checks})
 
 
 def _reusable(attrs: dict, *, settings_key: str, budget_bytes: int | None, timeout_s: float | None) -> Measurement | None:
@@ -353,8 +367,8 @@ def _config_of(trial: FrozenTrial) -> Config | None:
     """
     params = trial.params if len(trial.params) == 3 else trial.system_attrs.get("fixed_params", {})
     try:
-        return Config(params["precision"], int(params["segments"]), int(params["batch_size"]))
-    except (KeyError, TypeError, ValueError):
+        return Config(params["precision"], canonical(params["segments"]), int(params["batch_size"]))
+    except (KeyError, TypeError, ValueError, UsageError):
         return None
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import re
 
 from autotune.errors import UsageError
+from autotune.plans import canonical, parse_plans, plan_order, recompute_fraction
 from autotune.precision import PRECISIONS
 
 __all__ = ["Config", "SearchSpace", "parse_batch_sizes", "parse_segments", "parse_precisions"]
@@ -16,12 +17,15 @@ class Config:
     """One point of the search space: how a single trial trains."""
 
     precision: str  # "fp32", "fp16" or "bf16"
-    segments: int  # checkpoint segments; 0 is off
+    segments: str  # the checkpoint plan's name (autotune.plans): "0" is off, "2", "all", "every2", ...
     batch_size: int  # samples per optimizer step
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", canonical(self.segments))  # Config("fp32", 2, 8): plan "2"
+
     @property
-    def plan(self) -> tuple[str, int]:
-        """The (precision, segments) pair: configurations that differ only in batch size."""
+    def plan(self) -> tuple[str, str]:
+        """The (precision, checkpoint plan) pair: configurations that differ only in batch size."""
         return (self.precision, self.segments)
 
     def __str__(self) -> str:
@@ -30,26 +34,37 @@ class Config:
 
 @dataclasses.dataclass(frozen=True)
 class SearchSpace:
-    """Every combination of the given precisions, segment counts and batch sizes."""
+    """Every combination of the given precisions, checkpoint plans and batch sizes."""
 
     precisions: tuple[str, ...]
-    segments: tuple[int, ...]
+    segments: tuple[str, ...]  # checkpoint plan names (ordered_plans() sorts them by recompute)
     batch_sizes: tuple[int, ...]
+    blocks: int | None = None  # L, the model's repeated blocks the plans count in (None: no blocks)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", tuple(canonical(s) for s in self.segments))
         for name, values in (("precisions", self.precisions), ("segments", self.segments), ("batch sizes", self.batch_sizes)):
             if not values:
                 raise UsageError(f"the search space is empty: no {name} to try")
 
+    def recompute_fraction(self, plan: str) -> float:
+        """The share of the model's blocks ``plan`` recomputes."""
+        return recompute_fraction(plan, self.blocks)
+
+    def ordered_plans(self) -> list[str]:
+        """The space's plans from the least recompute to the most."""
+        return plan_order(self.segments, self.blocks)
+
     def configs(self) -> list[Config]:
-        """Return every configuration, by precision, then segments, then ascending batch size."""
+        """Return every configuration, by precision, then plan as given, then ascending batch size."""
         return [Config(p, s, b) for p in self.precisions for s in self.segments for b in sorted(self.batch_sizes)]
 
     def __len__(self) -> int:
         return len(self.precisions) * len(self.segments) * len(self.batch_sizes)
 
     def to_dict(self) -> dict[str, list]:
-        return {"precisions": list(self.precisions), "segments": list(self.segments), "batch_sizes": list(self.batch_sizes)}
+        return {"precisions": list(self.precisions), "segments": list(self.segments), "batch_sizes": list(self.batch_sizes),
+                "blocks": self.blocks}
 
 
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
@@ -80,11 +95,9 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     return _int_list(text, "--batch-sizes", "a range such as 1..512 or a list such as 8,16,24", minimum=1)
 
 
-def parse_segments(text: str) -> tuple[int, ...] | None:
-    """Parse ``"auto"`` (returned as ``None``, resolved against the model's chain) or a list ``"0,2,4"``."""
-    if text.strip() == "auto":
-        return None
-    return _int_list(text, "--segments", "auto or a list of counts such as 0,2,4 (0 is off)", minimum=0)
+def parse_segments(text: str) -> tuple[str, ...] | None:
+    """Parse ``--segments``: ``"auto"`` (``None``, resolved against the model's blocks) or plan names ``"0,2,all"``."""
+    return parse_plans(text)
 
 
 def parse_precisions(text: str) -> tuple[str, ...] | None:

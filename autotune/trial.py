@@ -18,6 +18,7 @@ from autotune._log import logger
 from autotune.checkpointing import apply_plan
 from autotune.errors import TrialTimeoutError, UsageError, first_line, is_oom
 from autotune.meters import Meter
+from autotune.plans import canonical
 from autotune.precision import get_mode
 from autotune.space import Config
 from autotune.workload import Workload, to_device
@@ -78,7 +79,7 @@ class Measurement:
         return self.config.precision
 
     @property
-    def segments(self) -> int:
+    def segments(self) -> str:
         return self.config.segments
 
     @property
@@ -118,7 +119,7 @@ def flatten_config(data: dict[str, Any], *, floats: tuple[str, ...]) -> dict[str
 def unflatten_config(cls: type, data: dict[str, Any], *, floats: tuple[str, ...]) -> tuple[Config, dict[str, Any]]:
     """The inverse of :func:`flatten_config`: the Config and the keyword arguments ``cls`` knows."""
     data = dict(data)
-    config = Config(data.pop("precision"), int(data.pop("segments")), int(data.pop("batch_size")))
+    config = Config(data.pop("precision"), canonical(data.pop("segments")), int(data.pop("batch_size")))
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in data.items() if k in fields}
     for key in floats:
@@ -189,11 +190,11 @@ class Trainer:
         self.plan: dict[str, Any] = {}
 
     def build(self) -> None:
-        """Build the model (seeded), apply the checkpoint plan and guard rails, make the optimizer."""
+        """Build the model (seeded), apply the guard rails and the checkpoint plan, make the optimizer."""
         torch.manual_seed(self.seed)
         self.model = self.workload.build_model()
-        self.plan = apply_plan(self.model, self.config.segments).to_dict()
         keep_in_fp32(self.model, self.guard.fp32_modules, self.device.type)
+        self.plan = apply_plan(self.model, self.config.segments, self.workload.chain).to_dict()
         self.model.to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
         self.scaler = self.mode.grad_scaler(self.device.type)

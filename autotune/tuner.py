@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import math
 from typing import Any, Callable, Sequence
 
@@ -11,13 +12,16 @@ import torch
 from torch import nn
 
 from autotune._log import logger, notice_once
-from autotune.checkpointing import auto_segment_counts, find_chain
+from autotune.checkpointing import Chain, find_chain, order_chain
 from autotune.errors import Interrupted, UsageError, first_line
 from autotune.meters import make_meter
 from autotune.precision import default_precisions, supported_precisions
 from autotune.report import Report, environment, ram_bytes
-from autotune.search import SearchInterrupted, default_storage, default_study_name, fingerprint, run_one, run_search
-from autotune.space import Config, SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
+from autotune.plan_check import PlanCheck, run_checks
+from autotune.plans import ALL, auto_plans, check_plan_fits, is_off, parse_plans
+from autotune.search import (SearchInterrupted, default_storage, default_study_name, fingerprint, run_one, run_search,
+                             store_plan_checks, stored_plan_checks)
+from autotune.space import Config, SearchSpace, parse_batch_sizes, parse_precisions
 from autotune.strategies import make_strategy
 from autotune.probe import ProbeResult, ProbeSettings, probe_candidates, run_probe
 from autotune.thirdparty import library_checkpointing
@@ -156,7 +160,8 @@ def tune(
     info = _preflight(workload, dev, budget_bytes, min(batch_list), guard)
     strategy_obj = make_strategy(strategy, headroom=headroom, budgets=(budget_bytes, *extra_budgets) if enforced else (),
                                  fixed_bytes_hint=4 * info["parameter_bytes"], n_trials=n_trials)
-    chain = info["chain"]
+    chain: Chain | None = info["chain"]
+    workload = workload.with_chain(chain)  # plans count in the blocks' forward order, in workers too
     notices: list[str] = []
 
     precision_list = _as_list(precisions, parse_precisions) or tuple(default_precisions(dev))
@@ -164,23 +169,7 @@ def tune(
     unsupported = [p for p in precision_list if p not in supported]
     if unsupported:
         raise UsageError(f"{', '.join(unsupported)} is not supported on {dev}: use --precisions {','.join(supported)}")
-
-    segment_list = _as_list(segments, parse_segments) if segments != "auto" else None
-    if chain is None:
-        if segment_list and any(segment_list):
-            raise UsageError(f"{info['model_class']} has no chain of repeated blocks to checkpoint: use --segments 0")
-        if segment_list is None:
-            notices.append(f"{info['model_class']} has no chain of repeated blocks: checkpointing is not tried (segments 0 only)")
-            logger.warning(notices[-1])
-        segment_list = (0,)
-    elif segment_list is None:
-        segment_list = tuple(auto_segment_counts(chain["length"]))
-    elif max(segment_list) > chain["length"]:
-        raise UsageError(
-            f"--segments {max(segment_list)} is more than the {chain['length']} blocks of {chain['path'] or info['model_class']}: "
-            f"use at most {chain['length']}"
-        )
-    space = SearchSpace(precision_list, segment_list, batch_list)
+    plan_list = _plans(segments, chain, info["model_class"], notices)
 
     settings = TrialSettings(warmup_steps=warmup_steps, measure_steps=measure_steps, timeout_s=trial_timeout,
                              guard=guard)
@@ -194,6 +183,12 @@ def tune(
     study_name = study or default_study_name(workload, dev, options_key)
     storage_url = storage or default_storage(study_name, results_dir)
     isolation_mode = _isolation(isolation, dev)
+    compared = compare_library and info["library_checkpointing"] is not None and chain is not None
+    # The library comparison measures plan all beside the library's switch: it is checked too.
+    checks = _checked_plans(workload, (*plan_list, *((ALL,) if compared else ())), dev, min(batch_list), settings,
+                            isolation_mode, study_name=study_name, storage=storage_url, workload_key=workload_key)
+    plan_list = _surviving_plans(plan_list, checks, notices)
+    space = SearchSpace(precision_list, plan_list, batch_list, blocks=chain.length if chain else None)
     # With process isolation each worker makes its own meter; this one stays unused (and sets nothing).
     meter = make_meter(dev, budget_bytes=enforced if isolation_mode == "none" else None)
     interrupted = None
@@ -222,7 +217,7 @@ def tune(
             "loss": _describe(loss),
             "parameter_count": info["parameter_count"],
             "parameter_bytes": info["parameter_bytes"],
-            "chain": chain,
+            "chain": None if chain is None else chain.to_dict(),
             "library_checkpointing": info["library_checkpointing"],
         },
         budget_bytes=budget_bytes,
@@ -246,6 +241,7 @@ def tune(
         },
         trials=result.measurements,
         notices=tuple(notices),
+        plan_checks=tuple(checks),
         guard=guard,
         target_batch_size=target_batch_size,
         budgets=tuple(sorted(extra_budgets)),
@@ -257,7 +253,7 @@ def tune(
                         settings=ProbeSettings(top=probe_top, epochs=probe_epochs, fraction=probe_fraction,
                                                num_workers=num_workers, seed=0, timeout_s=trial_timeout),
                         events=events)
-        if compare_library and info["library_checkpointing"] and chain is not None:
+        if compared:
             report = _compare_library(report, workload, info["library_checkpointing"], dev, enforced, settings,
                                       isolation_mode)
         return report
@@ -332,10 +328,13 @@ def _compare_library(report: Report, workload: Workload, method: str, dev: torch
     rec = report.recommendation
     if rec is None:
         return report
-    blocks = report.workload["chain"]["length"]
-    ours_config = Config(rec.precision, blocks, rec.batch_size)
+    ours_config = Config(rec.precision, ALL, rec.batch_size)  # every block recomputed, as the library's switch does
+    if not any(c.plan == ALL and c.ok for c in report.plan_checks):
+        notice = f"the comparison with {method} was not made: autotune's plan {ALL} did not pass its check on this model"
+        logger.warning(notice)
+        return dataclasses.replace(report, notices=report.notices + (notice,))
     measured = {m.config: m for m in report.trials}
-    logger.info("comparing %s with segments %d at %s, batch %d", method, blocks, rec.precision, rec.batch_size)
+    logger.info("comparing %s with plan %s at %s, batch %d", method, ALL, rec.precision, rec.batch_size)
     meter = make_meter(dev, budget_bytes=budget_bytes if isolation == "none" else None)
     try:
         lib = Workload.from_specs(**{**workload.spec, "library_checkpointing": True})  # rebuilt the same way in a worker
@@ -356,8 +355,64 @@ def _compare_library(report: Report, workload: Workload, method: str, dev: torch
 
     return dataclasses.replace(report, library_checkpointing={
         "method": method, "precision": rec.precision, "batch_size": rec.batch_size,
-        "library": row(library), "autotune": {"segments": blocks, **row(ours)}, "none": None if none is None else row(none),
+        "library": row(library), "autotune": {"segments": ALL, **row(ours)}, "none": None if none is None else row(none),
     })
+
+
+def _plans(segments: str | Sequence | None, chain: Chain | None, model_class: str, notices: list[str]) -> tuple[str, ...]:
+    """Resolve ``--segments`` against the model's blocks: the plan names to search."""
+    if segments is None or (isinstance(segments, str) and segments.strip() == "auto"):
+        names = None
+    elif isinstance(segments, str):
+        names = parse_plans(segments)
+    else:
+        names = parse_plans(",".join(map(str, segments)))
+    if chain is None:
+        if names and not all(is_off(n) for n in names):
+            raise UsageError(f"{model_class} has no repeated blocks to checkpoint: use --segments 0")
+        if names is None:
+            notices.append(f"{model_class} has no repeated blocks: checkpointing is not tried (segments 0 only)")
+            logger.warning(notices[-1])
+        return names or ("0",)
+    if names is None:
+        return tuple(auto_plans(chain.length))
+    for name in names:
+        check_plan_fits(name, chain.length, chain.describe())
+    return names
+
+
+def _checked_plans(workload: Workload, plans: Sequence[str], dev: torch.device, batch_size: int, settings: TrialSettings,
+                   isolation: str, *, study_name: str, storage: str, workload_key: str) -> list[PlanCheck]:
+    """Check every plan on the model (one step with and without it), or reuse the checks stored in the study."""
+    to_check = [p for p in dict.fromkeys(plans) if not is_off(p)]
+    if not to_check:
+        return []
+    key = fingerprint(plans=to_check, batch_size=batch_size, seed=settings.seed, guard=settings.guard,
+                      chain=workload.chain.to_dict() if workload.chain else None)
+    stored = stored_plan_checks(study_name, storage, workload_key=workload_key, key=key)
+    if stored is not None:
+        return [PlanCheck.from_dict(c) for c in stored]
+    logger.info("checking %d checkpoint plan(s) on %s: one step with and without each, batch %d, fp32",
+                len(to_check), workload.name, batch_size)
+    checks = run_checks(workload, to_check, batch_size=batch_size, device=dev, seed=settings.seed, guard=settings.guard,
+                        isolation=isolation, timeout_s=settings.timeout_s)
+    store_plan_checks(study_name, storage, workload_key=workload_key, key=key, checks=[c.to_dict() for c in checks])
+    return checks
+
+
+def _surviving_plans(plans: Sequence[str], checks: Sequence[PlanCheck], notices: list[str]) -> tuple[str, ...]:
+    """The plans to search: those that recompute nothing or passed their check. Each dropped plan is a notice."""
+    failed = {c.plan: c for c in checks if not c.ok and c.plan in plans}
+    for check in failed.values():
+        notices.append(f"{check.describe()}: dropped")
+        logger.warning(notices[-1])
+    kept = tuple(p for p in plans if p not in failed)
+    if not kept:
+        notices.append("no checkpoint plan passed its check on this model: the search goes on without checkpointing "
+                       "(segments 0)")
+        logger.warning(notices[-1])
+        kept = ("0",)
+    return kept
 
 
 def _budgets(value: str | Sequence[str | int] | None) -> tuple[int, ...]:
@@ -409,7 +464,10 @@ def _preflight(workload: Workload, device: torch.device, budget_bytes: int | Non
             model.to(device)
             batch = to_device(workload.make_batch(model, batch_size), device)
             with torch.no_grad():
-                workload.loss(model, batch)
+                if chain is None:
+                    workload.loss(model, batch)
+                else:  # the forward pass also says in which order the blocks run
+                    chain = order_chain(model, chain, lambda: workload.loss(model, batch))
         except UsageError:
             raise
         except Exception as exc:
@@ -425,6 +483,7 @@ def _preflight(workload: Workload, device: torch.device, budget_bytes: int | Non
                         first_line(exc))
     finally:
         model = params = batch = None
+        gc.collect()  # models with reference cycles (the --fp32-modules wrappers, Hugging Face's) go now, not later
         if device.type == "cuda":
             torch.cuda.empty_cache()  # hand the preflight's memory back before the trials measure
     return {
@@ -432,5 +491,5 @@ def _preflight(workload: Workload, device: torch.device, budget_bytes: int | Non
         "parameter_count": parameter_count,
         "parameter_bytes": parameter_bytes,
         "library_checkpointing": library,
-        "chain": None if chain is None else {"path": chain.path, "kind": chain.kind, "length": chain.length, "block_type": chain.block_type},
+        "chain": chain,
     }

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from autotune.checkpointing import Chain
 from autotune.errors import AutotuneError, UsageError, is_oom
 
 __all__ = ["Workload", "load_object", "to_device", "parse_model_kwargs"]
@@ -70,6 +71,7 @@ class Workload:
     dataset: Dataset | None = None  # where batches come from; None: the model's example_batch()
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     collate_fn: Callable[[list], Any] | None = None  # the user's, when --data gives a DataLoader
+    chain: Chain | None = None  # the repeated blocks plans count in, in forward order (the tuner's preflight finds it)
     # The from_specs() arguments, so that a worker process can build the same workload again.
     spec: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -82,11 +84,14 @@ class Workload:
         data: str | Dataset | Callable[[], Dataset] | None = None,
         loss: str | Callable | None = None,
         library_checkpointing: bool = False,
+        chain: Chain | dict | None = None,
     ) -> "Workload":
         """Build a workload from ``MODULE:ATTR`` strings (the CLI's flags) or the objects themselves.
 
         ``library_checkpointing`` builds every model with its library's own per-layer
         checkpointing turned on (see :func:`autotune.thirdparty.library_checkpointing`).
+        ``chain`` is the model's blocks in forward order (a :class:`Chain` or its dict), as the
+        tuner's preflight found them; without it, plans find the blocks in definition order.
         """
         name = model if isinstance(model, str) else getattr(model, "__qualname__", type(model).__name__)
         target = load_object(model, flag="--model") if isinstance(model, str) else model
@@ -116,7 +121,16 @@ class Workload:
         if library_checkpointing:
             spec["library_checkpointing"] = True
             factory = functools.partial(_with_library_checkpointing, factory)
-        return cls(factory, name, dataset, loss_fn, collate_fn, spec)
+        if isinstance(chain, dict):
+            chain = Chain.from_dict(chain)
+        if chain is not None:
+            spec["chain"] = chain.to_dict()
+        return cls(factory, name, dataset, loss_fn, collate_fn, chain, spec)
+
+    def with_chain(self, chain: Chain | None) -> "Workload":
+        """The same workload, with plans counting in ``chain`` (in worker processes too)."""
+        spec = None if self.spec is None else {**self.spec, "chain": None if chain is None else chain.to_dict()}
+        return dataclasses.replace(self, chain=chain, spec=spec)
 
     def build_model(self) -> nn.Module:
         """Return a freshly built model (on the CPU, in training mode)."""

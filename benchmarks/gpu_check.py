@@ -72,13 +72,17 @@ def main() -> int:
     print("3. A small tune: isolated trials (the CUDA default), then the probe on token_dataset")
     start = time.monotonic()
     report = autotune.tune("autotune.examples:TinyGPT", data="autotune.examples:token_dataset", device="cuda",
-                           budget="4GiB", precisions="fp32,fp16,bf16", segments="0,3", batch_sizes="8..512",
+                           budget="4GiB", precisions="fp32,fp16,bf16", segments="0,3,every2,all", batch_sizes="8..512",
                            measure_steps=5, storage="sqlite:///gpu_check.db", study=f"gpu-check-{int(time.time())}",
                            target_batch_size=1024)
     print(report.table())
     print(f"  tune took {time.monotonic() - start:.1f} s")
     check(report.recommendation is not None, "a recommendation under 4 GiB")
     check(report.search["isolation"] == "process", "trials ran in worker processes")
+    for c in report.plan_checks:
+        print(f"  plan check {c.plan}: {c.status}, relative difference {c.max_rel_diff}, run-to-run noise {c.noise}")
+    check(bool(report.plan_checks) and all(c.ok for c in report.plan_checks),
+          "every checkpoint plan passed its check on CUDA (bitwise, or within the plan-free step's own noise)")
     check(bool(report.probe) and all(r.peak_bytes_max for r in report.probe), "the probe measured per-step peaks on CUDA")
     rows = [(m.config, m.peak_allocated_bytes, m.peak_reserved_bytes, m.peak_nvml_bytes) for m in report.trials if m.status == "ok"]
     print("  allocated / reserved / NVML per ok trial (MiB):")

@@ -198,7 +198,7 @@ def real_finders(spec, args, grid_limits, memory_model, max_batch, folder):
     real, budget = [], parse_size(args.budget)
     lines = {(r["precision"], r["segments"]): r for r in memory_model}
     for precision in args.precisions.split(","):
-        line = lines.get((precision, 0))
+        line = lines.get((precision, "0"))
         model_max = int((budget - line["fixed_bytes"]) // line["per_sample_bytes"]) if line else None
         print(f"{spec}: lightning and accelerate on {precision}, segments 0 ...", file=sys.stderr, flush=True)
         for method, run in (("lightning", real_lightning), ("accelerate", real_accelerate)):
@@ -209,8 +209,8 @@ def real_finders(spec, args, grid_limits, memory_model, max_batch, folder):
             except Exception as exc:  # noqa: BLE001 - a third-party library failing is a result to report
                 result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
             if result is not None:
-                real.append({"method": method, "precision": precision, "segments": 0,
-                             "grid_max_batch_size": grid_limits[(precision, 0)], "model_max_batch_size": model_max, **result})
+                real.append({"method": method, "precision": precision, "segments": "0",
+                             "grid_max_batch_size": grid_limits[(precision, "0")], "model_max_batch_size": model_max, **result})
     return real
 
 

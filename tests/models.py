@@ -202,3 +202,32 @@ class _Pairs(torch.utils.data.Dataset):
 
 def pairs():
     return _Pairs()
+
+
+class _ReadsLoopState(nn.Module):
+    def __init__(self, state):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.state = state  # shared with the model and every other block
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * (1 + self.state["layer"]))  # tanh saves its output: the recompute changes it
+
+
+class LoopState(nn.Module):
+    """Its loop tells each block which layer it is through state they share: a recompute in the backward
+    pass reads the value the loop left last, so no checkpoint plan can train this model exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.state = {"layer": 0}
+        self.blocks = nn.ModuleList(_ReadsLoopState(self.state) for _ in range(4))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            self.state["layer"] = i
+            x = block(x)
+        return x.square().mean()
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 8, generator=torch.Generator().manual_seed(batch_size))

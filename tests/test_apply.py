@@ -30,7 +30,7 @@ def test_apply_sets_up_plan_precision_and_guard_rails():
                         "guard": {"clip_grad_norm": 1e-3, "fp32_modules": ["LayerNorm"]}})
     assert run.model is model and run.micro_batch_size == 4 and run.accumulation_steps == 3
     assert run.scaler is not None and run.scaler.get_scale() == 2.0**16
-    assert run.plan["checkpointed_blocks"] == [[0, 2]]
+    assert run.plan == {"name": "2", "recomputed_blocks": [0, 1], "chain_length": 4}
     with run.autocast():
         assert model.transformer.ln_f(torch.randn(2, 32)).dtype == torch.float32  # kept in fp32
         assert model.lm_head(torch.randn(2, 32)).dtype == torch.float16
@@ -67,7 +67,7 @@ def test_guard_rails_in_trials_clip_and_keep_fp32():
     from autotune.workload import Workload
 
     w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)
-    t = Trainer(w, Config("bf16", 0, 4), torch.device("cpu"), guard=GuardRails(clip_grad_norm=1e-3, fp32_modules=("LayerNorm",)),
+    t = Trainer(w, Config("bf16", "0", 4), torch.device("cpu"), guard=GuardRails(clip_grad_norm=1e-3, fp32_modules=("LayerNorm",)),
                 record_grad_norm=True)
     t.build()
     batch = w.make_batch(t.model, 4)
@@ -75,4 +75,4 @@ def test_guard_rails_in_trials_clip_and_keep_fp32():
     total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in t.model.parameters() if p.grad is not None]))
     assert total <= 1e-3 * 1.0001 < t.grad_norms[0]
     with pytest.raises(autotune.UsageError, match="no module of that type"):
-        Trainer(w, Config("fp32", 0, 4), torch.device("cpu"), guard=GuardRails(fp32_modules=("BatchNorm9d",))).build()
+        Trainer(w, Config("fp32", "0", 4), torch.device("cpu"), guard=GuardRails(fp32_modules=("BatchNorm9d",))).build()

@@ -2,10 +2,12 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.checkpointing import apply_plan, auto_segment_counts, find_chain, remove_plan
+from autotune.checkpointing import apply_plan, find_chain, order_chain, plan_blocks, remove_plan
 from autotune.errors import AutotuneError, UsageError
 from autotune.examples import ResNetish, TinyGPT
 from autotune.meters import TensorMeter
+from autotune.plans import auto_plans
+from autotune.trial import keep_in_fp32
 
 
 class TupleBlock(nn.Module):
@@ -20,134 +22,216 @@ class TupleBlock(nn.Module):
         return (out, out.mean())
 
 
-class TupleStack(nn.Module):
+class PerLayer(nn.Module):
+    """Each block gets its own scale, and the loop works between blocks: a plan must replay each call as it was."""
+
     def __init__(self, depth=6, width=16):
         super().__init__()
         self.layers = nn.ModuleList(TupleBlock(width) for _ in range(depth))
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
         self.head = nn.Linear(width, 1)
+        self.register_buffer("scales", torch.linspace(0.5, 2.0, depth))
 
     def forward(self, x):
         extras = []
-        for layer in self.layers:
-            outputs = layer(x, scale=2.0)
-            x = outputs[0]
+        for i, layer in enumerate(self.layers):
+            outputs = layer(x, scale=self.scales[i])
+            x = self.norms[i](outputs[0]) * 0.5 + x  # ops between blocks
             extras.append(outputs[1])
-        return self.head(x).sum() + 0 * sum(extras)
+        return self.head(x).sum() + torch.stack(extras).square().sum()
 
 
-class Shuffler(nn.Module):
-    """Changes the hidden state between blocks: blocks cannot be grouped."""
+class EncoderDecoder(nn.Module):
+    """Two containers of blocks; the decoder's are defined first but run second."""
 
-    def __init__(self):
+    def __init__(self, width=8):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.decoder = nn.ModuleList(TupleBlock(width) for _ in range(2))
+        self.encoder = nn.ModuleList(TupleBlock(width) for _ in range(3))
 
     def forward(self, x):
-        for block in self.blocks:
-            x = block(x) * 0.5
+        for block in self.encoder:
+            x = block(x)[0]
+        for block in self.decoder:
+            x = block(x, scale=2.0)[0]
         return x.sum()
+
+
+class Stateful(nn.Module):
+    """A block with batch norm, a counter buffer updated in place and one replaced by a new tensor."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.bn = nn.BatchNorm1d(width)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        self.calls = self.calls + 1  # as EMA codebooks do: a new tensor, its version counter untouched
+        return torch.relu(self.bn(self.lin(x)))
+
+
+def _run_tuple(m):
+    return m(torch.randn(4, 16, generator=torch.Generator().manual_seed(3)))
+
+
+def _step(model, run):
+    torch.manual_seed(1)
+    out = run(model)
+    out.backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, \
+        {n: b.clone() for n, b in model.named_buffers()}
+
+
+MODELS = {
+    "module_list_dropout": (lambda: TinyGPT(n_layer=6, block_size=16, n_embd=32, n_head=4, vocab_size=64, dropout=0.1),
+                            lambda m: m(**m.example_batch(3)).loss),
+    "sequential_batchnorm": (lambda: ResNetish(depth=5, channels=8, image_size=8),
+                             lambda m: m.loss(m(m.example_batch(3)[0]), m.example_batch(3)[1])),
+    "per_layer_arguments": (PerLayer, _run_tuple),
+    "stateful_blocks": (lambda: nn.Sequential(Stateful(), Stateful(), Stateful(), nn.Linear(8, 1)),
+                        lambda m: m(torch.randn(5, 8, generator=torch.Generator().manual_seed(2))).sum()),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_plan_trains_exactly_the_same_model(name):
+    """Loss, every gradient and every buffer after a step: bitwise the same with each plan as without one."""
+    factory, run = MODELS[name]
+    torch.manual_seed(0)
+    reference = factory()
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    want = _step(reference, run)
+    chain = find_chain(reference)
+    plans = auto_plans(chain.length) + ["3", "every2", "1"]
+    for plan in dict.fromkeys(plans):
+        model = factory()
+        model.load_state_dict(state)
+        applied = apply_plan(model, plan)
+        assert list(model.state_dict()) == list(state)  # the plan adds no parameters or buffers
+        loss, grads, buffers = _step(model, run)
+        assert torch.equal(loss, want[0]), f"plan {plan}: loss"
+        for key, grad in want[1].items():
+            assert torch.equal(grads[key], grad), f"plan {plan}: gradient of {key}"
+        for key, buffer in want[2].items():
+            assert torch.equal(buffers[key], buffer), f"plan {plan}: buffer {key}"
+        assert len(applied.recomputed) == len(plan_blocks(chain, plan))
+
+
+def test_batch_norm_statistics_are_updated_once_per_step():
+    model = ResNetish(depth=3, channels=4, image_size=8)
+    apply_plan(model, "all")
+    images, labels = model.example_batch(2)
+    model.loss(model(images), labels).backward()
+    tracked = [b for n, b in model.named_buffers() if n.endswith("num_batches_tracked")]
+    assert tracked and all(int(b) == 1 for b in tracked)
 
 
 def test_find_chain():
     gpt = find_chain(TinyGPT(n_layer=5, block_size=16))
-    assert (gpt.path, gpt.kind, gpt.length, gpt.block_type) == ("transformer.h", "module_list", 5, "Block")
-    res = find_chain(ResNetish(depth=6))
-    assert (res.path, res.kind, res.length, res.block_type) == ("", "sequential", 8, "ResidualBlock")
+    assert gpt.blocks == tuple(f"transformer.h.{i}" for i in range(5))
+    assert (gpt.containers, gpt.block_types, gpt.length) == (("transformer.h",), ("Block",), 5)
+    res = find_chain(ResNetish(depth=6))  # the stem and head are not blocks
+    assert (res.containers, res.block_types, res.length) == (("",), ("ResidualBlock",), 6)
     assert find_chain(nn.Linear(3, 3)) is None
-    mixed = nn.Module()
-    mixed.parts = nn.ModuleList([nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)])
-    assert find_chain(mixed) is None
+    leaves = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))  # torch.nn layers are not blocks
+    assert find_chain(leaves) is None
 
 
-def test_auto_segment_counts():
-    assert auto_segment_counts(12) == [0, 2, 3, 4, 8, 12]
-    assert auto_segment_counts(8) == [0, 2, 3, 4, 8]
-    assert auto_segment_counts(2) == [0, 2]
-    assert auto_segment_counts(1) == [0]
+def test_blocks_inside_blocks_are_not_blocks_and_every_container_counts():
+    model = EncoderDecoder()
+    chain = find_chain(model)
+    assert chain.containers == ("decoder", "encoder") and chain.length == 5
+    ordered = order_chain(model, chain, lambda: model(torch.randn(2, 8)))
+    assert ordered.blocks == ("encoder.0", "encoder.1", "encoder.2", "decoder.0", "decoder.1")
+    assert ordered.ordered_by == "forward"
+    assert plan_blocks(ordered, "2") == ["encoder.0", "encoder.1", "encoder.2"]
+
+    class Experts(nn.Module):  # a block holding a list of experts: the layers are the blocks, not the experts
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(TupleBlock(4) for _ in range(4))
+
+    outer = nn.Module()
+    outer.layers = nn.ModuleList(Experts() for _ in range(2))
+    assert find_chain(outer).blocks == ("layers.0", "layers.1")
 
 
-def _forward_and_grads(model, run):
-    torch.manual_seed(1)
-    out = run(model)
-    out.backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+def test_remove_plan_restores_every_forward_exactly():
+    model = TinyGPT(n_layer=4, block_size=8)
+    keep_in_fp32(model, ("LayerNorm",), "cpu")
+    model.transformer.h[1].forward = own = model.transformer.h[1].forward  # an instance forward set by someone else
+    before = {name: vars(m).get("forward") for name, m in model.named_modules()}
+    apply_plan(model, "all")
+    assert all("forward" in vars(b) for b in model.transformer.h)
+    remove_plan(model)
+    assert {name: vars(m).get("forward") for name, m in model.named_modules()} == before
+    assert model.transformer.h[1].forward is own
+    model(**model.example_batch(2)).loss.backward()
+    with pytest.raises(UsageError, match="already has a checkpoint plan"):
+        apply_plan(model, "2")
+        apply_plan(model, "2")
 
 
-@pytest.mark.parametrize(
-    "factory, run, segments",
-    [
-        (lambda: TinyGPT(n_layer=6, block_size=16, n_embd=32, n_head=4, vocab_size=64, dropout=0.1),
-         lambda m: m(**m.example_batch(3)).loss, [2, 3, 6]),
-        (lambda: ResNetish(depth=5, channels=8, image_size=8),
-         lambda m: m.loss(m(m.example_batch(3)[0]), m.example_batch(3)[1]), [2, 3, 7]),
-        (TupleStack, lambda m: m(torch.randn(4, 16, generator=torch.Generator().manual_seed(3))), [2, 3, 6]),
-    ],
-    ids=["module_list", "sequential", "tuple_blocks"],
-)
-def test_plans_keep_forward_and_gradients(factory, run, segments):
-    torch.manual_seed(0)
-    reference = factory()
-    state = {k: v.clone() for k, v in reference.state_dict().items()}
-    want_out, want_grads = _forward_and_grads(reference, run)
-    for s in segments:
-        model = factory()
-        model.load_state_dict(state)
-        plan = apply_plan(model, s)
-        assert plan.segments == s and len(plan.checkpointed) == s - 1
-        assert list(model.state_dict()) == list(state)  # the plan adds no parameters or buffers
-        out, grads = _forward_and_grads(model, run)
-        torch.testing.assert_close(out, want_out)
-        for name, grad in want_grads.items():
-            torch.testing.assert_close(grads[name], grad, msg=f"segments={s}: gradient of {name}")
+def test_a_forward_replaced_after_the_plan_is_not_silently_dropped():
+    model = TinyGPT(n_layer=2, block_size=8)
+    apply_plan(model, "all")
+    block = model.transformer.h[0]
+    block.forward = lambda x: x
+    with pytest.raises(AutotuneError, match="replaced after the plan"):
+        remove_plan(model)
 
 
-def _peak(model, run):
-    with TensorMeter().measure() as h:
-        h.track(model.parameters())
-        run(model).backward()
-    return h.reading.peak_bytes
+def test_hooks_run_once_and_see_what_they_saw_without_a_plan():
+    def run(plan):
+        torch.manual_seed(0)
+        model = PerLayer(depth=3)
+        seen = []
+        model.layers[1].register_forward_hook(lambda m, args, out: seen.append(out[0].detach().clone()))
+        model.layers[0].register_forward_pre_hook(lambda m, args, kwargs: ((args[0] * 2,), kwargs), with_kwargs=True)
+        apply_plan(model, plan)
+        loss, grads, _ = _step(model, _run_tuple)
+        return loss, grads, seen
+
+    loss, grads, seen = run("0")
+    loss_all, grads_all, seen_all = run("all")
+    assert len(seen) == len(seen_all) == 1 and torch.equal(seen[0], seen_all[0])  # not called again by the recompute
+    assert torch.equal(loss, loss_all) and all(torch.equal(grads[k], grads_all[k]) for k in grads)
 
 
-@pytest.mark.parametrize("factory, run", [
-    (lambda: TinyGPT(n_layer=8, block_size=64, n_embd=32, n_head=4, vocab_size=64), lambda m: m(**m.example_batch(4)).loss),
-    (lambda: ResNetish(depth=8, channels=16, image_size=16), lambda m: m.loss(m(m.example_batch(4)[0]), m.example_batch(4)[1])),
-], ids=["module_list", "sequential"])
-def test_segments_lower_the_peak(factory, run):
-    torch.manual_seed(0)
-    peaks = {}
-    for s in (0, 3):
-        model = factory()
-        apply_plan(model, s)
-        peaks[s] = _peak(model, run)
-    assert peaks[3] < 0.8 * peaks[0]
+def test_plans_lower_the_peak_and_all_is_lowest():
+    def peak(plan):
+        torch.manual_seed(0)
+        model = TinyGPT(n_layer=8, block_size=64, n_embd=32, n_head=4, vocab_size=64)
+        apply_plan(model, plan)
+        with TensorMeter().measure() as h:
+            h.track(model.parameters())
+            model(**model.example_batch(4)).loss.backward()
+        return h.reading.peak_bytes
+
+    peaks = {plan: peak(plan) for plan in ("0", "every4", "2", "4", "all")}
+    assert peaks["all"] < peaks["4"] < peaks["2"] < peaks["every4"] < peaks["0"]
+    assert peaks["all"] < 0.5 * peaks["0"]
 
 
 def test_bad_plans_are_refused():
     with pytest.raises(UsageError, match="at most 4"):
-        apply_plan(TinyGPT(n_layer=4, block_size=8), 5)
-    with pytest.raises(UsageError, match="no chain"):
-        apply_plan(nn.Linear(2, 2), 2)
-    assert apply_plan(nn.Linear(2, 2), 0).segments == 0
+        apply_plan(TinyGPT(n_layer=4, block_size=8), "5")
+    with pytest.raises(UsageError, match="at most 4"):
+        apply_plan(TinyGPT(n_layer=4, block_size=8), "every5")
+    with pytest.raises(UsageError, match="no repeated blocks"):
+        apply_plan(nn.Linear(2, 2), "2")
+    with pytest.raises(UsageError, match="unknown checkpoint plan"):
+        apply_plan(TinyGPT(n_layer=4, block_size=8), "half")
+    assert apply_plan(nn.Linear(2, 2), "0").recomputed == ()
 
 
-def test_grouping_refuses_a_model_that_changes_state_between_blocks():
-    model = Shuffler()
-    apply_plan(model, 2)
-    with pytest.raises(AutotuneError, match="cannot be grouped"):
-        model(torch.randn(2, 8)).backward()
-
-
-def test_remove_plan_restores_the_model():
+def test_plans_run_without_grad_and_in_eval():
     model = TinyGPT(n_layer=4, block_size=8)
-    apply_plan(model, 2)
-    assert "forward" in vars(model.transformer.h[0])
-    remove_plan(model)
-    assert not any("forward" in vars(m) for m in model.modules())
-    model(**model.example_batch(2)).loss.backward()
-
-
-def test_plans_run_without_grad():
-    model = TinyGPT(n_layer=4, block_size=8)
-    apply_plan(model, 2)
+    apply_plan(model, "all")
     with torch.no_grad():
         assert model(**model.example_batch(2)).loss.isfinite()
+    model.eval()
+    model(**model.example_batch(2)).loss.backward()

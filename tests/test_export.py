@@ -24,7 +24,8 @@ QUICKSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 HAS_GPU = torch.cuda.is_available()
 
 # (precision, segments, target batch size): the quickstart recommendation is bf16, segments 0, batch 16
-VARIANTS = [("fp32", 0, None), ("fp16", 0, 64), ("bf16", 0, None), ("bf16", 3, 40), ("fp16", 12, None)]
+VARIANTS = [("fp32", "0", None), ("fp16", "0", 64), ("bf16", "0", None), ("bf16", "3", 40), ("fp16", "12", None),
+            ("fp32", "all", None), ("bf16", "every4", None)]
 VARIANT_IDS = [f"{p}-s{s}-t{t}" for p, s, t in VARIANTS]
 
 
@@ -33,7 +34,7 @@ def quickstart() -> autotune.Report:
     return autotune.load(QUICKSTART)
 
 
-def variant(report: autotune.Report, precision: str, segments: int, target: int | None = None,
+def variant(report: autotune.Report, precision: str, segments: str, target: int | None = None,
             **guard: object) -> autotune.Report:
     """The report with its recommended trial alone, as ``precision`` and ``segments``, planned for ``target``."""
     rec = report.recommendation
@@ -51,14 +52,14 @@ def test_quickstart_export_is_json_safe_and_carries_the_recommendation(quickstar
         data = export(quickstart, framework)
         assert json.loads(json.dumps(data, allow_nan=False)) == data
         assert data["framework"] == framework
-        assert data["autotune_recommendation"] == {"precision": "bf16", "segments": 0, "batch_size": 16}
+        assert data["autotune_recommendation"] == {"precision": "bf16", "segments": "0", "batch_size": 16}
         assert data["notes"] and all(isinstance(n, str) for n in data["notes"])
         assert any("ran on a CPU" in n for n in data["notes"])  # bf16 measured on a CPU
-        assert not any("checkpoint segments" in n for n in data["notes"])  # nothing to checkpoint
+        assert not any("checkpoint plan" in n for n in data["notes"])  # nothing to checkpoint
 
 
 def test_plan_sets_accumulation_everywhere(quickstart):
-    report = variant(quickstart, "fp32", 0, target=64)  # micro 16 -> 4 steps
+    report = variant(quickstart, "fp32", "0", target=64)  # micro 16 -> 4 steps
     assert report.plan["accumulation_steps"] == 4
     assert export(report, "hf")["training_arguments"]["gradient_accumulation_steps"] == 4
     assert export(report, "lightning")["trainer"]["accumulate_grad_batches"] == 4
@@ -68,20 +69,30 @@ def test_plan_sets_accumulation_everywhere(quickstart):
 
 
 def test_checkpoint_notes_say_what_each_framework_does_instead(quickstart):
-    report = variant(quickstart, "fp32", 3)
+    report = variant(quickstart, "fp32", "3")
     hf = export(report, "hf")
     assert hf["training_arguments"]["gradient_checkpointing"] is True
     assert hf["training_arguments"]["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
-    plan = "3 checkpoint segments over the 12 blocks of transformer.h"
+    plan = "checkpoint plan 3 (3 segments over the 12 blocks of transformer.h, the last not recomputed)"
     assert any(plan in n and "every layer" in n for n in hf["notes"])
     for framework in ("lightning", "deepspeed", "accelerate"):
         notes = " ".join(export(report, framework)["notes"])
         assert "no setting for gradient checkpointing" in notes and "autotune.apply(model, report)" in notes
     assert "deepspeed.checkpointing.checkpoint" in " ".join(export(report, "deepspeed")["notes"])
     # segments 1 recomputes nothing: nothing to switch on
-    one = export(variant(quickstart, "fp32", 1), "hf")
+    one = export(variant(quickstart, "fp32", "1"), "hf")
     assert one["training_arguments"]["gradient_checkpointing"] is False
     assert any("segments 1 recomputes nothing" in n for n in one["notes"])
+
+
+def test_hf_expresses_all_and_every_n_exactly(quickstart):
+    every = export(variant(quickstart, "fp32", "every4"), "hf")
+    assert every["training_arguments"]["gradient_checkpointing"] is True
+    assert every["training_arguments"]["gradient_checkpointing_kwargs"] == {"use_reentrant": False, "every_n_layers": 4}
+    assert not any("every layer" in n for n in every["notes"]) and any("5.24" in n for n in every["notes"])
+    every_one = export(variant(quickstart, "fp32", "all"), "hf")
+    assert every_one["training_arguments"]["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert not any("every layer" in n or "every_n_layers" in n for n in every_one["notes"])
 
 
 def test_the_cited_apply_call_matches_its_signature():
@@ -91,7 +102,7 @@ def test_the_cited_apply_call_matches_its_signature():
 
 
 def test_guard_rails_are_exported_or_noted(quickstart):
-    report = variant(quickstart, "fp16", 0, clip_grad_norm=1.0, fp32_modules=("lm_head",))
+    report = variant(quickstart, "fp16", "0", clip_grad_norm=1.0, fp32_modules=("lm_head",))
     assert export(report, "hf")["training_arguments"]["max_grad_norm"] == 1.0
     assert export(report, "lightning")["trainer"]["gradient_clip_val"] == 1.0
     assert export(report, "deepspeed")["config"]["gradient_clipping"] == 1.0
@@ -119,7 +130,7 @@ def test_hf_training_arguments(quickstart, tmp_path, precision, segments, target
     assert {k: getattr(args, k) for k in kwargs} == kwargs
     assert args.per_device_train_batch_size == 16 and args.gradient_accumulation_steps == steps_of(report)
     assert (args.fp16, args.bf16) == (precision == "fp16", precision == "bf16")
-    assert args.gradient_checkpointing is (segments > 1)
+    assert args.gradient_checkpointing is (segments not in ("0", "1"))
 
 
 @pytest.mark.parametrize("precision,segments,target", VARIANTS, ids=VARIANT_IDS)

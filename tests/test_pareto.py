@@ -11,34 +11,34 @@ def m(precision, segments, batch, status="ok", peak=None, sps=None):
 
 
 TRIALS = [
-    m("fp32", 0, 8, peak=100 * MiB, sps=80.0),
-    m("fp32", 0, 16, peak=200 * MiB, sps=100.0),
-    m("fp32", 0, 32, status="oom", peak=1100 * MiB),
-    m("bf16", 0, 16, peak=120 * MiB, sps=150.0),  # dominates fp32/16
-    m("bf16", 0, 32, peak=950 * MiB, sps=170.0),  # fits the budget, not the headroom
-    m("bf16", 2, 32, peak=600 * MiB, sps=140.0),  # slower and bigger than bf16/16: dominated
-    m("bf16", 2, 64, status="timeout"),
-    m("fp16", 0, 8, status="failed"),
+    m("fp32", "0", 8, peak=100 * MiB, sps=80.0),
+    m("fp32", "0", 16, peak=200 * MiB, sps=100.0),
+    m("fp32", "0", 32, status="oom", peak=1100 * MiB),
+    m("bf16", "0", 16, peak=120 * MiB, sps=150.0),  # dominates fp32/16
+    m("bf16", "0", 32, peak=950 * MiB, sps=170.0),  # fits the budget, not the headroom
+    m("bf16", "2", 32, peak=600 * MiB, sps=140.0),  # slower and bigger than bf16/16: dominated
+    m("bf16", "2", 64, status="timeout"),
+    m("fp16", "0", 8, status="failed"),
 ]
 
 
 def test_front_keeps_only_non_dominated_feasible_trials():
     front = pareto_front(TRIALS, 1000 * MiB)
-    assert [t.config for t in front] == [Config("fp32", 0, 8), Config("bf16", 0, 16), Config("bf16", 0, 32)]
-    assert [t.config for t in pareto_front(TRIALS, 900 * MiB)] == [Config("fp32", 0, 8), Config("bf16", 0, 16)]
+    assert [t.config for t in front] == [Config("fp32", "0", 8), Config("bf16", "0", 16), Config("bf16", "0", 32)]
+    assert [t.config for t in pareto_front(TRIALS, 900 * MiB)] == [Config("fp32", "0", 8), Config("bf16", "0", 16)]
 
 
 def test_recommendation_is_the_fastest_within_the_headroom():
-    assert recommend(TRIALS, 1000 * MiB, headroom=0.1).config == Config("bf16", 0, 16)
-    assert recommend(TRIALS, 1000 * MiB, headroom=0.0).config == Config("bf16", 0, 32)
+    assert recommend(TRIALS, 1000 * MiB, headroom=0.1).config == Config("bf16", "0", 16)
+    assert recommend(TRIALS, 1000 * MiB, headroom=0.0).config == Config("bf16", "0", 32)
     assert recommend(TRIALS, 50 * MiB) is None
-    assert recommend(TRIALS, None).config == Config("bf16", 0, 32)
+    assert recommend(TRIALS, None).config == Config("bf16", "0", 32)
 
 
 def test_limits_per_precision_and_plan():
     limits = {(r["precision"], r["segments"]): r for r in batch_limits(TRIALS, 1000 * MiB)}
-    assert limits[("fp32", 0)]["max_batch_size"] == 16 and limits[("fp32", 0)]["min_oom_batch_size"] == 32
-    assert limits[("bf16", 2)]["max_batch_size"] == 32 and limits[("bf16", 2)]["min_oom_batch_size"] is None
-    assert limits[("fp16", 0)]["max_batch_size"] is None
+    assert limits[("fp32", "0")]["max_batch_size"] == 16 and limits[("fp32", "0")]["min_oom_batch_size"] == 32
+    assert limits[("bf16", "2")]["max_batch_size"] == 32 and limits[("bf16", "2")]["min_oom_batch_size"] is None
+    assert limits[("fp16", "0")]["max_batch_size"] is None
     # under a smaller budget, a trial that ran but peaked above it counts as too big
-    assert {(r["precision"], r["segments"]): r for r in batch_limits(TRIALS, 500 * MiB)}[("bf16", 0)]["min_oom_batch_size"] == 32
+    assert {(r["precision"], r["segments"]): r for r in batch_limits(TRIALS, 500 * MiB)}[("bf16", "0")]["min_oom_batch_size"] == 32

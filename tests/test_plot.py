@@ -100,9 +100,9 @@ def test_memory_figure_has_a_panel_per_precision_and_a_line_per_plan(grid):
         p = ax.get_title()
         assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
         assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "8", "16", "32", "64", "128", "256"]
-        plans = sorted(s for q, s in model.plans if q == p)
+        plans = sorted((s for q, s in model.plans if q == p), key=int)
         fits = by_gid(ax, "fit:")
-        assert sorted(int(g.split(":")[2]) for g in fits) == plans == [0, 2, 3, 4, 8, 12]
+        assert sorted((g.split(":")[2] for g in fits), key=int) == plans == ["0", "2", "3", "4", "8", "12"]
         for s in plans:
             fit, measured = fits[f"fit:{p}:{s}"], by_gid(ax, f"measured:{p}:{s}")[f"measured:{p}:{s}"]
             assert fit.get_linestyle() == "--" and fit.get_color() == measured.get_color()
@@ -127,14 +127,14 @@ def test_memory_figure_has_a_panel_per_precision_and_a_line_per_plan(grid):
 def test_one_point_plans_get_their_shared_intercept_line_over_the_search(quickstart):
     fig = memory_figure(quickstart)
     sources = {plan: m.source for plan, m in quickstart.memory_model.plans.items()}
-    assert sources[("fp32", 2)] == "shared-intercept"
+    assert sources[("fp32", "2")] == "shared-intercept"
     fit = by_gid(fig.axes[0], "fit:fp32:2")["fit:fp32:2"]
     assert (fit.get_xdata()[0], fit.get_xdata()[-1]) == pytest.approx((1, 64))
 
 
 def over_budget(report):
-    extra = (Measurement(Config("bf16", 0, 64), "ok", peak_bytes=1200 * MiB, samples_per_s=70.0),
-             Measurement(Config("bf16", 2, 64), "timeout"), Measurement(Config("bf16", 2, 128), "failed", error="x"))
+    extra = (Measurement(Config("bf16", "0", 64), "ok", peak_bytes=1200 * MiB, samples_per_s=70.0),
+             Measurement(Config("bf16", "2", 64), "timeout"), Measurement(Config("bf16", "2", 128), "failed", error="x"))
     return dataclasses.replace(report, trials=report.trials + extra, budgets=(256 * MiB,))
 
 

@@ -68,7 +68,7 @@ def _trial(workload, config, budget=None):
 
 def test_probe_rejects_an_oom():
     w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY, data="tests.models:tiny_variable_loader")
-    trial = _trial(w, Config("fp32", 0, 32), budget=8 * 2**20)
+    trial = _trial(w, Config("fp32", "0", 32), budget=8 * 2**20)
     r = run_probe(w, trial, device=torch.device("cpu"), meter=TensorMeter(budget_bytes=8 * 2**20), budget_bytes=8 * 2**20,
                   headroom=0.1)
     assert not r.accepted and r.reason.startswith("oom:") and r.peak_bytes_max > 8 * 2**20
@@ -76,7 +76,7 @@ def test_probe_rejects_an_oom():
 
 def test_probe_rejects_a_non_finite_loss():
     w = Workload.from_specs("tests.models:NanAfterThreeSteps", data="tests.models:pairs")
-    r = run_probe(w, _trial(w, Config("fp32", 0, 4)), device=torch.device("cpu"), meter=TensorMeter(), budget_bytes=None,
+    r = run_probe(w, _trial(w, Config("fp32", "0", 4)), device=torch.device("cpu"), meter=TensorMeter(), budget_bytes=None,
                   headroom=0.1)
     assert not r.accepted and "non-finite loss in 7 of 10 steps" == r.reason
     assert r.nonfinite_losses == 7 and math.isfinite(r.loss_start) and math.isnan(r.loss_end)
@@ -85,7 +85,7 @@ def test_probe_rejects_a_non_finite_loss():
 
 def test_probe_rejects_a_collapsing_loss_scale():
     w = Workload.from_specs("tests.models:Fp16Overflow", data="tests.models:pairs")
-    r = run_probe(w, _trial(w, Config("fp16", 0, 2)), device=torch.device("cpu"), meter=TensorMeter(), budget_bytes=None,
+    r = run_probe(w, _trial(w, Config("fp16", "0", 2)), device=torch.device("cpu"), meter=TensorMeter(), budget_bytes=None,
                   headroom=0.1, settings=ProbeSettings(fraction=0.2))
     assert not r.accepted and "collapsed" in r.reason
     scale = r.loss_scale
@@ -96,20 +96,20 @@ def test_probe_rejects_a_collapsing_loss_scale():
 
 def test_healthy_fp16_probe_records_the_scale_history():
     w = Workload.from_specs("tests.models:DictLoss", data="tests.models:pairs")
-    r = run_probe(w, _trial(w, Config("fp16", 0, 8)), device=torch.device("cpu"), meter=TensorMeter(), budget_bytes=None,
+    r = run_probe(w, _trial(w, Config("fp16", "0", 8)), device=torch.device("cpu"), meter=TensorMeter(), budget_bytes=None,
                   headroom=0.1)
     assert r.accepted and r.loss_scale["initial"] == 2.0**16 and r.loss_scale["skipped_steps"] <= 0.2 * r.steps
 
 
 def test_candidates_and_choice():
     def m(b, peak, sps):
-        return Measurement(config=Config("fp32", 0, b), status="ok", peak_bytes=peak, samples_per_s=sps, step_s=1.0)
+        return Measurement(config=Config("fp32", "0", b), status="ok", peak_bytes=peak, samples_per_s=sps, step_s=1.0)
 
     front = [m(1, 10, 5.0), m(2, 20, 9.0), m(4, 40, 12.0), m(8, 95, 20.0)]
     assert [c.batch_size for c in probe_candidates(front, 100, 0.1, top=2)] == [4, 2]
     from autotune.probe import ProbeResult
 
-    results = [ProbeResult(Config("fp32", 0, 4), False, "oom: x"), ProbeResult(Config("fp32", 0, 2), True, samples_per_s=8.0)]
+    results = [ProbeResult(Config("fp32", "0", 4), False, "oom: x"), ProbeResult(Config("fp32", "0", 2), True, samples_per_s=8.0)]
     assert choose(results).config.batch_size == 2
     assert choose(results[:1]) is None
 

@@ -69,7 +69,7 @@ def test_isolated_trial_that_hangs_is_killed_at_the_time_limit(tmp_path, monkeyp
     monkeypatch.setattr(isolation, "STARTUP_GRACE_S", 5.0)
     w = Workload.from_specs("tests.models:Hangs")
     start = time.monotonic()
-    m = isolation.run_trial_isolated(w, Config("fp32", 0, 2), device="cpu", budget_bytes=None,
+    m = isolation.run_trial_isolated(w, Config("fp32", "0", 2), device="cpu", budget_bytes=None,
                                      settings=TrialSettings(measure_steps=2, timeout_s=5.0))
     assert m.status == "timeout" and "killed" in m.error
     assert time.monotonic() - start < 60
@@ -78,8 +78,8 @@ def test_isolated_trial_that_hangs_is_killed_at_the_time_limit(tmp_path, monkeyp
 def test_isolated_trial_measures_like_an_in_process_one():
     w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)
     settings = TrialSettings(measure_steps=2)
-    here = run_trial(w, Config("bf16", 2, 4), device="cpu", meter=TensorMeter(budget_bytes=2**30), settings=settings)
-    there = isolation.run_trial_isolated(w, Config("bf16", 2, 4), device="cpu", budget_bytes=2**30, settings=settings)
+    here = run_trial(w, Config("bf16", "2", 4), device="cpu", meter=TensorMeter(budget_bytes=2**30), settings=settings)
+    there = isolation.run_trial_isolated(w, Config("bf16", "2", 4), device="cpu", budget_bytes=2**30, settings=settings)
     assert there.status == "ok" and there.peak_bytes == here.peak_bytes and there.loss_first == here.loss_first
 
 
@@ -93,7 +93,7 @@ def test_an_isolated_trial_logs_its_steps_with_verbose(capfd):
     before = logger.level
     logger.setLevel(logging.DEBUG)
     try:
-        m = isolation.run_trial_isolated(w, Config("fp32", 0, 2), device="cpu", budget_bytes=2**30,
+        m = isolation.run_trial_isolated(w, Config("fp32", "0", 2), device="cpu", budget_bytes=2**30,
                                          settings=TrialSettings(measure_steps=2))
     finally:
         logger.setLevel(before)
@@ -129,7 +129,7 @@ def test_search_killed_with_sigkill_resumes_without_measuring_twice(tmp_path):
     ref = json.loads((tmp_path / "ref.json").read_text())
     assert data["limits"] == ref["limits"]
     assert {(r["precision"], r["segments"]): r["max_batch_size"] for r in ref["limits"]} == {
-        ("fp32", 0): 4, ("fp32", 2): 8, ("bf16", 0): 4, ("bf16", 2): 8}
+        ("fp32", "0"): 4, ("fp32", "2"): 8, ("bf16", "0"): 4, ("bf16", "2"): 8}
     assert data["recommendation"]["feasible"] and data["recommendation"]["peak_bytes"] <= 0.9 * data["budget_bytes"]
 
 
@@ -194,7 +194,7 @@ def test_two_workers_with_the_auto_strategy_split_its_trials_and_agree(tmp_path)
     assert reports[0]["trials"] == reports[1]["trials"]
     assert reports[0]["recommendation"] == reports[1]["recommendation"]
     limits = {(r["precision"], r["segments"]): (r["max_batch_size"], r["bracketed"]) for r in reports[0]["limits"]}
-    assert limits == {("fp32", 0): (4, True), ("bf16", 0): (4, True), ("fp32", 2): (8, True), ("bf16", 2): (8, True)}
+    assert limits == {("fp32", "0"): (4, True), ("bf16", "0"): (4, True), ("fp32", "2"): (8, True), ("bf16", "2"): (8, True)}
 
 
 def _tensor_count():
@@ -212,10 +212,10 @@ def test_soak_of_100_trials_alternating_oom_and_success_keeps_memory_flat():
     meter = TensorMeter(budget_bytes=4 * 2**20)
     settings = TrialSettings(warmup_steps=2, measure_steps=1)
     for b in (2, 128):  # warm up allocator, imports and caches
-        run_trial(w, Config("fp32", 0, b), device="cpu", meter=meter, settings=settings)
+        run_trial(w, Config("fp32", "0", b), device="cpu", meter=meter, settings=settings)
     tensors, finalisers, rss = _tensor_count(), len(weakref.finalize._registry), _rss_bytes()
     for i in range(100):
-        m = run_trial(w, Config("fp32", 0, 128 if i % 2 else 2), device="cpu", meter=meter, settings=settings)
+        m = run_trial(w, Config("fp32", "0", 128 if i % 2 else 2), device="cpu", meter=meter, settings=settings)
         assert m.status == ("oom" if i % 2 else "ok")
     assert _tensor_count() == tensors
     assert len(weakref.finalize._registry) == finalisers

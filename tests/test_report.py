@@ -1,4 +1,8 @@
+import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -20,16 +24,23 @@ def test_json_has_the_documented_fields(report, tmp_path):
     path = tmp_path / "out.json"
     report.to_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 1
+    assert data["schema_version"] == 2
     assert {"torch_version", "device_name", "total_memory_bytes"} <= set(data["environment"])
     assert data["workload"]["model"] == "autotune.examples:TinyGPT" and data["workload"]["parameter_count"] > 0
-    assert data["workload"]["chain"] == {"path": "transformer.h", "kind": "module_list", "length": 4, "block_type": "Block"}
+    assert data["workload"]["chain"] == {"length": 4, "containers": ["transformer.h"], "block_types": ["Block"],
+                                         "blocks": [f"transformer.h.{i}" for i in range(4)], "ordered_by": "forward"}
+    assert [(c["plan"], c["status"], c["recomputed_blocks"]) for c in data["plan_checks"]] == [
+        ("2", "exact", ["transformer.h.0", "transformer.h.1"])]
+    assert data["search"]["space"]["segments"] == ["0", "2"] and data["search"]["space"]["blocks"] == 4
     assert data["budget_bytes"] == 3 * 2**20
     assert data["search"]["strategy"] == "grid" and data["search"]["n_trials"] == 12 and data["search"]["wall_s"] > 0
     for trial in data["trials"]:
         assert {"precision", "segments", "batch_size", "status", "peak_bytes", "step_s", "samples_per_s", "plan"} <= set(trial)
+        if trial["status"] == "ok":
+            assert trial["plan"] == {"name": trial["segments"], "chain_length": 4,
+                                     "recomputed_blocks": [0, 1] if trial["segments"] == "2" else []}
     assert {t["status"] for t in data["trials"]} == {"ok", "oom"}
-    assert {(r["precision"], r["segments"]) for r in data["limits"]} == {("fp32", 0), ("fp32", 2), ("bf16", 0), ("bf16", 2)}
+    assert {(r["precision"], r["segments"]) for r in data["limits"]} == {("fp32", "0"), ("fp32", "2"), ("bf16", "0"), ("bf16", "2")}
     assert all(r["max_batch_size"] == 4 for r in data["limits"])
     rec = data["recommendation"]
     assert rec["feasible"] and rec["peak_bytes"] <= 0.9 * data["budget_bytes"]
@@ -58,3 +69,24 @@ def test_table_names_the_recommendation(report):
     rec = report.recommendation
     assert f"recommendation: {rec.precision}, segments {rec.segments}, batch size {rec.batch_size}" in text
     assert text.count("\n") >= 12
+
+
+def test_reports_of_schema_version_1_still_load_show_and_apply(tmp_path, caplog):
+    """The committed quick-start report predates plan names: segments were numbers, the chain one container."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "quickstart-cpu.json")
+    with open(path) as f:
+        assert json.load(f)["schema_version"] == 1
+    old = autotune.load(path)
+    assert old.search["space"]["segments"] == ["0", "2"] and old.search["space"]["blocks"] == 12
+    assert {m.segments for m in old.trials} == {"0", "2"} and old.recommendation is not None
+    assert json.loads(old.to_json())["schema_version"] == 2  # written again in today's terms
+    assert {r["segments"] for r in old.memory_model.to_list()} == {"0", "2"}
+    out = subprocess.run([sys.executable, "-m", "autotune", "show", path], capture_output=True, text=True)
+    assert out.returncode == 0 and "recommendation: bf16, segments 0" in out.stdout
+    from autotune.examples import TinyGPT
+
+    trial = dataclasses.replace(old.recommendation, config=dataclasses.replace(old.recommendation.config, segments=2))
+    with caplog.at_level("WARNING", logger="autotune"):
+        run = autotune.apply(TinyGPT(), dataclasses.replace(old, trials=(trial,), probe=None))
+    assert run.segments == "2" and run.plan["recomputed_blocks"] == list(range(6))
+    assert any("was not checked on this model" in r.message for r in caplog.records)

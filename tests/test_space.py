@@ -21,10 +21,10 @@ def test_bad_batch_sizes(text):
 
 def test_segments_and_precisions():
     assert parse_segments("auto") is None
-    assert parse_segments("4,0,2") == (0, 2, 4)
+    assert parse_segments("4,0,2, ALL,every2,4") == ("4", "0", "2", "all", "every2")  # as given, once each
     assert parse_precisions("auto") is None
     assert parse_precisions("FP32, bf16") == ("fp32", "bf16")
-    for bad in ("x", "-1", ""):
+    for bad in ("x", "-1", "", "every0"):
         with pytest.raises(UsageError):
             parse_segments(bad)
     with pytest.raises(UsageError, match="fp8"):
@@ -35,8 +35,8 @@ def test_space_enumerates_every_point_in_order():
     space = SearchSpace(("fp32", "bf16"), (0, 2), (2, 1))
     configs = space.configs()
     assert len(configs) == len(space) == 8
-    assert configs[0] == Config("fp32", 0, 1) and configs[1] == Config("fp32", 0, 2)
-    assert configs[-1] == Config("bf16", 2, 2)
+    assert configs[0] == Config("fp32", "0", 1) and configs[1] == Config("fp32", "0", 2)
+    assert configs[-1] == Config("bf16", "2", 2)
 
 
 def test_empty_space_is_bad_input():

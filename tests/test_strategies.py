@@ -11,6 +11,7 @@ import pytest
 
 from autotune.memory_model import MemoryModel
 from autotune.pareto import batch_limits, recommend
+from autotune.plans import recompute_fraction
 from autotune.space import Config, SearchSpace
 from autotune.strategies import AutoStrategy, GridStrategy, OptunaStrategy, make_strategy
 from autotune.strategies.auto import bracket, next_in_bracket
@@ -19,12 +20,15 @@ from autotune.errors import UsageError
 
 MiB = 2**20
 BUDGET = 1024 * MiB
-SPACE = SearchSpace(("fp32", "bf16"), (0, 2, 3, 4, 8, 12), tuple(2**k for k in range(9)))  # 1..256: 108 configs
+BLOCKS = 12
+# 1..256: 108 configs; the plans TinyGPT's 12 blocks get from --segments auto
+SPACE = SearchSpace(("fp32", "bf16"), ("0", "every4", "2", "4", "8", "all"), tuple(2**k for k in range(9)), blocks=BLOCKS)
 
 
 def linear(config):
-    """Like TinyGPT on the CPU: checkpointing divides the chain's activations, bf16 roughly halves them."""
-    per_sample = 18 * MiB * (1.0 if config.segments == 0 else 1 / config.segments + 0.03 * config.segments)
+    """Like TinyGPT on the CPU: recomputed blocks keep a little of their activations, bf16 roughly halves them."""
+    r = recompute_fraction(config.segments, BLOCKS)
+    per_sample = 18 * MiB * (1.0 - 0.9 * r + 0.05 * math.sqrt(r))
     per_sample *= 0.55 if config.precision == "bf16" else 1.0
     return 8 * MiB + per_sample * config.batch_size
 
@@ -32,7 +36,8 @@ def linear(config):
 def speed(config):
     """Samples/s that peak at batch 16 (a CPU's caches), lower with more recompute and in fp32."""
     base = 40.0 / (1 + abs(math.log2(config.batch_size) - 4) * 0.15)
-    return base * (1.0 if config.segments == 0 else 0.8 - 0.01 * config.segments) * (1.2 if config.precision == "bf16" else 1.0)
+    r = recompute_fraction(config.segments, BLOCKS)
+    return base * (1.0 - 0.25 * r) * (1.2 if config.precision == "bf16" else 1.0)
 
 
 def measure(curve, budget=BUDGET):
@@ -123,7 +128,7 @@ def test_a_wrong_model_falls_back_to_bisection_and_still_brackets():
     trial = measure(lambda c: 8 * MiB + c.batch_size * MiB * (1 if c.batch_size < 24 else 50))
     space = SearchSpace(("fp32",), (0,), tuple(range(1, 65)))
     auto = run(AutoStrategy(), trial, space)
-    assert limits(auto, sizes=space.batch_sizes) == {("fp32", 0): (23, True)}
+    assert limits(auto, sizes=space.batch_sizes) == {("fp32", "0"): (23, True)}
     # Guided jumps, then bisection, then the climb along 23 sizes: logarithmic, not a scan of 64.
     assert len(auto) <= 3 + math.ceil(math.log2(64)) + 2 * math.ceil(math.log2(23))
 
@@ -134,7 +139,7 @@ def test_timeouts_stop_the_bracket_like_out_of_memory():
             return Measurement(config, "timeout", error="the trial would run past its limit")
         return measure(linear)(config)
     auto = run(AutoStrategy(), trial)
-    assert limits(auto)[("bf16", 12)] == (32, True)
+    assert limits(auto)[("bf16", "all")] == (32, True)
 
 
 def test_a_plan_another_worker_is_measuring_is_left_to_it():
@@ -163,16 +168,16 @@ def test_smaller_budgets_come_from_the_same_trials_where_the_model_is_sure():
 
 def test_the_memory_model_recovers_lines_and_predicts_unmeasured_plans():
     trial = measure(linear)
-    points = [trial(Config("fp32", 0, b)) for b in (1, 8)] + [trial(Config("fp32", 4, 16)), trial(Config("bf16", 0, 8))]
-    model = MemoryModel.fit(points, [(p, s) for p in ("fp32", "bf16") for s in (0, 4)])
-    fp32 = model.plans[("fp32", 0)]
+    points = [trial(Config("fp32", "0", b)) for b in (1, 8)] + [trial(Config("fp32", "4", 16)), trial(Config("bf16", "0", 8))]
+    model = MemoryModel.fit(points, [(p, s) for p in ("fp32", "bf16") for s in ("0", "4")], blocks=BLOCKS)
+    fp32 = model.plans[("fp32", "0")]
     assert fp32.source == "fit" and fp32.fixed_bytes == pytest.approx(8 * MiB, rel=1e-6)
     assert fp32.per_sample_bytes == pytest.approx(18 * MiB, rel=1e-6) and fp32.max_error_bytes < 1
-    assert model.plans[("fp32", 4)].source == "shared-intercept"
-    assert model.predict(("fp32", 4), 64) == pytest.approx(linear(Config("fp32", 4, 64)), rel=1e-6)
-    bf16_4 = model.plans[("bf16", 4)]  # never measured: fp32's plan scaled by the bf16/fp32 ratio of plan 0
+    assert model.plans[("fp32", "4")].source == "shared-intercept"
+    assert model.predict(("fp32", "4"), 64) == pytest.approx(linear(Config("fp32", "4", 64)), rel=1e-6)
+    bf16_4 = model.plans[("bf16", "4")]  # never measured: fp32's plan scaled by the bf16/fp32 ratio of plan 0
     assert bf16_4.source == "predicted" and bf16_4.points == 0
-    assert bf16_4.predict(64) == pytest.approx(linear(Config("bf16", 4, 64)), rel=0.02)
+    assert bf16_4.predict(64) == pytest.approx(linear(Config("bf16", "4", 64)), rel=0.02)
     row = model.to_list()[0]
     assert set(row) == {"precision", "segments", "fixed_bytes", "per_sample_bytes", "points", "source",
                         "max_error_bytes", "max_relative_error"}

@@ -18,7 +18,7 @@ def gpt(tiny_gpt_kwargs):
 
 
 def test_ok_trial_measures_memory_time_and_loss(gpt):
-    m = run_trial(gpt, Config("fp32", 0, 4), device="cpu", meter=TensorMeter(), settings=QUICK)
+    m = run_trial(gpt, Config("fp32", "0", 4), device="cpu", meter=TensorMeter(), settings=QUICK)
     assert m.status == "ok" and m.error is None
     assert len(m.step_times_s) == 3 and m.step_s == sorted(m.step_times_s)[1]
     assert m.samples_per_s == pytest.approx(4 / m.step_s)
@@ -26,38 +26,38 @@ def test_ok_trial_measures_memory_time_and_loss(gpt):
     assert m.peak_bytes > 4 * params  # weights, gradients and AdamW's two moments, plus activations
     assert m.memory_source == "tensor"
     assert m.loss_final < m.loss_first  # it really trains
-    assert m.plan["segments"] == 0
+    assert m.plan == {"name": "0", "recomputed_blocks": [], "chain_length": None}
 
 
 def test_every_trial_starts_from_a_fresh_model(gpt):
-    a = run_trial(gpt, Config("fp32", 0, 2), device="cpu", meter=TensorMeter(), settings=QUICK)
-    b = run_trial(gpt, Config("fp32", 0, 2), device="cpu", meter=TensorMeter(), settings=QUICK)
+    a = run_trial(gpt, Config("fp32", "0", 2), device="cpu", meter=TensorMeter(), settings=QUICK)
+    b = run_trial(gpt, Config("fp32", "0", 2), device="cpu", meter=TensorMeter(), settings=QUICK)
     assert a.loss_first == b.loss_first and a.loss_final == b.loss_final
     assert a.peak_bytes == b.peak_bytes
 
 
 def test_checkpointed_and_bf16_trials_use_less_memory(gpt):
     peaks = {c: run_trial(gpt, Config(*c, 8), device="cpu", meter=TensorMeter(), settings=QUICK).peak_bytes
-             for c in [("fp32", 0), ("fp32", 2), ("bf16", 0)]}
-    assert peaks[("fp32", 2)] < peaks[("fp32", 0)]
-    assert peaks[("bf16", 0)] < peaks[("fp32", 0)]
+             for c in [("fp32", "0"), ("fp32", "2"), ("bf16", "0")]}
+    assert peaks[("fp32", "2")] < peaks[("fp32", "0")]
+    assert peaks[("bf16", "0")] < peaks[("fp32", "0")]
 
 
 def test_fp16_trial_records_the_loss_scale(gpt):
-    m = run_trial(gpt, Config("fp16", 0, 2), device="cpu", meter=TensorMeter(), settings=QUICK)
+    m = run_trial(gpt, Config("fp16", "0", 2), device="cpu", meter=TensorMeter(), settings=QUICK)
     assert m.status == "ok"
     assert len(m.loss_scale_history) == 5 and m.loss_scale_history[0] <= 2.0**16
     assert m.skipped_steps == sum(b < a for a, b in zip((2.0**16,) + m.loss_scale_history, m.loss_scale_history))
 
 
 def test_over_budget_is_an_oom_outcome(gpt):
-    m = run_trial(gpt, Config("fp32", 0, 64), device="cpu", meter=TensorMeter(budget_bytes=2 * 2**20), settings=QUICK)
+    m = run_trial(gpt, Config("fp32", "0", 64), device="cpu", meter=TensorMeter(budget_bytes=2 * 2**20), settings=QUICK)
     assert m.status == "oom" and "can't allocate memory" in m.error
     assert m.peak_bytes > 2 * 2**20 and m.step_s is None and m.samples_per_s is None
 
 
 def test_slow_trial_is_cut_at_the_timeout(gpt):
-    m = run_trial(gpt, Config("fp32", 0, 256), device="cpu", meter=TensorMeter(),
+    m = run_trial(gpt, Config("fp32", "0", 256), device="cpu", meter=TensorMeter(),
                   settings=TrialSettings(measure_steps=1000, timeout_s=0.5))
     assert m.status == "timeout" and "--trial-timeout" in m.error
     assert m.wall_s < 5
@@ -65,7 +65,7 @@ def test_slow_trial_is_cut_at_the_timeout(gpt):
 
 def test_failing_model_is_a_failed_outcome():
     w = Workload.from_specs("tests.models:ExplodingForward")
-    m = run_trial(w, Config("fp32", 0, 2), device="cpu", meter=TensorMeter(), settings=QUICK)
+    m = run_trial(w, Config("fp32", "0", 2), device="cpu", meter=TensorMeter(), settings=QUICK)
     assert m.status == "failed" and m.error == "ValueError: boom in forward"
 
 
@@ -81,7 +81,7 @@ def _rss_bytes():
 
 def test_thirty_ooms_in_a_row_leave_the_process_where_it_started(gpt):
     meter = TensorMeter(budget_bytes=3 * 2**20)
-    run_trial(gpt, Config("fp32", 0, 64), device="cpu", meter=meter, settings=QUICK)  # warm caches, imports
+    run_trial(gpt, Config("fp32", "0", 64), device="cpu", meter=meter, settings=QUICK)  # warm caches, imports
     tensors, finalisers, rss = _live_tensors(), len(weakref.finalize._registry), _rss_bytes()
     for i in range(30):
         m = run_trial(gpt, Config("fp32" if i % 2 else "bf16", 0, 64), device="cpu", meter=meter, settings=QUICK)
@@ -92,7 +92,7 @@ def test_thirty_ooms_in_a_row_leave_the_process_where_it_started(gpt):
 
 
 def test_measurement_round_trips_through_a_dict_with_non_finite_losses():
-    m = Measurement(config=Config("fp16", 2, 8), status="ok", peak_bytes=10, loss_first=float("nan"), loss_final=float("inf"),
+    m = Measurement(config=Config("fp16", "2", 8), status="ok", peak_bytes=10, loss_first=float("nan"), loss_final=float("inf"),
                     loss_scale_history=(65536.0, 32768.0), step_times_s=(0.1, 0.2))
     data = m.to_dict()
     assert data["loss_first"] == "nan" and data["precision"] == "fp16" and data["batch_size"] == 8

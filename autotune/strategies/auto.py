@@ -11,8 +11,8 @@ the measurements alone, so a resumed search or a second worker picks up where th
 2. **Other budgets** (``--budgets``): a plan's boundary under a smaller budget comes from the
    measured peaks where they bracket it, from the model where its prediction is clear of the
    budget by more than its error, and from one more trial where it is not.
-3. **Throughput.** At each batch size the fastest plan is the one with the fewest checkpoint
-   segments that fits within the budget less headroom (checkpointing only adds recompute), so
+3. **Throughput.** At each batch size the fastest plan is the one that recomputes the fewest
+   blocks and fits within the budget less headroom (checkpointing only adds recompute), so
    the other plans cannot enter the front there and are not measured further. Along that
    envelope, per precision, the strategy climbs from the fastest measured point to a local
    maximum of samples/s: both neighbours measured and slower. A precision that is slower in
@@ -100,8 +100,9 @@ class AutoStrategy(Strategy):
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Config | None:
         sizes = sorted(space.batch_sizes)
-        plans = [(p, s) for s in sorted(space.segments) for p in space.precisions]  # a precision's ratio early
-        model = MemoryModel.fit(measured.values(), plans, fixed_bytes_hint=self.fixed_bytes_hint)
+        ordered = space.ordered_plans()  # least recompute first
+        plans = [(p, s) for s in ordered for p in space.precisions]  # a precision's ratio early
+        model = MemoryModel.fit(measured.values(), plans, fixed_bytes_hint=self.fixed_bytes_hint, blocks=space.blocks)
         busy = {c.plan for c in pending}
         by_plan: dict[tuple[str, int], dict[int, Measurement]] = {}
         for c, m in measured.items():
@@ -140,7 +141,7 @@ class AutoStrategy(Strategy):
                 if any(_dominates(other, precision, measured, model, plans, sizes[0], sizes[-1])
                        for other in space.precisions if other != precision):
                     continue
-                config = self._climb(precision, sorted(space.segments), sizes, by_plan, model, limit)
+                config = self._climb(precision, ordered, sizes, by_plan, model, limit)
                 if config is not None and config not in pending:
                     return config
         return None
@@ -160,7 +161,7 @@ class AutoStrategy(Strategy):
         """The next point of the precision's throughput climb under ``limit``, or None at a local maximum."""
         envelope: list[Config] = []
         for b in sizes:
-            for s in segments:  # fewest segments first: the least recompute
+            for s in segments:  # least recompute first
                 trials = by_plan.get((precision, s), {})
                 if b in trials:
                     fits = _feasible(trials[b], limit)

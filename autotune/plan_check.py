@@ -1,0 +1,192 @@
+"""Check each checkpoint plan on the user's own model before the search trusts it.
+
+A plan must only trade time for memory. :mod:`autotune.checkpointing` is exact by construction
+for what it can see (each block call recomputed with its own arguments, buffers restored, RNG
+replayed), but a model can read state that its own loop changes between the forward and the
+backward pass, or a block can write a cache, and no wrapper can see that. So before the search,
+each plan trains one step on the user's model and data, at the space's smallest batch size, in
+fp32, with the same seed and batch as a step without any plan, and the two are compared: the
+loss, every parameter's gradient and every buffer.
+
+The comparison is bitwise where the plan-free step is deterministic (two runs of it agree
+bitwise, as they do on the CPU). Where they do not (some GPU kernels, a mixture of experts'
+scatter), a plan may differ by at most ``NOISE_MULTIPLE`` times the largest relative difference
+between those two plan-free runs. A plan that differs more, or whose step fails, is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable
+
+import torch
+
+from autotune.checkpointing import apply_plan
+from autotune.errors import UsageError, first_line
+from autotune.plans import is_off
+from autotune.trial import GuardRails, keep_in_fp32, release_memory
+from autotune.workload import Workload, to_device
+
+__all__ = ["PlanCheck", "NOISE_MULTIPLE", "check_plans", "run_checks", "compare_steps"]
+
+NOISE_MULTIPLE = 8.0  # a plan may differ by this many times the plan-free step's own run-to-run noise
+STATUSES = ("exact", "within_noise", "differs", "failed")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCheck:
+    """One plan's step compared with the plan-free step: differences are relative to the value's largest magnitude."""
+
+    plan: str
+    status: str  # "exact", "within_noise" (kept), "differs" or "failed" (dropped)
+    batch_size: int
+    recomputed_blocks: tuple[str, ...] = ()
+    max_rel_diff: float | None = None  # the largest relative difference over the loss, gradients and buffers
+    max_abs_diff: float | None = None
+    worst: str | None = None  # where it is: "loss", "grad:NAME" or "buffer:NAME"
+    noise: float = 0.0  # the same measure between two plan-free steps
+    tolerance: float = 0.0  # what was allowed: NOISE_MULTIPLE x noise (0: bitwise)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("exact", "within_noise")
+
+    def describe(self) -> str:
+        """One line for the user: what the plan does differently, or that it is exact."""
+        if self.status == "failed":
+            return f"checkpoint plan {self.plan}: its check step failed ({self.error})"
+        if self.status == "differs":
+            return (f"checkpoint plan {self.plan} trains a different model: {self.worst} differs by "
+                    f"{self.max_rel_diff:.3g} (relative; {self.max_abs_diff:.3g} absolute) from the step without a plan, "
+                    f"more than the {self.tolerance:.3g} allowed")
+        return f"checkpoint plan {self.plan}: {self.status} (largest relative difference {self.max_rel_diff:.3g})"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["recomputed_blocks"] = list(self.recomputed_blocks)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PlanCheck":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        kwargs["recomputed_blocks"] = tuple(kwargs.get("recomputed_blocks", ()))
+        return cls(**kwargs)
+
+
+def _step(workload: Workload, plan: str, batch_size: int, device: torch.device, seed: int,
+          guard: GuardRails, blocks: dict[str, tuple[str, ...]] | None = None) -> dict[str, torch.Tensor]:
+    """One fp32 training step's loss, gradients and buffers (copied to the CPU), with ``plan`` applied.
+
+    The paths of the blocks the plan recomputes go to ``blocks[plan]``.
+    """
+    torch.manual_seed(seed)
+    model = workload.build_model()
+    keep_in_fp32(model, guard.fp32_modules, device.type)
+    applied = apply_plan(model, plan, workload.chain)
+    if blocks is not None and applied.chain is not None:
+        blocks[plan] = tuple(applied.chain.blocks[i] for i in applied.recomputed)
+    model.to(device)
+    batch = to_device(workload.make_batch(model, batch_size), device)
+    loss = workload.loss(model, batch)
+    loss.backward()
+    values = {"loss": loss.detach().float().cpu()}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            values[f"grad:{name}"] = p.grad.detach().cpu().clone()
+    for name, b in model.named_buffers():
+        values[f"buffer:{name}"] = b.detach().cpu().clone()
+    return values
+
+
+def compare_steps(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float, str | None]:
+    """Return (largest relative difference, its absolute difference, where) between two steps' values.
+
+    A value present in one step only (a gradient that is None in the other) counts as a difference
+    of 1 (inf absolute); NaN in the same places counts as equal.
+    """
+    worst = (0.0, 0.0, None)
+    for key in dict.fromkeys([*a, *b]):
+        x, y = a.get(key), b.get(key)
+        if x is None or y is None or x.shape != y.shape or x.dtype != y.dtype:
+            return 1.0, math.inf, key
+        if torch.equal(x, y):
+            continue
+        if not x.is_floating_point():
+            diff = float((x != y).sum())  # a count of differing entries: anything above 0 is a difference
+            rel = 1.0
+        else:
+            same_nan = torch.isnan(x) & torch.isnan(y)
+            delta = torch.where(same_nan, torch.zeros_like(x), (x.double() - y.double()).abs())
+            diff = float(delta.max())
+            if diff == 0.0:
+                continue
+            scale = float(torch.where(torch.isnan(x), torch.zeros_like(x), x).double().abs().max())
+            rel = diff / scale if scale > 0 else math.inf
+            if math.isnan(diff):  # NaN in one step only
+                rel, diff = math.inf, math.inf
+        if rel > worst[0]:
+            worst = (rel, diff, key)
+    return worst
+
+
+def check_plans(workload: Workload, plans: Iterable[str], *, batch_size: int, device: torch.device | str,
+                seed: int = 0, guard: GuardRails = GuardRails()) -> list[PlanCheck]:
+    """Check every plan in ``plans`` that recomputes something; return one :class:`PlanCheck` per plan.
+
+    Costs two plan-free steps (the reference and its noise) and one step per plan, all at
+    ``batch_size`` in fp32. A reference step that fails fails every plan's check.
+    """
+    device = torch.device(device)
+    plans = [p for p in dict.fromkeys(plans) if not is_off(p)]
+    if not plans:
+        return []
+    blocks: dict[str, tuple[str, ...]] = dict.fromkeys(plans, ())
+    try:
+        reference = _step(workload, "0", batch_size, device, seed, guard)
+        noise = compare_steps(reference, _step(workload, "0", batch_size, device, seed, guard))[0]
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - without a reference nothing can be checked
+        error = f"the step without a plan failed: {type(exc).__name__}: {first_line(exc)}"
+        return [PlanCheck(p, "failed", batch_size, blocks[p], error=error) for p in plans]
+    finally:
+        release_memory(device)
+    tolerance = NOISE_MULTIPLE * noise
+    checks = []
+    for plan in plans:
+        try:
+            rel, diff, where = compare_steps(reference, _step(workload, plan, batch_size, device, seed, guard, blocks))
+        except UsageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a plan whose step fails is dropped, with the reason
+            checks.append(PlanCheck(plan, "failed", batch_size, blocks[plan], noise=noise, tolerance=tolerance,
+                                    error=f"{type(exc).__name__}: {first_line(exc)}"))
+            continue
+        finally:
+            release_memory(device)
+        status = "exact" if rel == 0.0 else "within_noise" if rel <= tolerance else "differs"
+        checks.append(PlanCheck(plan, status, batch_size, blocks[plan], rel, diff, where, noise, tolerance))
+    return checks
+
+
+def _check_job(workload: Workload, **kwargs: Any) -> list[dict[str, Any]]:
+    """The isolated worker's side of :func:`run_checks`."""
+    return [c.to_dict() for c in check_plans(workload, **kwargs)]
+
+
+def run_checks(workload: Workload, plans: Iterable[str], *, batch_size: int, device: torch.device, seed: int,
+               guard: GuardRails, isolation: str, timeout_s: float | None) -> list[PlanCheck]:
+    """:func:`check_plans` where trials run: in this process, or (``isolation="process"``) in a fresh worker."""
+    plans = [p for p in dict.fromkeys(plans) if not is_off(p)]
+    kwargs = {"plans": plans, "batch_size": batch_size, "device": str(device), "seed": seed, "guard": guard}
+    if isolation != "process" or not plans:
+        return check_plans(workload, **kwargs)
+    from autotune.isolation import run_isolated
+
+    outcome, payload, _ = run_isolated(workload, _check_job, kwargs, name="autotune-plan-check", timeout_s=timeout_s)
+    if outcome == "result":
+        return [PlanCheck.from_dict(c) for c in payload]
+    return [PlanCheck(p, "failed", batch_size, error=f"the check's {payload}") for p in plans]

@@ -1,0 +1,124 @@
+"""Checkpoint plan names: which of a model's L blocks a plan recomputes in the backward pass.
+
+A plan is named in ``--segments`` and stored under that name in trials and reports. Every plan
+is a set of blocks, each recomputed on its own with exactly the arguments of its own call
+(:mod:`autotune.checkpointing`), so plans differ only in how many and which blocks they pick:
+
+* ``0``: no checkpointing.
+* ``N`` (an integer, 1 <= N <= L): the blocks cut into N contiguous segments of sizes differing
+  by at most one; the blocks of the first N - 1 segments are recomputed, the last segment is not
+  (its activations are needed as soon as backward starts). ``1`` recomputes nothing, like ``0``.
+* ``all``: every block, the last included: the least memory (the library switches of
+  transformers and timm do this).
+* ``everyN`` (``every2``, ``every4``, ...): blocks 0, N, 2N, ...: transformers' ``every_n_layers``.
+  A smooth trade-off between memory and recompute time.
+
+This module holds no torch: the search strategies and the memory model read plans through it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from autotune.errors import UsageError
+
+__all__ = ["NONE", "ALL", "canonical", "parse_plans", "recomputed_blocks", "recompute_fraction", "plan_order",
+           "auto_plans", "check_plan_fits", "is_off"]
+
+NONE = "0"
+ALL = "all"
+_EVERY = re.compile(r"^every(\d+)$")
+_HINT = "0 (off), a segment count such as 2, all, everyN such as every2, or auto"
+
+
+def canonical(name: str | int) -> str:
+    """Return the plan's canonical name (``"0"``, ``"3"``, ``"all"``, ``"every2"``); raise UsageError if unknown.
+
+    Integers (reports of schema version 1 stored segment counts as numbers) are accepted.
+    """
+    text = str(name).strip().lower()
+    if text.isdigit():
+        return str(int(text))
+    if text == ALL:
+        return ALL
+    match = _EVERY.match(text)
+    if match and int(match.group(1)) >= 1:
+        return f"every{int(match.group(1))}"
+    raise UsageError(f"unknown checkpoint plan {str(name)!r} in --segments: write {_HINT}")
+
+
+def parse_plans(text: str) -> tuple[str, ...] | None:
+    """Parse ``--segments``: ``"auto"`` (``None``, resolved against the model's blocks) or a list ``"0,2,all"``."""
+    if text.strip() == "auto":
+        return None
+    names = tuple(dict.fromkeys(canonical(part) for part in text.split(",") if part.strip()))
+    if not names:
+        raise UsageError(f"--segments {text!r} is empty: write {_HINT}")
+    return names
+
+
+def is_off(name: str) -> bool:
+    """True for plans that recompute nothing whatever the model (``0`` and ``1``)."""
+    return name in (NONE, "1")
+
+
+def recomputed_blocks(name: str, length: int) -> tuple[int, ...]:
+    """The indices (in forward order) of the blocks plan ``name`` recomputes, for a model of ``length`` blocks."""
+    name = canonical(name)
+    if name == ALL:
+        return tuple(range(length))
+    match = _EVERY.match(name)
+    if match:
+        return tuple(range(0, length, int(match.group(1))))
+    segments = int(name)
+    if segments <= 1 or length == 0:
+        return ()
+    segments = min(segments, length)
+    last_start = length - (length // segments)  # the last segment holds length // segments blocks
+    return tuple(range(last_start))
+
+
+def recompute_fraction(name: str, length: int | None) -> float:
+    """The share of the blocks plan ``name`` recomputes (0 to 1); without ``length`` a guess from the name."""
+    if length:
+        return len(recomputed_blocks(name, length)) / length
+    name = canonical(name)
+    if name == ALL:
+        return 1.0
+    match = _EVERY.match(name)
+    if match:
+        return 1.0 / int(match.group(1))
+    segments = int(name)
+    return 0.0 if segments <= 1 else (segments - 1) / segments
+
+
+def plan_order(names, length: int | None) -> list[str]:
+    """``names`` from the least recompute to the most (and so, roughly, fastest and largest first)."""
+    return sorted(names, key=lambda n: (recompute_fraction(n, length), n != NONE, n))
+
+
+def check_plan_fits(name: str, length: int, where: str) -> None:
+    """Raise UsageError when plan ``name`` asks for more segments or a wider stride than ``length`` blocks have."""
+    name = canonical(name)
+    match = _EVERY.match(name)
+    number = int(match.group(1)) if match else (int(name) if name.isdigit() else None)
+    if number is not None and number > length:
+        raise UsageError(f"--segments {name} is more than the {length} blocks of {where}: use at most {length}")
+
+
+def auto_plans(length: int) -> list[str]:
+    """The spread of plans ``--segments auto`` tries for ``length`` blocks, least recompute first.
+
+    ``0``, ``every4`` (a quarter of the blocks), the powers of two below ``length`` as segment
+    counts (half, three quarters, ... of the blocks) and ``all``; plans that would recompute the
+    same blocks as an earlier one are left out.
+    """
+    if length < 1:
+        return [NONE]
+    names = [NONE, "every4", *(str(2**k) for k in range(1, length.bit_length()) if 2**k < length), ALL]
+    seen: dict[tuple[int, ...], str] = {}
+    for name in names:
+        if name.startswith("every") and int(name[5:]) > length:
+            continue
+        seen.setdefault(recomputed_blocks(name, length), name)
+    return plan_order(seen.values(), length)

@@ -1,0 +1,45 @@
+import pytest
+
+from autotune.errors import UsageError
+from autotune.plans import (auto_plans, canonical, check_plan_fits, parse_plans, plan_order, recompute_fraction,
+                            recomputed_blocks)
+
+
+def test_names():
+    assert [canonical(n) for n in ("0", 3, " ALL ", "every02", "02")] == ["0", "3", "all", "every2", "2"]
+    for bad in ("half", "every0", "-1", "every", "2.5"):
+        with pytest.raises(UsageError, match="unknown checkpoint plan"):
+            canonical(bad)
+    assert parse_plans("auto") is None
+    assert parse_plans("0, 2,all,every2,2") == ("0", "2", "all", "every2")
+    with pytest.raises(UsageError, match="empty"):
+        parse_plans(" , ")
+
+
+def test_which_blocks_each_plan_recomputes():
+    assert recomputed_blocks("0", 12) == recomputed_blocks("1", 12) == ()
+    assert recomputed_blocks("2", 12) == tuple(range(6))  # the last of two segments is not recomputed
+    assert recomputed_blocks("3", 10) == tuple(range(7))  # segments of 4, 3, 3
+    assert recomputed_blocks("12", 12) == tuple(range(11))
+    assert recomputed_blocks("all", 5) == (0, 1, 2, 3, 4)
+    assert recomputed_blocks("every4", 10) == (0, 4, 8)  # transformers' every_n_layers: layer_index % n == 0
+    assert recompute_fraction("all", 8) == 1.0 and recompute_fraction("every4", 8) == 0.25
+    assert recompute_fraction("every4", None) == 0.25 and recompute_fraction("0", None) == 0.0
+
+
+def test_auto_spreads_from_nothing_to_everything_without_repeats():
+    assert auto_plans(12) == ["0", "every4", "2", "4", "8", "all"]
+    assert auto_plans(2) == ["0", "all"]
+    assert auto_plans(0) == ["0"]
+    for length in range(1, 40):
+        plans = auto_plans(length)
+        sets = [recomputed_blocks(p, length) for p in plans]
+        assert len(set(sets)) == len(sets) and plans[0] == "0" and plans[-1] == "all"
+        assert [len(s) for s in sets] == sorted(len(s) for s in sets)
+
+
+def test_order_and_bounds():
+    assert plan_order(["all", "2", "0", "every4"], 12) == ["0", "every4", "2", "all"]
+    check_plan_fits("every4", 4, "blocks")
+    with pytest.raises(UsageError, match="at most 3"):
+        check_plan_fits("4", 3, "transformer.h")

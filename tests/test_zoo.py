@@ -1,0 +1,323 @@
+"""Every checkpoint plan on a zoo of architectures trains exactly the model it was given.
+
+For each zoo member (tests/zoo.py) and each plan ``auto_plans`` offers for its chain: one fp32
+forward and backward pass from the same weights, batch and seed gives a bitwise identical loss,
+bitwise identical gradients for every parameter and identical buffers (BatchNorm statistics
+included) with the plan as without it. Where the library has a per-layer checkpointing switch of
+its own, the plan that recomputes every block ('all') peaks no higher than that switch does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from autotune.checkpointing import apply_plan, find_chain, iter_wrapped, order_chain, remove_plan
+from autotune.meters import TensorMeter
+from autotune.plan_check import check_plans
+from autotune.plans import auto_plans, recomputed_blocks
+from autotune.thirdparty import library_checkpointing
+from autotune.workload import Workload
+
+from tests.zoo import BY_NAME, ZOO, needs
+
+MEMBERS = [pytest.param(m, id=m.name, marks=m.marks()) for m in ZOO]
+PLAN_CASES = [pytest.param(m, plan, id=f"{m.name}-{plan}", marks=m.marks()) for m in ZOO for plan in auto_plans(m.length)]
+FORWARD_SEED = 1234  # reseeded right before every forward pass, so dropout draws the same masks
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: as fast on models this small, and no crawl when the machine's two cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _require(member) -> None:
+    for package in member.needs:
+        needs(package)
+
+
+@functools.cache
+def _setup(name: str):
+    """The member's workload, weights, batch and chain (in forward order), shared by all its plans."""
+    member = BY_NAME[name]
+    workload = Workload.from_specs(member.build)
+    torch.manual_seed(0)
+    model = workload.build_model()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    batch = workload.make_batch(model, member.batch_size)
+    chain = find_chain(model)
+    assert chain is not None, f"no chain found in {name}"
+    with torch.no_grad():
+        chain = order_chain(model, chain, lambda: workload.loss(model, batch))
+    return workload, state, batch, chain
+
+
+def _build(name: str) -> nn.Module:
+    workload, state, _, _ = _setup(name)
+    torch.manual_seed(0)
+    model = workload.build_model()
+    model.load_state_dict(state)
+    return model
+
+
+def _train_step(name: str, model: nn.Module, seed: int = FORWARD_SEED) -> dict[str, torch.Tensor]:
+    """One fp32 forward and backward pass: the loss, every gradient and every buffer after it."""
+    workload, _, batch, _ = _setup(name)
+    torch.manual_seed(seed)
+    loss = workload.loss(model, batch)
+    loss.backward()
+    values = {"loss": loss.detach().clone()}
+    for key, p in model.named_parameters():
+        values[f"grad:{key}"] = None if p.grad is None else p.grad.detach().clone()
+    for key, b in model.named_buffers():
+        values[f"buffer:{key}"] = b.detach().clone()
+    return values
+
+
+@functools.cache
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    return _train_step(name, _build(name))
+
+
+def _differences(expected: dict, got: dict) -> list[str]:
+    """Every value that is not bitwise identical, with its largest absolute difference."""
+    out = []
+    for key in dict.fromkeys([*expected, *got]):
+        a, b = expected.get(key, "absent"), got.get(key, "absent")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            if a is not b:  # a gradient that is None (or a value that is absent) in one step only
+                out.append(f"{key}: {a if not isinstance(a, torch.Tensor) else 'a tensor'} vs "
+                           f"{b if not isinstance(b, torch.Tensor) else 'a tensor'}")
+        elif a.shape != b.shape or a.dtype != b.dtype:
+            out.append(f"{key}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
+        elif not torch.equal(a, b):
+            if a.is_floating_point():
+                delta = (a.double() - b.double()).abs().nan_to_num(nan=float("inf"))
+                out.append(f"{key}: max abs diff {float(delta.max()):.3g} (max |value| {float(a.abs().max()):.3g})")
+            else:
+                out.append(f"{key}: {int((a != b).sum())} entries differ")
+    return out
+
+
+def _peak(name: str, model: nn.Module) -> int:
+    workload, _, batch, _ = _setup(name)
+    torch.manual_seed(FORWARD_SEED)
+    with TensorMeter().measure() as h:
+        h.track(model.parameters())
+        h.track(model.buffers())
+        workload.loss(model, batch).backward()
+    return h.reading.peak_bytes
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+def test_the_chain_holds_the_repeated_blocks(member):
+    _require(member)
+    model = _build(member.name)
+    _, _, _, chain = _setup(member.name)
+    assert chain.containers == member.containers
+    assert chain.length == member.length
+    assert set(chain.block_types) == set(member.block_types)
+    assert set(chain.blocks) == set(find_chain(model).blocks)  # forward order is a reordering of definition order
+    for path in chain.blocks:
+        assert type(model.get_submodule(path)).__name__ in member.block_types, path
+        assert path.rpartition(".")[0] in chain.containers, f"{path} is not a direct child of {chain.containers}"
+        assert "expert" not in path, f"{path}: the chain went inside a block"
+    if member.name == "t5":
+        assert chain.length == model.config.num_layers + model.config.num_decoder_layers
+        assert chain.blocks == (*(f"encoder.block.{i}" for i in range(3)), *(f"decoder.block.{i}" for i in range(2)))
+    if member.name == "cnn_batchnorm":
+        assert chain.blocks == tuple(f"stage{s}.{i}" for s in (1, 2, 3) for i in (0, 1))
+    if member.name == "bart":
+        assert [type(model.get_submodule(p)).__name__ for p in chain.blocks] == ["BartEncoderLayer"] * 2 + ["BartDecoderLayer"] * 3
+
+
+@pytest.mark.parametrize("member, plan", PLAN_CASES)
+def test_every_offered_plan_is_bitwise_exact(member, plan):
+    _require(member)
+    _, _, _, chain = _setup(member.name)
+    assert plan in auto_plans(chain.length)
+    reference = _reference(member.name)
+    model = _build(member.name)
+    applied = apply_plan(model, plan, chain)
+    assert applied.recomputed == recomputed_blocks(plan, chain.length)
+    assert {id(m) for m in iter_wrapped(model)} == {id(model.get_submodule(chain.blocks[i])) for i in applied.recomputed}
+    got = _train_step(member.name, model)
+    diffs = _differences(reference, got)
+    assert not diffs, f"plan {plan} on {member.name} is not bitwise exact:\n  " + "\n  ".join(diffs[:15])
+    for key, value in got.items():  # batch norm statistics moved, once: the comparison of buffers means something
+        if key.endswith("num_batches_tracked"):
+            assert int(value) == 1, key
+    remove_plan(model)
+    assert not list(iter_wrapped(model))
+
+
+@pytest.mark.parametrize("member", [p for p in MEMBERS if p.values[0].library])
+def test_all_peaks_no_higher_than_the_library_switch(member):
+    _require(member)
+    _, _, _, chain = _setup(member.name)
+    plain = _peak(member.name, _build(member.name))
+    model = _build(member.name)
+    apply_plan(model, "all", chain)
+    ours = _peak(member.name, model)
+    model = _build(member.name)
+    assert library_checkpointing(model) is not None
+    library = _peak(member.name, model)
+    assert ours <= library, f"{member.name}: plan 'all' peaks at {ours} bytes, the library's switch at {library} (none: {plain})"
+    assert ours < plain, f"{member.name}: plan 'all' peaks at {ours} bytes, no checkpointing at {plain}"
+
+
+def test_the_comparison_sees_what_a_plan_could_get_wrong():
+    """The harness is sensitive: a recompute that moves batch norm twice, or other dropout masks, are caught."""
+    import contextlib
+
+    name = "cnn_batchnorm"
+    model = _build(name)
+    apply_plan(model, "all", _setup(name)[3], contexts=lambda call: (contextlib.nullcontext(), contextlib.nullcontext()))
+    diffs = _differences(_reference(name), _train_step(name, model))
+    assert any("num_batches_tracked" in d for d in diffs) and any("running_mean" in d for d in diffs)
+    assert not any(d.startswith(("loss", "grad:")) for d in diffs)
+
+    name = "dropout_experts"
+    other_masks = _train_step(name, _build(name), seed=FORWARD_SEED + 1)
+    assert not torch.equal(other_masks["loss"], _reference(name)["loss"])
+
+
+# --- Members with something to show of their own --------------------------------------------------
+
+
+def test_gemma2_layers_get_different_masks():
+    needs("transformers")
+    model = _build("gemma2")
+    assert set(model.config.layer_types[:2]) == {"sliding_attention", "full_attention"}
+    workload, _, batch, _ = _setup("gemma2")
+    assert model.config.sliding_window < batch["input_ids"].shape[1]
+    masks = []
+    hooks = [layer.register_forward_pre_hook(lambda m, a, k: masks.append(k.get("attention_mask")), with_kwargs=True)
+             for layer in model.model.layers]
+    with torch.no_grad():
+        workload.loss(model, batch)
+    for hook in hooks:
+        hook.remove()
+    assert isinstance(masks[0], torch.Tensor) and isinstance(masks[1], torch.Tensor)
+    assert not torch.equal(masks[0], masks[1])  # sliding window and full attention
+    assert torch.equal(masks[0], masks[2]) and torch.equal(masks[1], masks[3])
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_loss_holds_the_router_loss(name):
+    needs("transformers")
+    model = _build(name)
+    _, _, batch, _ = _setup(name)
+    out = model(**batch)
+    assert out.router_logits is not None and out.aux_loss is not None and float(out.aux_loss.detach()) > 0
+    assert not torch.equal(out.loss, model(**batch, output_router_logits=False).loss)
+
+
+def test_accelerate_hook_and_forward_hook_stay_exact_and_the_hook_comes_back():
+    _require(BY_NAME["qwen2_hooked"])
+    from accelerate.hooks import remove_hook_from_module
+
+    _, _, _, chain = _setup("qwen2_hooked")
+    index = chain.blocks.index("model.layers.1")
+    reference_model = _build("qwen2_hooked")
+    reference = _train_step("qwen2_hooked", reference_model)
+    assert len(reference_model.zoo_records) == 1 and reference_model.model.layers[1].zoo_pre_forward_calls == 1
+
+    unhooked = _build("qwen2_hooked")
+    remove_hook_from_module(unhooked.model.layers[1])
+    assert not torch.equal(_train_step("qwen2_hooked", unhooked)["loss"], reference["loss"])  # the hook does something
+
+    for plan in auto_plans(chain.length):
+        model = _build("qwen2_hooked")
+        layer = model.model.layers[1]
+        before = layer.forward
+        assert before is model.zoo_hooked_forward
+        applied = apply_plan(model, plan, chain)
+        wrapped = index in applied.recomputed
+        assert (layer.forward is not before) == wrapped
+        got = _train_step("qwen2_hooked", model)
+        assert not _differences(reference, got), plan
+        assert len(model.zoo_records) == 1, f"{plan}: the forward hook ran {len(model.zoo_records)} times"
+        assert torch.equal(model.zoo_records[0], reference_model.zoo_records[0]), plan
+        assert layer.zoo_pre_forward_calls == 1 + wrapped  # the accelerate hook is inside forward: the recompute runs it
+        remove_plan(model)
+        assert layer.forward is before and layer.__dict__["forward"] is before
+
+
+# --- The run-time check ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt2", "cnn_batchnorm", "per_layer_args"])
+def test_check_plans_finds_the_zoo_exact(name):
+    member = BY_NAME[name]
+    _require(member)
+    _, _, _, chain = _setup(name)
+    workload = Workload.from_specs(member.build).with_chain(chain)
+    plans = auto_plans(chain.length)
+    checks = check_plans(workload, plans, batch_size=member.batch_size, device="cpu")
+    assert [c.plan for c in checks] == [p for p in plans if p != "0"]
+    assert {c.plan: c.status for c in checks} == {c.plan: "exact" for c in checks}, [c.describe() for c in checks]
+
+
+class _Shared:
+    value = 1.0
+
+
+class _ReadsShared(nn.Module):
+    """Reads a value its model's loop changes between calls: no recompute can replay it."""
+
+    def __init__(self, width: int, shared: _Shared | None, counter: list[int] | None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.shared, self.counter = shared, counter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared is not None:
+            gain = self.shared.value
+        else:
+            self.counter[0] += 1
+            gain = 1 + 0.1 * self.counter[0]
+        # Inside the tanh: the tensor tanh saves for its backward pass depends on the state, so a recompute that
+        # reads the state later saves a different one (a factor outside would live in the graph, not be recomputed).
+        return x + torch.tanh(self.lin(x) * gain)
+
+
+class LoopState(nn.Module):
+    """``state="gain"``: the loop sets a gain all blocks share; ``"counter"``: every call bumps a shared count."""
+
+    def __init__(self, state: str = "gain", width: int = 8, depth: int = 4) -> None:
+        super().__init__()
+        self.shared = _Shared() if state == "gain" else None
+        self.counter = None if state == "gain" else [0]
+        self.blocks = nn.ModuleList(_ReadsShared(width, self.shared, self.counter) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.counter is not None:
+            self.counter[0] = 0
+        for i, block in enumerate(self.blocks):
+            if self.shared is not None:
+                self.shared.value = 1.0 + i
+            x = block(x)
+        return x.pow(2).mean()
+
+    def example_batch(self, batch_size: int) -> torch.Tensor:
+        return torch.randn(batch_size, 8)
+
+
+@pytest.mark.parametrize("state", ["gain", "counter"])
+def test_check_plans_refuses_a_block_reading_state_its_loop_changes(state):
+    workload = Workload.from_specs(LoopState, model_kwargs={"state": state})
+    plans = auto_plans(4)
+    checks = check_plans(workload, plans, batch_size=2, device="cpu")
+    assert [c.plan for c in checks] == [p for p in plans if p != "0"]
+    for check in checks:
+        assert check.status in ("differs", "failed"), check.describe()
+        assert not check.ok
