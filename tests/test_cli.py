@@ -174,7 +174,7 @@ def test_exports_and_plots_are_written_next_to_the_json(tmp_path, capsys):
 
 def test_show_prints_a_saved_report_again_and_exports_it(tmp_path, capsys):
     report = tmp_path / "q.json"
-    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "results", "quickstart-cpu.json"), report)
+    shutil.copy(os.path.join(os.path.dirname(__file__), "data", "quickstart-v1.json"), report)
     assert main(["show", str(report), "--export", "accelerate"]) == 0
     captured = capsys.readouterr()
     assert "recommendation: bf16, segments 0, batch size 16" in captured.out
@@ -209,7 +209,7 @@ def test_plot_without_matplotlib_is_bad_input_before_any_trial(tmp_path, capsys,
 
 def test_show_of_a_report_where_nothing_fits_still_plots_and_exits_3(tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
-    with open(os.path.join(os.path.dirname(__file__), "..", "results", "quickstart-cpu.json")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "data", "quickstart-v1.json")) as f:
         data = json.load(f)
     data["budget_bytes"] = 1000  # nothing measured fits 1000 bytes
     report = tmp_path / "none.json"

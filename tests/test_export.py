@@ -20,7 +20,8 @@ from autotune.errors import UsageError
 from autotune.export import FRAMEWORKS, export, parse_frameworks, write_exports
 from autotune.precision import INIT_LOSS_SCALE
 
-QUICKSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "quickstart-cpu.json")
+# The quick start's report from before plan names (schema version 1): exports read old reports too.
+QUICKSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quickstart-v1.json")
 HAS_GPU = torch.cuda.is_available()
 
 # (precision, segments, target batch size): the quickstart recommendation is bf16, segments 0, batch 16

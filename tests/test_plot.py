@@ -15,11 +15,12 @@ from autotune.space import Config  # noqa: E402
 from autotune.trial import Measurement  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), os.pardir, "results")
+QUICKSTART_V1 = os.path.join(os.path.dirname(__file__), "data", "quickstart-v1.json")  # a report of schema version 1
 MiB = 2**20
 
 
 def load(name):
-    return autotune.load(os.path.join(RESULTS, name))
+    return autotune.load(name if os.path.isabs(name) else os.path.join(RESULTS, name))
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def grid():
 
 @pytest.fixture(scope="module")
 def quickstart():
-    return load("quickstart-cpu.json")
+    return load(QUICKSTART_V1)
 
 
 def png_size(path):
@@ -52,7 +53,7 @@ def marker_vertices(marker):
     return style.get_path().transformed(style.get_transform()).vertices
 
 
-@pytest.mark.parametrize("name", ["quickstart-cpu.json", "grid-TinyGPT-cpu.json"])
+@pytest.mark.parametrize("name", [QUICKSTART_V1, "grid-TinyGPT-cpu.json", "example-gpt2-cpu.json"])
 def test_write_plots_writes_two_pngs_next_to_the_json(tmp_path, name):
     paths = write_plots(load(name), tmp_path / "run.json")
     assert paths == [str(tmp_path / "run.pareto.png"), str(tmp_path / "run.memory.png")]

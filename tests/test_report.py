@@ -73,7 +73,7 @@ def test_table_names_the_recommendation(report):
 
 def test_reports_of_schema_version_1_still_load_show_and_apply(tmp_path, caplog):
     """The committed quick-start report predates plan names: segments were numbers, the chain one container."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "quickstart-cpu.json")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quickstart-v1.json")
     with open(path) as f:
         assert json.load(f)["schema_version"] == 1
     old = autotune.load(path)
