@@ -47,7 +47,8 @@ from torch.utils.checkpoint import checkpoint
 from autotune.errors import AutotuneError, UsageError
 from autotune.plans import canonical, check_plan_fits, is_off, recomputed_blocks
 
-__all__ = ["Chain", "AppliedPlan", "find_chain", "order_chain", "apply_plan", "remove_plan", "plan_blocks", "restore_buffers"]
+__all__ = ["Chain", "AppliedPlan", "find_chain", "order_chain", "apply_plan", "remove_plan", "plan_blocks", "restore_buffers",
+           "iter_wrapped"]
 
 # The recompute contexts a block's checkpoint gets: a function of the block's call state returning
 # (forward context, recompute context), as torch's ``context_fn`` does.
@@ -163,8 +164,9 @@ def apply_plan(model: nn.Module, plan: str | int, chain: Chain | None = None, *,
     """Apply checkpoint plan ``plan`` (a name of :mod:`autotune.plans`) to ``model`` in place.
 
     ``chain`` defaults to :func:`find_chain` (in definition order); the tuner passes the chain
-    in forward order. ``contexts`` adds per-operation policies to the recompute (default: the
-    buffer restore alone). Returns what was done; ``0`` leaves the model unchanged.
+    in forward order. ``contexts`` makes each call's (forward, recompute) contexts (default:
+    :func:`restore_buffers`; a per-operation policy keeps its recompute context inside that one's).
+    Returns what was done; ``0`` leaves the model unchanged.
     """
     name = canonical(plan)
     if is_off(name):

@@ -1,11 +1,11 @@
 """The probing phase: the best candidates train real epochs over a slice of the user's data.
 
-Short trials run a few steps on one fixed batch. Real training meets batches whose shapes vary
-(variable sequence lengths, the last partial batch), AMP overflows that appear after some steps,
-and losses that go NaN. So the top candidates of the Pareto front each train ``epochs`` epochs
-over a random ``fraction`` of the dataset through a real ``DataLoader`` (the user's
-``collate_fn``), and the recommendation is taken from what they did there: the fastest candidate
-that was not rejected, judged by its worst-case peak.
+Short trials measure memory on the worst batch the data can make and time a few random batches.
+Real training also meets AMP overflows that appear after some steps and losses that go NaN. So
+the top candidates of the Pareto front each train ``epochs`` epochs over a random ``fraction`` of
+the dataset through a real ``DataLoader`` (the user's ``collate_fn``) and then one step on the
+data's worst batch of their size, and the recommendation is taken from what they did
+there: the fastest candidate that was not rejected, judged by its worst-case peak.
 
 A candidate is rejected when it runs out of memory, produces a non-finite loss, skips more than
 ``max_skipped_share`` of its steps (fp16 overflow), its loss scale collapses below 1, or its
@@ -62,7 +62,8 @@ class ProbeResult:
     reason: str | None = None  # why it was rejected
     steps: int = 0
     samples: int = 0
-    peak_bytes_max: int | None = None  # the worst step's peak (what the budget is judged by)
+    peak_bytes_max: int | None = None  # the worst step's peak, the worst batch's included (what the budget is judged by)
+    worst_batch_peak_bytes: int | None = None  # the step on the data's worst batch of this size
     peak_bytes_median: int | None = None
     trial_peak_bytes: int | None = None  # the short trial's peak, for comparison
     step_s_median: float | None = None
@@ -135,6 +136,7 @@ def run_probe(
     step_peaks: list[int] = []
     step_times: list[float] = []
     samples = 0
+    worst_peak = None
     reason = None
     try:
         with meter.measure(deadline=deadline) as handle:
@@ -144,6 +146,11 @@ def run_probe(
                 step_times.append(trainer.timed_step(batch))
                 step_peaks.append(handle.peak_bytes())
                 samples += _batch_len(batch)
+            # Then the worst batch the data can make at this size (its largest items), with the optimizer's state.
+            handle.reset_peak()
+            trainer.step(to_device(workload.make_batch(trainer.model, config.batch_size), device))
+            worst_peak = handle.peak_bytes()
+            step_peaks.append(worst_peak)
         if meter.slows_steps:  # time the same batches again, unmetered, on a fresh model
             timer = Trainer(workload, config, device, lr=lr, seed=settings.seed, guard=guard)
             timer.build()
@@ -162,6 +169,7 @@ def run_probe(
         release_memory(device)
 
     losses, scales = trainer.losses, trainer.scales
+    epoch = losses[:-1] if worst_peak is not None else losses  # the epoch's losses, without the worst batch's step
     nonfinite = sum(not math.isfinite(v) for v in losses)
     peak_max = max(step_peaks) if step_peaks else None
     loss_scale = None
@@ -185,16 +193,17 @@ def run_probe(
         config=config,
         accepted=reason is None,
         reason=reason,
-        steps=len(losses),
+        steps=len(epoch),
         samples=samples,
         peak_bytes_max=peak_max,
+        worst_batch_peak_bytes=worst_peak,
         peak_bytes_median=int(statistics.median(step_peaks)) if step_peaks else None,
         trial_peak_bytes=trial.peak_bytes,
         step_s_median=step_median,
         step_s_p90=_quantile(step_times, 0.9),
         samples_per_s=samples / sum(step_times) if step_times and reason is None else None,
-        loss_start=losses[0] if losses else None,
-        loss_end=losses[-1] if losses else None,
+        loss_start=epoch[0] if epoch else None,
+        loss_end=epoch[-1] if epoch else None,
         nonfinite_losses=nonfinite,
         loss_scale=loss_scale,
         grad_norm={"median": statistics.median(finite_norms), "max": max(finite_norms)} if finite_norms else None,

@@ -112,6 +112,7 @@ class Report:
     budgets: tuple[int, ...] = ()  # more budgets to recommend for, from the same trials (--budgets)
     library_checkpointing: dict[str, Any] | None = None  # the library's own per-layer checkpointing, measured beside ours
     plan_checks: tuple[PlanCheck, ...] = ()  # each plan's step compared with the plan-free step, before the search
+    data: dict[str, Any] | None = None  # with --data: the item sizes, how they were found, which batches were used
 
     @property
     def memory_model(self) -> MemoryModel:
@@ -185,6 +186,7 @@ class Report:
             "budgets": [self.for_budget(b) for b in self.budgets],
             "library_checkpointing": self.library_checkpointing,
             "plan_checks": [c.to_dict() for c in self.plan_checks],
+            "data": self.data,
             "notices": list(self.notices),
         }
 
@@ -238,6 +240,7 @@ class Report:
             budgets=tuple(b["budget_bytes"] for b in data.get("budgets", ())),
             library_checkpointing=data.get("library_checkpointing"),
             plan_checks=tuple(PlanCheck.from_dict(c) for c in data.get("plan_checks", ())),
+            data=data.get("data"),
         )
 
     def to_dataframe(self):
@@ -274,11 +277,20 @@ class Report:
             for row in self.limits
         ))
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
+        if self.data:
+            d = self.data
+            read = "every item" if d["method"] == "exhaustive" else (
+                "its lengths attribute" if d["method"] == "lengths" else f"a random sample of {d['read']}")
+            lines.append(f"data: {d['items']} items (sizes from {read}): p50 {d['p50']}, p90 {d['p90']}, max {d['max']} "
+                         f"({d['size_unit']}); memory measured on the worst batch of each size, steps timed on random "
+                         f"batches")
         for r in self.probe or ():
             verdict = "accepted" if r.accepted else f"rejected: {r.reason}"
             speed = f", {r.samples_per_s:.1f} samples/s" if r.samples_per_s else ""
+            worst = (f", worst batch {format_bytes(r.worst_batch_peak_bytes)}" if r.worst_batch_peak_bytes is not None
+                     else "")
             lines.append(f"probe {r.config}: {r.steps} steps, worst-case peak {format_bytes(r.peak_bytes_max)} "
-                         f"(trial {format_bytes(r.trial_peak_bytes)}){speed}; {verdict}")
+                         f"(trial {format_bytes(r.trial_peak_bytes)}{worst}){speed}; {verdict}")
         if rec is None and self.probe:
             lines.append("recommendation: none: every probed candidate was rejected")
         elif rec is None:

@@ -15,6 +15,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from autotune._log import logger
+from autotune.data import real_tokens
 from autotune.checkpointing import apply_plan
 from autotune.errors import TrialTimeoutError, UsageError, first_line, is_oom
 from autotune.meters import Meter
@@ -65,6 +66,8 @@ class Measurement:
     step_s: float | None = None  # median of the measured steps
     step_times_s: tuple[float, ...] = ()
     samples_per_s: float | None = None
+    step_s_spread: float | None = None  # (slowest - fastest) / median of the timed steps, on their different batches
+    tokens_per_s: float | None = None  # real tokens (attention_mask, or labels not -100) over the timed steps' time
     loss_first: float | None = None
     loss_final: float | None = None
     nonfinite_losses: int = 0
@@ -244,23 +247,28 @@ class Trainer:
 
 
 class _Run(Trainer):
-    """A trial: the trainer, its fixed batch and its timed steps."""
+    """A trial: the trainer, its worst batch (memory) and its random batches (timed steps)."""
 
     def __init__(self, workload: Workload, config: Config, device: torch.device, settings: TrialSettings) -> None:
         super().__init__(workload, config, device, lr=settings.lr, seed=settings.seed, guard=settings.guard)
         self.settings = settings
         self.step_times: list[float] = []
+        self.tokens: list[int | None] = []  # real tokens of each timed step's batch
 
     def build(self) -> None:
         super().build()
         self.batch = to_device(self.workload.make_batch(self.model, self.config.batch_size), self.device)
 
     def timed_steps(self, deadline: float | None) -> None:
-        for _ in range(self.settings.measure_steps):
+        """Time steps on random batches of the data (the same draws for every configuration of this batch size)."""
+        for draw in range(self.settings.measure_steps):
             projected = self.step_times[-1] if self.step_times else 0.0
             if deadline is not None and time.monotonic() + projected > deadline:
                 raise TrialTimeoutError(f"the trial would run past its {self.settings.timeout_s:g} s limit (--trial-timeout)")
-            self.step_times.append(self.timed_step(self.batch))
+            batch = self.batch if self.workload.dataset is None else to_device(
+                self.workload.sample_batch(self.model, self.config.batch_size, draw, seed=self.seed), self.device)
+            self.tokens.append(real_tokens(batch))
+            self.step_times.append(self.timed_step(batch))
             self._log_step("timed", self.step_times[-1])
 
     def _log_step(self, kind: str, seconds: float | None = None) -> None:
@@ -313,6 +321,7 @@ def run_trial(
             status, error = "failed", f"{type(exc).__name__}: {first_line(exc)}"
     finally:
         plan, losses, scales, skipped, step_times = run.plan, run.losses, run.scales, run.skipped, run.step_times
+        tokens = run.tokens
         del run  # model, optimizer, batch and activations go with it
         release_memory(device)
     reading = handle.reading if handle is not None else None
@@ -328,6 +337,9 @@ def run_trial(
         step_s=step_s,
         step_times_s=tuple(step_times),
         samples_per_s=config.batch_size / step_s if step_s and status == "ok" else None,
+        step_s_spread=(max(step_times) - min(step_times)) / step_s if step_s and len(step_times) > 1 else None,
+        tokens_per_s=(sum(tokens) / sum(step_times) if status == "ok" and tokens and None not in tokens
+                      and sum(step_times) > 0 else None),
         loss_first=losses[0] if losses else None,
         loss_final=losses[-1] if losses else None,
         nonfinite_losses=sum(not math.isfinite(v) for v in losses),

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import gc
 import math
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from autotune._log import logger, notice_once
 from autotune.checkpointing import Chain, find_chain, order_chain
+from autotune.data import scan_items, worst_indices
 from autotune.errors import Interrupted, UsageError, first_line
 from autotune.meters import make_meter
 from autotune.precision import default_precisions, supported_precisions
@@ -157,12 +159,23 @@ def tune(
             f"--data has {len(workload.dataset)} items, fewer than the batch sizes {','.join(map(str, too_big))}: "
             f"pass --batch-sizes up to {len(workload.dataset)}, or more data"
         )
+    data_profile = None
+    if workload.dataset is not None:  # the worst batch of every size, found once for every trial
+        items = scan_items(workload.dataset)
+        workload = workload.with_worst_batches({b: worst_indices(items, b) for b in batch_list})
+        data_profile = {**items.to_dict(), "memory_batch": "the worst batch of each size",
+                        "timed_batches": "random draws from the whole dataset"}
     info = _preflight(workload, dev, budget_bytes, min(batch_list), guard)
     strategy_obj = make_strategy(strategy, headroom=headroom, budgets=(budget_bytes, *extra_budgets) if enforced else (),
                                  fixed_bytes_hint=4 * info["parameter_bytes"], n_trials=n_trials)
     chain: Chain | None = info["chain"]
     workload = workload.with_chain(chain)  # plans count in the blocks' forward order, in workers too
-    notices: list[str] = []
+    notices: list[str] = list(workload.notes)
+    if workload.dataset is None:
+        notices.append("no --data: the limits hold for the shapes of the model's example_batch; pass --data for limits "
+                       "that hold over your dataset's batches")
+    for notice in notices:
+        logger.warning(notice)
 
     precision_list = _as_list(precisions, parse_precisions) or tuple(default_precisions(dev))
     supported = supported_precisions(dev)
@@ -242,6 +255,7 @@ def tune(
         trials=result.measurements,
         notices=tuple(notices),
         plan_checks=tuple(checks),
+        data=data_profile,
         guard=guard,
         target_batch_size=target_batch_size,
         budgets=tuple(sorted(extra_budgets)),
@@ -394,8 +408,11 @@ def _checked_plans(workload: Workload, plans: Sequence[str], dev: torch.device, 
         return [PlanCheck.from_dict(c) for c in stored]
     logger.info("checking %d checkpoint plan(s) on %s: one step with and without each, batch %d, fp32",
                 len(to_check), workload.name, batch_size)
+    started = time.monotonic()
     checks = run_checks(workload, to_check, batch_size=batch_size, device=dev, seed=settings.seed, guard=settings.guard,
                         isolation=isolation, timeout_s=settings.timeout_s)
+    logger.info("checked in %.1f s: %s", time.monotonic() - started,
+                ", ".join(f"{c.plan} {c.status}" for c in checks))
     store_plan_checks(study_name, storage, workload_key=workload_key, key=key, checks=[c.to_dict() for c in checks])
     return checks
 

@@ -25,15 +25,16 @@ import inspect
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler, default_collate
 
 from autotune.checkpointing import Chain
+from autotune.data import random_indices, scan_items, worst_indices
 from autotune.errors import AutotuneError, UsageError, is_oom
 
 __all__ = ["Workload", "load_object", "to_device", "parse_model_kwargs"]
@@ -72,6 +73,10 @@ class Workload:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     collate_fn: Callable[[list], Any] | None = None  # the user's, when --data gives a DataLoader
     chain: Chain | None = None  # the repeated blocks plans count in, in forward order (the tuner's preflight finds it)
+    # Per batch size, the dataset indices of the worst batch (autotune.data); found on first use when not given.
+    worst_batches: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    notes: tuple[str, ...] = ()  # what the data's form means for the limits (a loader's own sampler, say)
+    _found: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)  # worst batches found here
     # The from_specs() arguments, so that a worker process can build the same workload again.
     spec: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -85,6 +90,7 @@ class Workload:
         loss: str | Callable | None = None,
         library_checkpointing: bool = False,
         chain: Chain | dict | None = None,
+        worst_batches: Mapping[int, Sequence[int]] | None = None,
     ) -> "Workload":
         """Build a workload from ``MODULE:ATTR`` strings (the CLI's flags) or the objects themselves.
 
@@ -105,10 +111,15 @@ class Workload:
         else:
             data_obj = data
         dataset = collate_fn = None
+        notes: tuple[str, ...] = ()
         if data_obj is not None:
             dataset = data_obj if isinstance(data_obj, (Dataset, DataLoader)) else _call(data_obj, "--data", data)
             if isinstance(dataset, DataLoader):  # a loader brings its collate_fn (padding, say)
+                notes = _loader_notes(dataset)
                 dataset, collate_fn = dataset.dataset, dataset.collate_fn
+            if isinstance(dataset, IterableDataset):
+                raise UsageError(f"--data {data!r} is an IterableDataset: autotune needs a map-style Dataset (with "
+                                 f"__getitem__ and __len__) to find the worst batch and draw random ones")
             if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
                 raise UsageError(f"--data {data!r} gave a {type(dataset).__name__}, not a map-style Dataset (with __getitem__ and __len__)")
             if len(dataset) == 0:
@@ -125,12 +136,21 @@ class Workload:
             chain = Chain.from_dict(chain)
         if chain is not None:
             spec["chain"] = chain.to_dict()
-        return cls(factory, name, dataset, loss_fn, collate_fn, chain, spec)
+        worst = {int(b): tuple(v) for b, v in (worst_batches or {}).items()}
+        if worst:
+            spec["worst_batches"] = worst
+        return cls(factory, name, dataset, loss_fn, collate_fn, chain, worst, notes, spec)
 
     def with_chain(self, chain: Chain | None) -> "Workload":
         """The same workload, with plans counting in ``chain`` (in worker processes too)."""
         spec = None if self.spec is None else {**self.spec, "chain": None if chain is None else chain.to_dict()}
         return dataclasses.replace(self, chain=chain, spec=spec)
+
+    def with_worst_batches(self, worst: Mapping[int, Sequence[int]]) -> "Workload":
+        """The same workload, with the worst batch of each size given (in worker processes too)."""
+        worst = {int(b): tuple(v) for b, v in worst.items()}
+        spec = None if self.spec is None else {**self.spec, "worst_batches": worst}
+        return dataclasses.replace(self, worst_batches=worst, spec=spec)
 
     def build_model(self) -> nn.Module:
         """Return a freshly built model (on the CPU, in training mode)."""
@@ -140,12 +160,42 @@ class Workload:
         return model.train()
 
     def make_batch(self, model: nn.Module, batch_size: int) -> Any:
-        """Return one batch of ``batch_size`` samples (on the CPU)."""
-        if self.dataset is not None:
-            n = len(self.dataset)
-            if batch_size > n:
-                raise UsageError(f"--data has {n} items, fewer than the batch size {batch_size}: use smaller --batch-sizes")
-            return (self.collate_fn or default_collate)([self.dataset[i] for i in range(batch_size)])
+        """Return the batch of ``batch_size`` samples that memory is measured on (on the CPU).
+
+        With a dataset: the worst batch of that size (:func:`autotune.data.worst_indices`), the
+        largest the data can make; without one, the model's ``example_batch(batch_size)``.
+        """
+        if self.dataset is None:
+            return self._example_batch(model, batch_size)
+        self._check_size(batch_size)
+        indices = self.worst_batches.get(batch_size)
+        if indices is None:  # not found by the tuner: find it now, once per size
+            if "items" not in self._found:
+                self._found["items"] = scan_items(self.dataset)
+            indices = self._found.setdefault(batch_size, tuple(worst_indices(self._found["items"], batch_size)))
+        return self.collate([self.dataset[i] for i in indices])
+
+    def sample_batch(self, model: nn.Module, batch_size: int, draw: int, *, seed: int = 0) -> Any:
+        """Return the ``draw``-th random batch of ``batch_size`` samples, the same for every configuration.
+
+        Steps are timed on these: representative of an epoch. Without a dataset, the example batch.
+        """
+        if self.dataset is None:
+            return self._example_batch(model, batch_size)
+        self._check_size(batch_size)
+        return self.collate([self.dataset[i] for i in random_indices(len(self.dataset), batch_size, draw, seed=seed)])
+
+    def collate(self, items: list) -> Any:
+        """Collate items as the user's loader does (its ``collate_fn``, else ``default_collate``)."""
+        return (self.collate_fn or default_collate)(items)
+
+    def _check_size(self, batch_size: int) -> None:
+        n = len(self.dataset)
+        if batch_size > n:
+            raise UsageError(f"--data has {n} items, fewer than the batch size {batch_size}: use smaller --batch-sizes")
+
+    @staticmethod
+    def _example_batch(model: nn.Module, batch_size: int) -> Any:
         example_batch = getattr(model, "example_batch", None)
         if not callable(example_batch):
             raise UsageError(
@@ -191,6 +241,22 @@ class Workload:
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             raise UsageError(f"the loss is a {type(loss).__name__} of shape {getattr(loss, 'shape', '?')}, not a scalar tensor")
         return loss
+
+
+def _loader_notes(loader: DataLoader) -> tuple[str, ...]:
+    """What a loader's own sampler means for the limits: trials and the probe draw fixed batches of b items."""
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return (f"the loader's batch_sampler ({type(batch_sampler).__name__}) is not used: trials draw batches of b items "
+                f"from the whole dataset and measure memory on the worst of them, so a limit holds for any batch of at most "
+                f"b items, however the sampler groups them (bucketing only makes batches smaller); batches of more than b "
+                f"items, or sized by a token budget, are not covered: tune with --batch-sizes up to its largest batch",)
+    sampler = loader.sampler
+    if type(sampler) not in (RandomSampler, SequentialSampler):
+        return (f"the loader's sampler ({type(sampler).__name__}) is not used: trials draw batches of b items from the "
+                f"whole dataset; the worst batch bounds any batch of b items it can make, and samples/s is measured on "
+                f"random batches, not on its groups",)
+    return ()
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -231,3 +231,61 @@ class LoopState(nn.Module):
 
     def example_batch(self, batch_size):
         return torch.randn(batch_size, 8, generator=torch.Generator().manual_seed(batch_size))
+
+
+class _Images(torch.utils.data.Dataset):
+    """Images whose height and width vary independently: the tallest and the widest are different items."""
+
+    def __init__(self):
+        self.sizes = [(8, 8)] * 20 + [(24, 8), (8, 20)]
+
+    def __len__(self):
+        return len(self.sizes)
+
+    def __getitem__(self, i):
+        h, w = self.sizes[i]
+        return torch.zeros(3, h, w), torch.tensor(i % 2)
+
+
+def varied_images():
+    return _Images()
+
+
+def pad_images(items):
+    h = max(x.shape[1] for x, _ in items)
+    w = max(x.shape[2] for x, _ in items)
+    images = torch.zeros(len(items), 3, h, w)
+    for k, (x, _) in enumerate(items):
+        images[k, :, : x.shape[1], : x.shape[2]] = x
+    return images, torch.stack([y for _, y in items])
+
+
+class _WithLengths(torch.utils.data.Dataset):
+    def __init__(self):
+        self.lengths = [3, 9, 4, 7]
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise AssertionError("the lengths attribute says the sizes: no item is read")
+
+
+def bucketed_loader():
+    """A loader with its own batch sampler (length buckets, as many text pipelines use)."""
+    from autotune.examples import variable_token_loader
+
+    loader = variable_token_loader(size=320, block_size=64, vocab_size=64)
+    lengths = [len(loader.dataset[i]["idx"]) for i in range(len(loader.dataset))]
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    buckets = [order[i:i + 8] for i in range(0, len(order), 8)]
+    return torch.utils.data.DataLoader(loader.dataset, batch_sampler=buckets, collate_fn=loader.collate_fn)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield {"idx": torch.zeros(4, dtype=torch.long), "targets": torch.zeros(4, dtype=torch.long)}
+
+
+def stream():
+    return _Stream()

@@ -45,19 +45,21 @@ def test_probe_trains_an_epoch_over_a_tenth_of_the_data_and_plans_the_target_bat
     assert back.recommendation == report.recommendation and back.plan == report.plan
 
 
-def test_variable_lengths_raise_the_probe_peak_and_change_the_recommendation(tmp_path):
-    # The first items (the trials' batch) are short; one in twenty sequences is four times longer.
+def test_variable_lengths_do_not_surprise_the_probe(tmp_path):
+    # The first items are short; one in twenty sequences is four times longer. Trials measure memory on the worst
+    # batch the data can make, so no batch of the probe's epoch goes above it (autotune 0.1 measured the first
+    # items and its favourite here ran out of the budget in the probe).
     report = tune(tmp_path, data="tests.models:tiny_variable_loader", budget="16MiB", batch_sizes="4..32", probe_top=4)
     searched = autotune.pareto.recommend(report.trials, report.budget_bytes, report.headroom)
     by_config = {r.config: r for r in report.probe}
     for r in report.probe:
-        assert r.peak_bytes_max > 1.5 * r.trial_peak_bytes
-    assert not by_config[searched.config].accepted  # the short trials' favourite does not survive real batches
+        assert r.worst_batch_peak_bytes is not None and r.worst_batch_peak_bytes <= r.peak_bytes_max
+        assert r.peak_bytes_max <= 1.01 * r.trial_peak_bytes  # the probe also computes gradient norms: a few KiB
+    assert by_config[searched.config].accepted
     rec = report.recommendation
-    assert rec is not None and rec.config != searched.config
-    assert by_config[rec.config].accepted
+    assert rec is not None and by_config[rec.config].accepted
     assert by_config[rec.config].peak_bytes_max <= report.budget_bytes * (1 - report.headroom)
-    assert "worst-case peak in the probe" in report.table()
+    assert "worst-case peak in the probe" in report.table() and "data: 640 items" in report.table()
 
 
 def _trial(workload, config, budget=None):
@@ -68,7 +70,8 @@ def _trial(workload, config, budget=None):
 
 def test_probe_rejects_an_oom():
     w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY, data="tests.models:tiny_variable_loader")
-    trial = _trial(w, Config("fp32", "0", 32), budget=8 * 2**20)
+    first = w.with_worst_batches({32: range(32)})  # a trial on the first, short items, as autotune 0.1 measured
+    trial = _trial(first, Config("fp32", "0", 32), budget=8 * 2**20)
     r = run_probe(w, trial, device=torch.device("cpu"), meter=TensorMeter(budget_bytes=8 * 2**20), budget_bytes=8 * 2**20,
                   headroom=0.1)
     assert not r.accepted and r.reason.startswith("oom:") and r.peak_bytes_max > 8 * 2**20
@@ -78,8 +81,9 @@ def test_probe_rejects_a_non_finite_loss():
     w = Workload.from_specs("tests.models:NanAfterThreeSteps", data="tests.models:pairs")
     r = run_probe(w, _trial(w, Config("fp32", "0", 4)), device=torch.device("cpu"), meter=TensorMeter(), budget_bytes=None,
                   headroom=0.1)
-    assert not r.accepted and "non-finite loss in 7 of 10 steps" == r.reason
-    assert r.nonfinite_losses == 7 and math.isfinite(r.loss_start) and math.isnan(r.loss_end)
+    # 10 steps of the epoch, then the worst batch's: its loss counts too
+    assert not r.accepted and "non-finite loss in 8 of 11 steps" == r.reason and r.steps == 10
+    assert r.nonfinite_losses == 8 and math.isfinite(r.loss_start) and math.isnan(r.loss_end)
     assert r.to_dict()["loss_end"] == "nan"
 
 
