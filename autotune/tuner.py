@@ -171,11 +171,12 @@ def tune(
     chain: Chain | None = info["chain"]
     workload = workload.with_chain(chain)  # plans count in the blocks' forward order, in workers too
     notices: list[str] = list(workload.notes)
-    if workload.dataset is None:
-        notices.append("no --data: the limits hold for the shapes of the model's example_batch; pass --data for limits "
-                       "that hold over your dataset's batches")
     for notice in notices:
         logger.warning(notice)
+    if workload.dataset is None:  # said once, as information (--quiet keeps it to the JSON)
+        notices.append("no --data: the limits hold for the shapes of the model's example_batch; pass --data for limits "
+                       "that hold over your dataset's batches")
+        logger.info(notices[-1])
 
     precision_list = _as_list(precisions, parse_precisions) or tuple(default_precisions(dev))
     supported = supported_precisions(dev)

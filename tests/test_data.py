@@ -101,7 +101,7 @@ def test_every_reported_limit_holds_for_a_whole_shuffled_epoch(tmp_path):
 
 
 def test_without_data_the_limits_say_they_hold_for_the_example_batch(tmp_path, caplog):
-    with caplog.at_level("WARNING", logger="autotune"):
+    with caplog.at_level("INFO", logger="autotune"):
         report = autotune.tune("autotune.examples:TinyGPT", model_kwargs=TINY, device="cpu", budget="64MiB",
                                precisions="fp32", segments="0", batch_sizes="2", measure_steps=1,
                                storage=f"sqlite:///{tmp_path}/n.db", study="n")

@@ -71,7 +71,7 @@ def test_pareto_figure_marks_the_front_budget_and_recommendation(grid):
     ring = by_gid(ax, "recommendation")["recommendation"]
     np.testing.assert_allclose(ring.get_offsets(), [[rec.peak_bytes / MiB, rec.samples_per_s]])
     label, = [t for t in ax.texts if t.get_text().startswith(f"{rec.precision}, seg")]
-    assert label.get_text().splitlines()[0] == "bf16, seg 0, batch 64"
+    assert label.get_text().splitlines()[0] == f"{rec.precision}, seg {rec.segments}, batch {rec.batch_size}"
 
     assert by_gid(ax, "budget")["budget"].get_xdata()[0] == pytest.approx(grid.budget_bytes / MiB)
     assert by_gid(ax, "headroom")["headroom"].get_xdata()[0] == pytest.approx(grid.budget_bytes * 0.9 / MiB)
@@ -101,9 +101,9 @@ def test_memory_figure_has_a_panel_per_precision_and_a_line_per_plan(grid):
         p = ax.get_title()
         assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
         assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "8", "16", "32", "64", "128", "256"]
-        plans = sorted((s for q, s in model.plans if q == p), key=int)
+        plans = sorted(s for q, s in model.plans if q == p)
         fits = by_gid(ax, "fit:")
-        assert sorted((g.split(":")[2] for g in fits), key=int) == plans == ["0", "2", "3", "4", "8", "12"]
+        assert sorted(g.split(":")[2] for g in fits) == plans == sorted(["0", "every4", "2", "4", "8", "all"])
         for s in plans:
             fit, measured = fits[f"fit:{p}:{s}"], by_gid(ax, f"measured:{p}:{s}")[f"measured:{p}:{s}"]
             assert fit.get_linestyle() == "--" and fit.get_color() == measured.get_color()
@@ -122,7 +122,7 @@ def test_memory_figure_has_a_panel_per_precision_and_a_line_per_plan(grid):
     # One colour per segment count, the same in both panels.
     assert all(len(c) == 1 for c in colors.values()) and len({c.pop() for c in colors.values()}) == len(colors)
     ring = by_gid(fig.axes[1], "recommendation")["recommendation"]
-    np.testing.assert_allclose(ring.get_offsets(), [[64, grid.recommendation.peak_bytes / MiB]])
+    np.testing.assert_allclose(ring.get_offsets(), [[grid.recommendation.batch_size, grid.recommendation.peak_bytes / MiB]])
 
 
 def test_one_point_plans_get_their_shared_intercept_line_over_the_search(quickstart):
