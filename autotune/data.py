@@ -45,11 +45,6 @@ class ItemSizes:
             return ordered[min(len(ordered) - 1, max(0, math.ceil(p * len(ordered)) - 1))]
         return {"p50": q(0.5), "p90": q(0.9), "max": ordered[-1]}
 
-    @property
-    def varies(self) -> bool:
-        """Whether items differ in size (else every batch of b items has the same shapes)."""
-        return len(set(self.sizes)) > 1 or len(set(self.shapes)) > 1
-
     def to_dict(self) -> dict[str, Any]:
         return {"items": self.n_items, "read": len(self.indices), "method": self.method,
                 "size_unit": "length" if self.method == "lengths" else "elements of the item's largest tensor",

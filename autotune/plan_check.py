@@ -31,7 +31,6 @@ from autotune.workload import Workload, to_device
 __all__ = ["PlanCheck", "NOISE_MULTIPLE", "check_plans", "run_checks", "compare_steps"]
 
 NOISE_MULTIPLE = 8.0  # a plan may differ by this many times the plan-free step's own run-to-run noise
-STATUSES = ("exact", "within_noise", "differs", "failed")
 
 
 @dataclasses.dataclass(frozen=True)

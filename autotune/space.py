@@ -6,7 +6,7 @@ import dataclasses
 import re
 
 from autotune.errors import UsageError
-from autotune.plans import canonical, parse_plans, plan_order, recompute_fraction
+from autotune.plans import canonical, parse_plans, plan_order
 from autotune.precision import PRECISIONS
 
 __all__ = ["Config", "SearchSpace", "parse_batch_sizes", "parse_segments", "parse_precisions"]
@@ -46,10 +46,6 @@ class SearchSpace:
         for name, values in (("precisions", self.precisions), ("segments", self.segments), ("batch sizes", self.batch_sizes)):
             if not values:
                 raise UsageError(f"the search space is empty: no {name} to try")
-
-    def recompute_fraction(self, plan: str) -> float:
-        """The share of the model's blocks ``plan`` recomputes."""
-        return recompute_fraction(plan, self.blocks)
 
     def ordered_plans(self) -> list[str]:
         """The space's plans from the least recompute to the most."""
