@@ -7,64 +7,84 @@ from Python::
     report = autotune.tune("autotune.examples:TinyGPT", device="cpu", budget="1GiB")
     report.recommendation, report.pareto, report.to_dataframe(), report.to_json("out.json")
     run = autotune.apply(model, report)  # checkpoint plan, autocast, GradScaler, accumulation
+
+The records and the report (``load``, ``Report``, ``Measurement``, ``Config``, ...) import without
+torch; the names that train (``tune``, ``apply``, ``run_trial``, meters, checkpointing) load torch
+the first time they are used (PEP 562).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from autotune.errors import AutotuneError, Interrupted, TrialTimeoutError, UsageError, is_oom
+from autotune.records import (
+    Config,
+    GuardRails,
+    Measurement,
+    PlanCheck,
+    ProbeResult,
+    ProbeSettings,
+    TrialSettings,
+    accumulation_plan,
+)
+from autotune.report import Report, load
+from autotune.space import SearchSpace
+from autotune.units import format_bytes, parse_size
 
 __version__ = "0.1.0"
 
-from autotune.apply import Applied, accumulation_plan, apply
-from autotune.checkpointing import AppliedPlan, Chain, apply_plan, find_chain, remove_plan
-from autotune.plan_check import PlanCheck, check_plans
-from autotune.errors import (
-    AutotuneError,
-    BudgetExceededError,
-    Interrupted,
-    TrialTimeoutError,
-    UsageError,
-    is_oom,
-)
-from autotune.meters import MemoryReading, Meter, TensorMeter, make_meter
-from autotune.report import Report, load
-from autotune.space import Config, SearchSpace
-from autotune.probe import ProbeResult, ProbeSettings
-from autotune.trial import GuardRails, Measurement, TrialSettings, run_trial
-from autotune.tuner import tune
-from autotune.units import format_bytes, parse_size
-from autotune.workload import Workload
+# Names whose modules import torch: loaded on first use.
+_LAZY = {
+    "tune": "autotune.tuner",
+    "Options": "autotune.options",
+    "apply": "autotune.applied",
+    "Applied": "autotune.applied",
+    "run_trial": "autotune.trial",
+    "Workload": "autotune.workload",
+    "Meter": "autotune.meters",
+    "TensorMeter": "autotune.meters",
+    "MemoryReading": "autotune.meters",
+    "make_meter": "autotune.meters",
+    "Chain": "autotune.checkpointing",
+    "AppliedPlan": "autotune.checkpointing",
+    "find_chain": "autotune.checkpointing",
+    "apply_plan": "autotune.checkpointing",
+    "remove_plan": "autotune.checkpointing",
+    "check_plans": "autotune.plan_check",
+    "BudgetExceededError": "autotune.oom",
+}
+
+if TYPE_CHECKING:
+    from autotune.applied import Applied, apply
+    from autotune.checkpointing import AppliedPlan, Chain, apply_plan, find_chain, remove_plan
+    from autotune.meters import MemoryReading, Meter, TensorMeter, make_meter
+    from autotune.oom import BudgetExceededError
+    from autotune.options import Options
+    from autotune.plan_check import check_plans
+    from autotune.trial import run_trial
+    from autotune.tuner import tune
+    from autotune.workload import Workload
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autotune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
-    "__version__",
-    "tune",
-    "apply",
-    "Applied",
-    "accumulation_plan",
-    "Report",
-    "load",
-    "Measurement",
-    "Config",
-    "SearchSpace",
-    "TrialSettings",
-    "GuardRails",
-    "ProbeSettings",
-    "ProbeResult",
-    "run_trial",
-    "Workload",
-    "Meter",
-    "TensorMeter",
-    "MemoryReading",
-    "make_meter",
-    "Chain",
-    "AppliedPlan",
-    "find_chain",
-    "apply_plan",
-    "remove_plan",
-    "PlanCheck",
-    "check_plans",
-    "AutotuneError",
-    "UsageError",
-    "Interrupted",
-    "BudgetExceededError",
-    "TrialTimeoutError",
-    "is_oom",
-    "parse_size",
-    "format_bytes",
+    "__version__", "tune", "Options", "apply", "Applied", "accumulation_plan", "Report", "load", "Measurement", "Config",
+    "SearchSpace", "TrialSettings", "GuardRails", "ProbeSettings", "ProbeResult", "run_trial", "Workload", "Meter",
+    "TensorMeter", "MemoryReading", "make_meter", "Chain", "AppliedPlan", "find_chain", "apply_plan", "remove_plan",
+    "PlanCheck", "check_plans", "AutotuneError", "UsageError", "Interrupted", "BudgetExceededError", "TrialTimeoutError",
+    "is_oom", "parse_size", "format_bytes",
 ]

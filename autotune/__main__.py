@@ -10,9 +10,12 @@ import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from autotune.errors import AutotuneError, UsageError, first_line
+
+if TYPE_CHECKING:
+    from autotune.options import Options
 
 __all__ = ["main", "build_parser"]
 
@@ -112,6 +115,22 @@ def build_show_parser() -> argparse.ArgumentParser:
     return p
 
 
+def options_from(args: argparse.Namespace) -> "Options":
+    """The :class:`~autotune.options.Options` the flags say: the same object ``autotune.tune`` builds."""
+    from autotune.options import Options
+
+    return Options(
+        model=args.model, model_kwargs=args.model_kwargs, data=args.data, loss=args.loss, device=args.device,
+        budget=args.budget, headroom=args.headroom, precisions=args.precisions, segments=args.segments,
+        batch_sizes=args.batch_sizes, strategy=args.strategy, n_trials=args.n_trials, budgets=args.budgets,
+        warmup_steps=args.warmup_steps, measure_steps=args.measure_steps, trial_timeout=args.trial_timeout,
+        storage=args.storage, study=args.study, isolation=args.isolation, probe=not args.no_probe,
+        probe_top=args.probe_top, probe_epochs=args.probe_epochs, probe_fraction=args.probe_fraction,
+        num_workers=args.num_workers, target_batch_size=args.target_batch_size, clip_grad_norm=args.clip_grad_norm,
+        fp32_modules=args.fp32_modules, compare_library=not args.no_library_compare,
+    )
+
+
 def _outputs(args: argparse.Namespace) -> tuple[tuple[str, ...], bool]:
     """Check --export and --plot before any work: unknown frameworks or a missing matplotlib are bad input."""
     frameworks: tuple[str, ...] = ()
@@ -190,22 +209,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import autotune
     from autotune.progress import Progress
+    from autotune.tuner import run
 
     progress = Progress(quiet=args.quiet)
     try:
         frameworks, plot = _outputs(args)
         _check_writable(args.out or os.path.join("results", "report.json"), create_folder=not args.out)
-        report = autotune.tune(
-            args.model, model_kwargs=args.model_kwargs, data=args.data, loss=args.loss, device=args.device,
-            budget=args.budget, headroom=args.headroom, precisions=args.precisions, segments=args.segments,
-            batch_sizes=args.batch_sizes, strategy=args.strategy, n_trials=args.n_trials, budgets=args.budgets,
-            warmup_steps=args.warmup_steps,
-            measure_steps=args.measure_steps, trial_timeout=args.trial_timeout, storage=args.storage,
-            study=args.study, isolation=args.isolation, probe=not args.no_probe, probe_top=args.probe_top,
-            probe_epochs=args.probe_epochs, probe_fraction=args.probe_fraction, num_workers=args.num_workers,
-            target_batch_size=args.target_batch_size, clip_grad_norm=args.clip_grad_norm,
-            fp32_modules=args.fp32_modules, compare_library=not args.no_library_compare, progress=progress,
-        )
+        report = run(options_from(args), progress=progress)
     except autotune.Interrupted as exc:
         try:
             wrote = f"wrote the partial report to {_write(exc.report, args.out)}"

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
+from autotune.records import quantile
+
 __all__ = ["ItemSizes", "scan_items", "worst_indices", "random_indices", "real_tokens", "MAX_SCAN"]
 
 MAX_SCAN = 20_000  # items read to find the largest; above this, a random sample of this many
@@ -40,10 +42,7 @@ class ItemSizes:
 
     def quantiles(self) -> dict[str, int]:
         """p50, p90 and the largest item size."""
-        ordered = sorted(self.sizes)
-        def q(p: float) -> int:
-            return ordered[min(len(ordered) - 1, max(0, math.ceil(p * len(ordered)) - 1))]
-        return {"p50": q(0.5), "p90": q(0.9), "max": ordered[-1]}
+        return {"p50": quantile(self.sizes, 0.5), "p90": quantile(self.sizes, 0.9), "max": max(self.sizes)}
 
     def to_dict(self) -> dict[str, Any]:
         return {"items": self.n_items, "read": len(self.indices), "method": self.method,

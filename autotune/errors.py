@@ -1,16 +1,21 @@
-"""One exception root for autotune, and the one predicate that recognises an out-of-memory error."""
+"""One exception root for autotune, and the predicates that recognise out-of-memory and device crashes.
+
+Nothing here imports torch (a torch exception exists only once torch is loaded): records and the
+analysis modules raise these errors on a machine without it. The out-of-memory error the tensor
+meter raises, a ``torch.OutOfMemoryError``, lives with torch in :mod:`autotune.oom`.
+"""
 
 from __future__ import annotations
 
-import torch
+import sys
 
 __all__ = [
     "AutotuneError",
     "UsageError",
     "Interrupted",
-    "BudgetExceededError",
     "TrialTimeoutError",
     "is_oom",
+    "is_device_crash",
     "first_line",
 ]
 
@@ -35,28 +40,6 @@ class TrialTimeoutError(AutotuneError):
     """A trial ran past its time limit (``--trial-timeout``)."""
 
 
-class BudgetExceededError(torch.OutOfMemoryError):
-    """Live tensor bytes crossed the memory budget enforced by the tensor meter.
-
-    It subclasses ``torch.OutOfMemoryError`` and is raised with a single message argument that
-    contains "DefaultCPUAllocator: can't allocate memory", so that any PyTorch OOM handler
-    (ours, Lightning's ``is_oom_error``, accelerate's ``should_reduce_batch_size``) treats it
-    as a real out-of-memory error.
-    """
-
-    def __init__(self, requested_bytes: int, live_bytes: int, budget_bytes: int) -> None:
-        from autotune.units import format_bytes
-
-        super().__init__(
-            f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {requested_bytes} "
-            f"bytes with {format_bytes(live_bytes)} live, over the autotune budget of "
-            f"{format_bytes(budget_bytes)} ({budget_bytes} bytes)."
-        )
-        self.requested_bytes = requested_bytes
-        self.live_bytes = live_bytes
-        self.budget_bytes = budget_bytes
-
-
 _OOM_MESSAGES = (
     "out of memory",
     "DefaultCPUAllocator: can't allocate memory",
@@ -73,8 +56,27 @@ def first_line(exc: BaseException) -> str:
 
 def is_oom(exc: BaseException) -> bool:
     """Return True when ``exc`` is an out-of-memory error from any PyTorch device."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(exc, torch.OutOfMemoryError):
         return True
     if isinstance(exc, RuntimeError) and exc.args and isinstance(exc.args[0], str):
         return any(text in exc.args[0] for text in _OOM_MESSAGES)
     return False
+
+
+# A CUDA error other than out-of-memory is sticky: the context is unusable and every later call fails.
+_CRASH_MESSAGES = ("CUDA error:", "CUDA driver error", "CUBLAS_STATUS_EXECUTION_FAILED", "cudaErrorIllegalAddress")
+
+
+def is_device_crash(exc: BaseException) -> bool:
+    """Return True when ``exc`` says the device is unusable (an illegal address, a device-side assert).
+
+    Such a trial is recorded as ``crashed``, as if its worker process had died: the error is the
+    device's state, not an outcome of the configuration that a retry in this process could change.
+    """
+    if is_oom(exc):
+        return False
+    if type(exc).__name__ == "AcceleratorError":  # torch >= 2.8 raises CUDA errors as torch.AcceleratorError
+        return True
+    text = str(exc.args[0]) if exc.args else ""
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in _CRASH_MESSAGES)

@@ -5,7 +5,7 @@
     write_exports(report, "results/TinyGPT-cpu.json", ("hf", "lightning"))  # results/TinyGPT-cpu.hf.json, ...
 
 Each export holds the measured ``autotune_recommendation``, the framework's own keyword arguments
-(micro-batch, accumulation steps from the report's plan, precision) and ``notes``: what the
+(micro-batch, accumulation steps from the report's accumulation plan, precision) and ``notes``: what the
 framework cannot express. Hugging Face's per-layer switch expresses the plans ``all`` (every
 layer) and ``everyN`` (``every_n_layers``) exactly; no framework has a setting for the other plans
 (the blocks of the first N-1 of N segments); the notes say what the export does instead.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from autotune.errors import UsageError
 from autotune.plans import ALL, canonical, is_off
-from autotune.precision import get_mode
+from autotune.records import GROWTH_INTERVAL, INIT_LOSS_SCALE
 
 if TYPE_CHECKING:
     from autotune.report import Report
@@ -45,7 +45,7 @@ class _Context:
     precision: str
     segments: str  # the checkpoint plan's name
     micro: int  # the recommendation's batch size, one micro-batch
-    steps: int  # gradient accumulation steps: the report's plan, else 1
+    steps: int  # gradient accumulation steps: the report's accumulation plan, else 1
     chain: dict[str, Any]
     device_type: str | None  # where the trials ran
     clip: float | None
@@ -94,12 +94,12 @@ def export(report: Report, framework: str) -> dict[str, Any]:
     rec = report.recommendation
     if rec is None:
         raise UsageError("nothing to export: the report has no recommendation")
-    plan = report.plan or {}
+    accumulation = report.accumulation or {}
     ctx = _Context(
         precision=rec.precision,
         segments=canonical(rec.segments),
         micro=rec.batch_size,
-        steps=int(plan.get("accumulation_steps") or 1),
+        steps=int(accumulation.get("accumulation_steps") or 1),
         chain=report.workload.get("chain") or {},
         device_type=report.environment.get("device_type"),
         clip=report.guard.clip_grad_norm,
@@ -110,8 +110,8 @@ def export(report: Report, framework: str) -> dict[str, Any]:
     notes: list[str] = []
     data.update(_BUILDERS[framework](ctx, notes))
     notes += _common_notes(ctx, report, framework)
-    if plan.get("lr_note"):
-        notes.append(plan["lr_note"])
+    if accumulation.get("lr_note"):
+        notes.append(accumulation["lr_note"])
     data["notes"] = notes
     return data
 
@@ -182,9 +182,8 @@ def _deepspeed(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         # Dynamic loss scaling as autotune's GradScaler does it: start at 2**16, halve on every overflow
         # (hysteresis 1), double after growth_interval clean steps. DeepSpeed's factors are fixed at 2 and 1/2,
         # GradScaler's defaults; it floors the scale at min_loss_scale, GradScaler has no floor.
-        scaler = get_mode("fp16").grad_scaler("cpu")
-        config["fp16"].update(loss_scale=0, initial_scale_power=int(math.log2(scaler.get_scale())),
-                              loss_scale_window=scaler.get_growth_interval(), hysteresis=1, min_loss_scale=1)
+        config["fp16"].update(loss_scale=0, initial_scale_power=int(math.log2(INIT_LOSS_SCALE)),
+                              loss_scale_window=GROWTH_INTERVAL, hysteresis=1, min_loss_scale=1)
     if ctx.clip is not None:
         config["gradient_clipping"] = ctx.clip
     if ctx.precision != "fp32":

@@ -10,8 +10,10 @@ trial's time limit (plus start-up time) is killed and recorded as ``timeout``.
 
 from __future__ import annotations
 
+import io
 import logging
 import multiprocessing
+import pickle
 import signal
 import sys
 import time
@@ -21,12 +23,13 @@ from typing import Any, Callable
 import torch
 
 from autotune._log import logger
-from autotune.errors import UsageError
-from autotune.space import Config
-from autotune.trial import Measurement, TrialSettings
+from autotune.device import backend_for
+from autotune.errors import UsageError, first_line
+from autotune.records import Config, Measurement, TrialSettings
+from autotune.trial import run_trial
 from autotune.workload import Workload
 
-__all__ = ["run_trial_isolated", "run_isolated", "STARTUP_GRACE_S"]
+__all__ = ["run_trial_isolated", "run_isolated", "check_picklable", "STARTUP_GRACE_S"]
 
 STARTUP_GRACE_S = 120.0  # importing torch and building a CUDA context can take this long on a busy machine
 _POLL_S = 1.0
@@ -52,14 +55,48 @@ def _worker(conn: Any, spec: dict, job: Callable[..., Any], job_kwargs: dict, lo
 
 def _trial_job(workload: Workload, *, config: Config, device: str, budget_bytes: int | None,
                settings: TrialSettings) -> dict:
-    from autotune.meters import make_meter
-    from autotune.trial import run_trial
+    meter = backend_for(device).meter(budget_bytes)
+    return run_trial(workload, config, device=device, meter=meter, settings=settings).to_dict()
 
-    meter = make_meter(device, budget_bytes=budget_bytes)
+
+class _MainFinder(pickle.Pickler):
+    """A pickler that notes the objects it pickles by reference to ``__main__``."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO())
+        self.in_main: list[str] = []
+
+    def persistent_id(self, obj: Any) -> None:
+        cls = obj if isinstance(obj, type) else type(obj)
+        for owner in (obj, cls):
+            if getattr(owner, "__module__", None) == "__main__" and (isinstance(owner, type) or callable(owner)):
+                self.in_main.append(getattr(owner, "__qualname__", repr(owner)))
+                break
+        return None
+
+
+def check_picklable(workload: Workload) -> None:
+    """Raise :class:`UsageError` (one line) when a worker process could not rebuild ``workload``.
+
+    A worker is started with ``spawn``: it receives the model, data and loss pickled, by reference
+    to their module. A lambda or a local function cannot be pickled at all, and an object defined
+    in ``__main__`` (a notebook, ``python -c``) cannot be found by a fresh interpreter unless
+    ``__main__`` is a file it can run again. Without this check every trial would crash late.
+    """
+    if workload.spec is None:
+        raise UsageError("process isolation needs a workload built by Workload.from_specs (or autotune.tune)")
+    finder = _MainFinder()
     try:
-        return run_trial(workload, config, device=device, meter=meter, settings=settings).to_dict()
-    finally:
-        meter.close()
+        finder.dump(workload.spec)
+    except Exception as exc:  # noqa: BLE001 - PicklingError, AttributeError ("Can't pickle local object"), TypeError
+        raise UsageError(f"--isolation process runs each trial in a fresh process, which needs the model, data and loss "
+                         f"pickled, and they cannot be ({type(exc).__name__}: {first_line(exc)}): define them at module "
+                         f"level in an importable file (pass MODULE:ATTR), or use --isolation none") from None
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if finder.in_main and not main_file:
+        raise UsageError(f"--isolation process runs each trial in a fresh process, which cannot import "
+                         f"{finder.in_main[0]}: it is defined in __main__ (a notebook or python -c), not in a file: move "
+                         f"it to a module (pass MODULE:ATTR), or use --isolation none")
 
 
 def _exit_cause(exitcode: int | None) -> str:

@@ -1,4 +1,4 @@
-"""The memory model: ``peak(b) = fixed + per_sample * b`` per (precision, segments), fitted to trials.
+"""The memory model: ``peak(b) = fixed + per_sample * b`` per variant (precision, checkpoint plan), fitted to trials.
 
 For a fixed precision and checkpoint plan, peak training memory is the state that does not depend
 on the batch (weights, gradients, optimizer moments) plus activations that grow with every sample.
@@ -26,18 +26,18 @@ import statistics
 from typing import Callable, Iterable
 
 from autotune.plans import recompute_fraction
-from autotune.trial import Measurement
+from autotune.records import Measurement
 
-__all__ = ["PlanModel", "MemoryModel"]
+__all__ = ["MemoryLine", "MemoryModel"]
 
-Plan = tuple[str, str]  # (precision, checkpoint plan name)
+Variant = tuple[str, str]  # (precision, checkpoint plan name): configurations that differ only in batch size
 # Bytes per element of the activations autocast produces: a first guess of how precisions compare,
 # replaced by the measured ratio once a plan is measured in both.
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanModel:
+class MemoryLine:
     """The fitted line of one (precision, checkpoint plan) pair."""
 
     precision: str
@@ -50,7 +50,7 @@ class PlanModel:
     max_relative_error: float | None = None
 
     @property
-    def plan(self) -> Plan:
+    def variant(self) -> Variant:
         return (self.precision, self.segments)
 
     def predict(self, batch_size: int) -> float:
@@ -69,12 +69,12 @@ class PlanModel:
         }
 
 
-def _points(measurements: Iterable[Measurement]) -> dict[Plan, dict[int, float]]:
-    """Measured peaks of trials that ran to the end, per plan: {batch_size: peak_bytes}."""
-    points: dict[Plan, dict[int, float]] = {}
+def _points(measurements: Iterable[Measurement]) -> dict[Variant, dict[int, float]]:
+    """Measured peaks of trials that ran to the end, per variant: {batch_size: peak_bytes}."""
+    points: dict[Variant, dict[int, float]] = {}
     for m in measurements:
         if m.status == "ok" and m.peak_bytes:
-            points.setdefault(m.config.plan, {})[m.batch_size] = float(m.peak_bytes)
+            points.setdefault(m.config.variant, {})[m.batch_size] = float(m.peak_bytes)
     return points
 
 
@@ -130,17 +130,17 @@ def _least_squares(rows: list[tuple[float, float, float]], ys: list[float]) -> t
 
 @dataclasses.dataclass(frozen=True)
 class MemoryModel:
-    """Fitted or predicted lines for the plans of a search; see the module docstring."""
+    """Fitted or predicted lines for the variants of a search; see the module docstring."""
 
-    plans: dict[Plan, PlanModel]
+    lines: dict[Variant, MemoryLine]
 
     @classmethod
-    def fit(cls, measurements: Iterable[Measurement], plans: Iterable[Plan], *,
+    def fit(cls, measurements: Iterable[Measurement], variants: Iterable[Variant], *,
             fixed_bytes_hint: float | None = None, blocks: int | None = None) -> "MemoryModel":
-        """Fit the lines; ``blocks`` is the model's L, which plan names count in."""
-        plans = list(dict.fromkeys(plans))
+        """Fit a line per variant (precision, plan); ``blocks`` is the model's L, which plan names count in."""
+        variants = list(dict.fromkeys(variants))
         points = _points(measurements)
-        precisions = list(dict.fromkeys(p for p, _ in plans + list(points)))
+        precisions = list(dict.fromkeys(p for p, _ in variants + list(points)))
         intercept: dict[str, float] = {}
         for p in precisions:
             multi = [pts for (q, _), pts in points.items() if q == p and len(pts) >= 2]
@@ -148,9 +148,9 @@ class MemoryModel:
             if shared is not None:
                 intercept[p] = max(shared, 0.0)
         fallback = statistics.median(intercept.values()) if intercept else (fixed_bytes_hint or 0.0)
-        models: dict[Plan, PlanModel] = {}
-        for plan, pts in points.items():
-            p = plan[0]
+        models: dict[Variant, MemoryLine] = {}
+        for variant, pts in points.items():
+            p = variant[0]
             if len(pts) >= 2:
                 fixed, slope = _line(pts)
                 source = "fit"
@@ -162,32 +162,32 @@ class MemoryModel:
                     fixed, slope = y * 0.5, y * 0.5 / b
             slope = max(slope, 1.0)
             errors = [abs(y - (fixed + slope * b)) for b, y in pts.items()]
-            models[plan] = PlanModel(p, plan[1], fixed, slope, len(pts), source, max(errors),
-                                     max(e / y for e, y in zip(errors, pts.values())))
-        slopes = {plan: m.per_sample_bytes for plan, m in models.items()}
-        for plan in plans:
-            if plan not in models:
-                slope = _borrowed_slope(plan, slopes, blocks)
+            models[variant] = MemoryLine(p, variant[1], fixed, slope, len(pts), source, max(errors),
+                                         max(e / y for e, y in zip(errors, pts.values())))
+        slopes = {variant: m.per_sample_bytes for variant, m in models.items()}
+        for variant in variants:
+            if variant not in models:
+                slope = _borrowed_slope(variant, slopes, blocks)
                 if slope is not None:
-                    models[plan] = PlanModel(plan[0], plan[1], intercept.get(plan[0], fallback), slope, 0, "predicted")
+                    models[variant] = MemoryLine(variant[0], variant[1], intercept.get(variant[0], fallback), slope, 0, "predicted")
         return cls(models)
 
-    def predict(self, plan: Plan, batch_size: int) -> float | None:
-        """Predicted peak bytes of ``plan`` at ``batch_size``, or None where nothing is known yet."""
-        model = self.plans.get(plan)
+    def predict(self, variant: Variant, batch_size: int) -> float | None:
+        """Predicted peak bytes of ``variant`` at ``batch_size``, or None where nothing is known yet."""
+        model = self.lines.get(variant)
         return None if model is None else model.predict(batch_size)
 
     def relative_error(self) -> float:
-        """The largest relative residual over plans fitted to three or more points (0 when none)."""
-        return max((m.max_relative_error for m in self.plans.values() if m.points >= 3 and m.max_relative_error), default=0.0)
+        """The largest relative residual over lines fitted to three or more points (0 when none)."""
+        return max((m.max_relative_error for m in self.lines.values() if m.points >= 3 and m.max_relative_error), default=0.0)
 
     def to_list(self) -> list[dict]:
-        return [self.plans[plan].to_dict() for plan in sorted(self.plans, key=lambda pl: (pl[0], pl[1]))]
+        return [self.lines[variant].to_dict() for variant in sorted(self.lines, key=lambda pl: (pl[0], pl[1]))]
 
 
-def _borrowed_slope(plan: Plan, slopes: dict[Plan, float], blocks: int | None) -> float | None:
-    """Per-sample bytes for a plan with no measurement, from the plans that have one."""
-    precision, name = plan
+def _borrowed_slope(variant: Variant, slopes: dict[Variant, float], blocks: int | None) -> float | None:
+    """Per-sample bytes for a variant with no measurement, from the variants that have one."""
+    precision, name = variant
     others = [q for q in dict.fromkeys(p for p, _ in slopes) if q != precision]
 
     def ratio(q: str) -> float | None:  # per-sample cost of `precision` relative to `q`, on shared plans

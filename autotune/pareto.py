@@ -1,15 +1,19 @@
-"""The trade-off: the Pareto front of throughput vs peak memory, limits and the recommendation."""
+"""The trade-off: the Pareto front of throughput vs peak memory, limits and the recommendation.
+
+Also the rules the search and the probe share with it: the bracket of a batch-size limit, which
+probed candidate wins. No torch: a report is analysed where it is read.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
-from autotune.trial import Measurement
+from autotune.records import Measurement, ProbeResult, usable_bytes
 
 if TYPE_CHECKING:
     from autotune.memory_model import MemoryModel
 
-__all__ = ["feasible", "pareto_front", "recommend", "batch_limits"]
+__all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "bracket", "probe_candidates", "choose"]
 
 
 def feasible(measurements: Iterable[Measurement], budget_bytes: int | None) -> list[Measurement]:
@@ -39,26 +43,49 @@ def recommend(measurements: Iterable[Measurement], budget_bytes: int | None, hea
     The headroom leaves room for what short trials do not see: fragmentation, longer batches,
     a framework's own buffers. On a tie in throughput the smaller peak wins.
     """
-    limit = None if budget_bytes is None else budget_bytes * (1.0 - headroom)
-    candidates = [m for m in feasible(measurements, budget_bytes) if limit is None or m.peak_bytes <= limit]
+    candidates = feasible(measurements, usable_bytes(budget_bytes, headroom))
     if not candidates:
         return None
     return max(candidates, key=lambda m: (m.samples_per_s, -m.peak_bytes))
 
 
+def probe_candidates(pareto: Iterable[Measurement], budget_bytes: int | None, headroom: float, top: int) -> list[Measurement]:
+    """Return up to ``top`` front trials within ``budget x (1 - headroom)``, fastest first."""
+    fitting = feasible(pareto, usable_bytes(budget_bytes, headroom))
+    return sorted(fitting, key=lambda m: (-m.samples_per_s, m.peak_bytes))[:top]
+
+
+def choose(results: Iterable[ProbeResult]) -> ProbeResult | None:
+    """Return the fastest accepted probe candidate, or None when every one was rejected."""
+    accepted = [r for r in results if r.accepted and r.samples_per_s]
+    return max(accepted, key=lambda r: (r.samples_per_s, -(r.peak_bytes_max or 0)), default=None)
+
+
+def bracket(sizes: Sequence[int], outcomes: Mapping[int, bool]) -> tuple[int, int]:
+    """Return (lo, hi): indices of the largest size known to fit and the smallest above it known not to.
+
+    ``lo`` is -1 when no size fits, ``hi`` is ``len(sizes)`` when none above ``lo`` fails. The
+    limit is exact (bracketed) when ``hi == lo + 1``.
+    """
+    fits = [i for i, b in enumerate(sizes) if outcomes.get(b) is True]
+    lo = max(fits, default=-1)
+    hi = min((i for i, b in enumerate(sizes) if i > lo and outcomes.get(b) is False), default=len(sizes))
+    return lo, hi
+
+
 def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, *,
                  batch_sizes: Sequence[int] | None = None, model: "MemoryModel | None" = None) -> list[dict]:
-    """Per (precision, segments): the largest feasible batch size and the smallest infeasible one measured.
+    """Per variant (precision, plan): the largest feasible batch size and the smallest infeasible one measured.
 
     With the space's ``batch_sizes``, each row also says whether the two are neighbours there
     (``bracketed``: the limit is exact), and with a fitted ``model`` it adds the model's
     ``predicted_max_batch_size`` for rows that are not.
     """
-    plans: dict[tuple[str, int], list[Measurement]] = {}
+    variants: dict[tuple[str, str], list[Measurement]] = {}
     for m in measurements:
-        plans.setdefault(m.config.plan, []).append(m)
+        variants.setdefault(m.config.variant, []).append(m)
     rows = []
-    for (precision, segments), trials in plans.items():  # in the order the trials came
+    for (precision, segments), trials in variants.items():  # in the order the trials came
         fitting = [m.batch_size for m in trials if m.fits(budget_bytes)]
         too_big = [m.batch_size for m in trials if m.status == "oom" or (m.status == "ok" and not m.fits(budget_bytes))]
         row = {
@@ -69,11 +96,9 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
         }
         if batch_sizes is not None:
             sizes = sorted(batch_sizes)
-            lo = sizes.index(row["max_batch_size"]) if fitting else -1
-            failed = [sizes.index(m.batch_size) for m in trials if not m.fits(budget_bytes) and m.batch_size in sizes]
-            hi = min((i for i in failed if i > lo), default=len(sizes))
+            lo, hi = bracket(sizes, {m.batch_size: m.fits(budget_bytes) for m in trials if m.batch_size in sizes})
             row["bracketed"] = hi == lo + 1
-            if not row["bracketed"] and model is not None and (precision, segments) in model.plans:
+            if not row["bracketed"] and model is not None and (precision, segments) in model.lines:
                 open_ = [b for b in sizes[lo + 1:hi] if budget_bytes is None or model.predict((precision, segments), b) <= budget_bytes]
                 row["predicted_max_batch_size"] = open_[-1] if open_ else row["max_batch_size"]
         rows.append(row)

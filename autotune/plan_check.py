@@ -23,56 +23,16 @@ from typing import Any, Iterable
 import torch
 
 from autotune.checkpointing import apply_plan
+from autotune.device import backend_for
 from autotune.errors import UsageError, first_line
 from autotune.plans import is_off
-from autotune.trial import GuardRails, keep_in_fp32, release_memory
+from autotune.precision import keep_in_fp32
+from autotune.records import GuardRails, PlanCheck
 from autotune.workload import Workload, to_device
 
 __all__ = ["PlanCheck", "NOISE_MULTIPLE", "check_plans", "run_checks", "compare_steps"]
 
 NOISE_MULTIPLE = 8.0  # a plan may differ by this many times the plan-free step's own run-to-run noise
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanCheck:
-    """One plan's step compared with the plan-free step: differences are relative to the value's largest magnitude."""
-
-    plan: str
-    status: str  # "exact", "within_noise" (kept), "differs" or "failed" (dropped)
-    batch_size: int
-    recomputed_blocks: tuple[str, ...] = ()
-    max_rel_diff: float | None = None  # the largest relative difference over the loss, gradients and buffers
-    max_abs_diff: float | None = None
-    worst: str | None = None  # where it is: "loss", "grad:NAME" or "buffer:NAME"
-    noise: float = 0.0  # the same measure between two plan-free steps
-    tolerance: float = 0.0  # what was allowed: NOISE_MULTIPLE x noise (0: bitwise)
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status in ("exact", "within_noise")
-
-    def describe(self) -> str:
-        """One line for the user: what the plan does differently, or that it is exact."""
-        if self.status == "failed":
-            return f"checkpoint plan {self.plan}: its check step failed ({self.error})"
-        if self.status == "differs":
-            return (f"checkpoint plan {self.plan} trains a different model: {self.worst} differs by "
-                    f"{self.max_rel_diff:.3g} (relative; {self.max_abs_diff:.3g} absolute) from the step without a plan, "
-                    f"more than the {self.tolerance:.3g} allowed")
-        return f"checkpoint plan {self.plan}: {self.status} (largest relative difference {self.max_rel_diff:.3g})"
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["recomputed_blocks"] = list(self.recomputed_blocks)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PlanCheck":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in fields}
-        kwargs["recomputed_blocks"] = tuple(kwargs.get("recomputed_blocks", ()))
-        return cls(**kwargs)
 
 
 def _step(workload: Workload, plan: str, batch_size: int, device: torch.device, seed: int,
@@ -152,7 +112,7 @@ def check_plans(workload: Workload, plans: Iterable[str], *, batch_size: int, de
         error = f"the step without a plan failed: {type(exc).__name__}: {first_line(exc)}"
         return [PlanCheck(p, "failed", batch_size, blocks[p], error=error) for p in plans]
     finally:
-        release_memory(device)
+        backend_for(device).release()
     tolerance = NOISE_MULTIPLE * noise
     checks = []
     for plan in plans:
@@ -165,7 +125,7 @@ def check_plans(workload: Workload, plans: Iterable[str], *, batch_size: int, de
                                     error=f"{type(exc).__name__}: {first_line(exc)}"))
             continue
         finally:
-            release_memory(device)
+            backend_for(device).release()
         status = "exact" if rel == 0.0 else "within_noise" if rel <= tolerance else "differs"
         checks.append(PlanCheck(plan, status, batch_size, blocks[plan], rel, diff, where, noise, tolerance))
     return checks

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from autotune.errors import UsageError
 from autotune.plans import is_off, plan_order
+from autotune.records import usable_bytes
 from autotune.units import format_bytes
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ def memory_figure(report: Report) -> Figure:
     budget_handles: list[Any] = []
     for ax, p in zip(axes, precisions):
         trials = [m for m in measured if m.precision == p]
-        for s in plan_order({m.segments for m in trials} | {seg for q, seg in model.plans if q == p}, blocks):
+        for s in plan_order({m.segments for m in trials} | {seg for q, seg in model.lines if q == p}, blocks):
             kw = dict(marker=_marker(p), color=colors[s], markersize=6, linestyle="none")
             ok = [m for m in trials if m.segments == s and m.status == "ok"]
             oom = [m for m in trials if m.segments == s and m.status == "oom"]
@@ -131,7 +132,7 @@ def memory_figure(report: Report) -> Figure:
             if oom:
                 ax.plot([m.batch_size for m in oom], [m.peak_bytes / scale for m in oom], markerfacecolor="none",
                         markeredgewidth=1.4, gid=f"oom:{p}:{s}", **kw)
-            line = model.plans.get((p, s))
+            line = model.lines.get((p, s))
             if line is not None and all_sizes:  # over the whole search: a one-point plan's line shows too
                 b = np.geomspace(min(all_sizes), max(all_sizes), 64)
                 ax.plot(b, (line.fixed_bytes + line.per_sample_bytes * b) / scale, linestyle="--", linewidth=1.2,
@@ -243,7 +244,7 @@ def _budget_lines(ax: Axes, report: Report, scale: float, *, vertical: bool) -> 
     if report.budget_bytes:
         lines.append((report.budget_bytes, "-", "crimson", f"budget {format_bytes(report.budget_bytes)}", "budget"))
         if report.headroom:
-            limit = report.budget_bytes * (1 - report.headroom)
+            limit = usable_bytes(report.budget_bytes, report.headroom)
             lines.append((limit, "--", "crimson", f"budget less {report.headroom:.0%} headroom", "headroom"))
     lines += [(b, ":", "0.4", f"budget {format_bytes(b)} (--budgets)", f"budget:{b}") for b in report.budgets
               if b != report.budget_bytes]

@@ -1,21 +1,23 @@
-"""Precision modes: fp32, fp16 autocast with a GradScaler, bf16 autocast without one."""
+"""Precision modes: fp32, fp16 autocast with a GradScaler, bf16 autocast without one.
+
+Which modes a device runs is the device backend's to say (:mod:`autotune.device`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
-import time
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
-from autotune._log import notice_once
 from autotune.errors import UsageError
+from autotune.records import GROWTH_INTERVAL, INIT_LOSS_SCALE
 
-__all__ = ["PRECISIONS", "PrecisionMode", "get_mode", "supported_precisions", "default_precisions", "slowdown_vs_fp32"]
+__all__ = ["PRECISIONS", "PrecisionMode", "get_mode", "keep_in_fp32", "INIT_LOSS_SCALE"]
 
-INIT_LOSS_SCALE = 2.0**16  # the practitioner's starting point: halve on inf/NaN, grow when quiet
-SLOW_FACTOR = 8.0  # a mode whose matmuls run this many times slower than fp32 leaves the defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +38,10 @@ class PrecisionMode:
         """Return a fresh GradScaler starting at 2**16 for fp16, ``None`` for the other modes."""
         if not self.uses_scaler:
             return None
-        return torch.amp.GradScaler(device_type, init_scale=INIT_LOSS_SCALE)
+        return torch.amp.GradScaler(device_type, init_scale=INIT_LOSS_SCALE, growth_interval=GROWTH_INTERVAL)
 
 
-PRECISIONS: dict[str, PrecisionMode] = {
+PRECISIONS: dict[str, PrecisionMode] = {  # in the order of autotune.records.PRECISION_NAMES
     "fp32": PrecisionMode("fp32", None, uses_scaler=False),
     "fp16": PrecisionMode("fp16", torch.float16, uses_scaler=True),
     "bf16": PrecisionMode("bf16", torch.bfloat16, uses_scaler=False),
@@ -54,62 +56,31 @@ def get_mode(name: str) -> PrecisionMode:
         raise UsageError(f"unknown precision {name!r}: choose from {', '.join(PRECISIONS)}") from None
 
 
-def supported_precisions(device: torch.device) -> list[str]:
-    """Return the precision modes that ``device`` can train in at all."""
-    names = ["fp32"]
-    if device.type == "cuda":
-        names.append("fp16")
-        if torch.cuda.is_bf16_supported():
-            names.append("bf16")
-        return names
-    for name in ("fp16", "bf16"):
-        try:
-            with torch.autocast(device.type, dtype=PRECISIONS[name].autocast_dtype):
-                torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
-        except Exception:
-            continue
-        names.append(name)
-    return names
+def keep_in_fp32(model: torch.nn.Module, class_names: tuple[str, ...], device_type: str) -> list[str]:
+    """Run every module whose class is named in ``class_names`` outside autocast, on float32 inputs.
 
-
-@functools.lru_cache(maxsize=None)
-def slowdown_vs_fp32(name: str, device_type: str, n: int = 384) -> float:
-    """Return how many times slower an ``n`` x ``n`` matmul runs in ``name`` than in fp32 (median of 5)."""
-    dtype = PRECISIONS[name].autocast_dtype or torch.float32
-
-    def median_s(dt: torch.dtype) -> float:
-        a = torch.randn(n, n, device=device_type).to(dt)
-        b = torch.randn(n, n, device=device_type).to(dt)
-        times = []
-        for _ in range(6):
-            start = time.perf_counter()
-            a @ b
-            if device_type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return sorted(times[1:])[2]  # the first call warms up kernels and caches
-
-    return median_s(dtype) / median_s(torch.float32)
-
-
-def default_precisions(device: torch.device) -> list[str]:
-    """Return the supported modes that are not pathologically slow on ``device``.
-
-    On CUDA every supported mode is kept. On a CPU, a mode whose matmuls run more than
-    ``SLOW_FACTOR`` times slower than fp32 (fp16 on CPUs without native half arithmetic) is left
-    out, with a notice; asking for it explicitly still runs it, cut at ``--trial-timeout``.
+    Returns the paths of the modules changed; raises :class:`UsageError` for a name the model lacks.
     """
-    names = supported_precisions(device)
-    if device.type == "cuda":
-        return names
-    kept = []
-    for name in names:
-        factor = 1.0 if name == "fp32" else slowdown_vs_fp32(name, device.type)
-        if factor > SLOW_FACTOR:
-            notice_once(
-                f"{name} matmuls run {factor:.0f}x slower than fp32 on this {device.type}: left out of "
-                f"the default precisions (add it with --precisions to measure it anyway)"
-            )
-            continue
-        kept.append(name)
-    return kept
+    if not class_names:
+        return []
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [n for n in class_names if n not in present]
+    if missing:
+        raise UsageError(
+            f"--fp32-modules {','.join(missing)}: {type(model).__name__} has no module of that type "
+            f"(it has {', '.join(sorted(present)[:12])}{', ...' if len(present) > 12 else ''})"
+        )
+    changed = []
+    for path, module in model.named_modules():
+        if type(module).__name__ in class_names:
+            module.forward = functools.partial(_fp32_forward, module.forward, device_type)
+            changed.append(path)
+    return changed
+
+
+def _fp32_forward(forward: Any, device_type: str, *args: Any, **kwargs: Any) -> Any:
+    def up(t: Any) -> Any:
+        return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    with torch.autocast(device_type, enabled=False):
+        return forward(*tree_map(up, args), **tree_map(up, kwargs))

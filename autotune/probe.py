@@ -25,76 +25,24 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from autotune.errors import TrialTimeoutError, UsageError, first_line, is_oom
+from autotune.device import backend_for
+from autotune.errors import TrialTimeoutError, UsageError
 from autotune.meters import Meter
-from autotune.precision import INIT_LOSS_SCALE
-from autotune.space import Config
-from autotune.trial import GuardRails, Measurement, Trainer, flatten_config, release_memory, unflatten_config
+from autotune.records import (
+    INIT_LOSS_SCALE,
+    GuardRails,
+    Measurement,
+    ProbeResult,
+    ProbeSettings,
+    quantile,
+    usable_bytes,
+)
+from autotune.trial import Trainer, outcome
 from autotune.workload import Workload, to_device
 
-__all__ = ["ProbeSettings", "ProbeResult", "probe_candidates", "run_probe", "choose"]
+__all__ = ["run_probe", "probe_isolated"]
 
 MIN_LOSS_SCALE = 1.0  # below this, fp16 gradients overflow even unscaled: the scaler has collapsed
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeSettings:
-    """How many candidates are probed, and on how much data."""
-
-    top: int = 3  # candidates from the Pareto front, fastest first
-    epochs: int = 1
-    fraction: float = 0.1  # share of the dataset, drawn at random (seeded)
-    num_workers: int = 0  # DataLoader worker processes
-    max_skipped_share: float = 0.2  # fp16: more skipped steps than this rejects a candidate
-    seed: int = 0
-    timeout_s: float | None = None  # per candidate pass
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeResult:
-    """What one candidate did over the probe's epochs. Memory in bytes, times in seconds."""
-
-    config: Config
-    accepted: bool
-    reason: str | None = None  # why it was rejected
-    steps: int = 0
-    samples: int = 0
-    peak_bytes_max: int | None = None  # the worst step's peak, the worst batch's included (what the budget is judged by)
-    worst_batch_peak_bytes: int | None = None  # the step on the data's worst batch of this size
-    peak_bytes_median: int | None = None
-    trial_peak_bytes: int | None = None  # the short trial's peak, for comparison
-    step_s_median: float | None = None
-    step_s_p90: float | None = None
-    samples_per_s: float | None = None
-    loss_start: float | None = None
-    loss_end: float | None = None
-    nonfinite_losses: int = 0
-    loss_scale: dict[str, float] | None = None  # fp16: initial, final, min, skipped_steps
-    grad_norm: dict[str, float] | None = None  # median and max of the global gradient norm
-    wall_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        if data["grad_norm"]:
-            data["grad_norm"] = {k: (v if math.isfinite(v) else str(v)) for k, v in data["grad_norm"].items()}
-        return flatten_config(data, floats=("loss_start", "loss_end"))
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ProbeResult":
-        config, kwargs = unflatten_config(cls, data, floats=("loss_start", "loss_end"))
-        if kwargs.get("grad_norm"):
-            kwargs["grad_norm"] = {k: float(v) for k, v in kwargs["grad_norm"].items()}
-        return cls(config=config, **kwargs)
-
-
-def probe_candidates(pareto: Iterable[Measurement], budget_bytes: int | None, headroom: float, top: int) -> list[Measurement]:
-    """Return up to ``top`` front trials within ``budget x (1 - headroom)``, fastest first."""
-    limit = None if budget_bytes is None else budget_bytes * (1.0 - headroom)
-    fitting = [m for m in pareto if limit is None or m.peak_bytes <= limit]
-    return sorted(fitting, key=lambda m: (-m.samples_per_s, m.peak_bytes))[:top]
 
 
 def _loader(workload: Workload, batch_size: int, settings: ProbeSettings) -> DataLoader:
@@ -113,102 +61,163 @@ def _batch_len(batch: Any) -> int:
     return int(first.shape[0]) if first is not None and first.ndim else 1
 
 
+class _Candidate:
+    """One candidate's probe: its trainer, what every step took and peaked at, and why it was rejected."""
+
+    def __init__(self, workload: Workload, trial: Measurement, device: torch.device, settings: ProbeSettings,
+                 guard: GuardRails, lr: float, budget_bytes: int | None) -> None:
+        self.workload, self.trial, self.config, self.device = workload, trial, trial.config, device
+        self.budget_bytes = budget_bytes
+        self.settings, self.guard, self.lr = settings, guard, lr
+        self.loader = _loader(workload, self.config.batch_size, settings)
+        self.trainer = Trainer(workload, self.config, device, lr=lr, seed=settings.seed, guard=guard,
+                               record_grad_norm=True)
+        self.step_peaks: list[int] = []  # each step's own peak: allocated on CUDA, reset every step
+        self.reserved: list[int] = []  # CUDA: the caching allocator's reserved peak of each step
+        self.step_times: list[float] = []
+        self.samples = 0
+        self.worst_peak: int | None = None
+        self.reason: str | None = None
+
+    def train(self, meter: Meter, deadline: float | None) -> None:
+        """The epochs, then the data's worst batch of this size with the optimizer's state: metered step by step."""
+        with meter.measure(deadline=deadline) as handle:
+            self.handle = handle
+            self.trainer.build()
+            for batch in _epochs(self.loader, self.settings.epochs, self.device, deadline):
+                self._metered(lambda b=batch: self.step_times.append(self.trainer.timed_step(b)))
+                self.samples += _batch_len(batch)
+            worst = to_device(self.workload.make_batch(self.trainer.model, self.config.batch_size), self.device)
+            self._metered(lambda: self.trainer.step(worst))
+            self.worst_peak = self.step_peaks[-1]
+        if meter.slows_steps:  # time the same batches again, unmetered, on a fresh model
+            timer = Trainer(self.workload, self.config, self.device, lr=self.lr, seed=self.settings.seed, guard=self.guard)
+            timer.build()
+            self.step_times = [timer.timed_step(b) for b in _epochs(self.loader, self.settings.epochs, self.device, deadline)]
+            timer.release()
+
+    def _metered(self, step: Any) -> None:
+        self.handle.reset_peak()
+        step()
+        self.step_peaks.append(self.handle.peak_bytes())
+        reserved = self.handle.peak_reserved_bytes()
+        if reserved is not None:
+            self.reserved.append(reserved)
+
+    def failed(self, exc: Exception) -> None:
+        """Record why the candidate stopped (re-raises bad input)."""
+        status, error = outcome(exc)
+        self.reason = f"{status}: {error}"
+        reading = getattr(getattr(self, "handle", None), "reading", None)
+        if status == "oom":  # what the failing step needed: above the budget, as a trial's oom peak is
+            self.step_peaks.append(reading.peak_bytes if reading else self.budget_bytes or 0)
+
+    def verdict(self, headroom: float) -> None:
+        """Reject a candidate that went non-finite, whose fp16 scaler collapsed or skipped, or left too little headroom."""
+        losses, trainer = self.trainer.losses, self.trainer
+        nonfinite = sum(not math.isfinite(v) for v in losses)
+        limit = usable_bytes(self.budget_bytes, headroom)
+        peak_max = self.peak_max()
+        if self.reason is not None:
+            return
+        if nonfinite:
+            self.reason = f"non-finite loss in {nonfinite} of {len(losses)} steps"
+        elif trainer.scales and min(trainer.scales) < MIN_LOSS_SCALE:
+            self.reason = f"the fp16 loss scale collapsed to {min(trainer.scales):g}: gradients overflow even unscaled"
+        elif trainer.scales and trainer.skipped > self.settings.max_skipped_share * len(losses):
+            self.reason = f"the GradScaler skipped {trainer.skipped} of {len(losses)} steps (inf/NaN gradients)"
+        elif limit is not None and peak_max is not None and peak_max > limit:
+            self.reason = (f"worst-case peak {peak_max} bytes leaves less than {headroom:.0%} headroom "
+                           f"(the short trial peaked at {self.trial.peak_bytes})")
+
+    def peak_max(self) -> int | None:
+        """The worst step's peak as the budget counts it: reserved on CUDA (what the allocator holds), else tracked."""
+        return max(self.step_peaks + self.reserved) if self.step_peaks else None
+
+    def result(self, started: float) -> ProbeResult:
+        trainer, reason = self.trainer, self.reason
+        losses, scales = trainer.losses, trainer.scales
+        epoch = losses[:-1] if self.worst_peak is not None else losses  # without the worst batch's step
+        finite_norms = [v for v in trainer.grad_norms if math.isfinite(v)]
+        return ProbeResult(
+            config=self.config,
+            accepted=reason is None,
+            reason=reason,
+            steps=len(epoch),
+            samples=self.samples,
+            peak_bytes_max=self.peak_max(),
+            worst_batch_peak_bytes=self.worst_peak,
+            peak_bytes_median=int(statistics.median(self.step_peaks)) if self.step_peaks else None,
+            peak_reserved_bytes_max=max(self.reserved) if self.reserved else None,
+            trial_peak_bytes=self.trial.peak_bytes,
+            step_s_median=statistics.median(self.step_times) if self.step_times else None,
+            step_s_p90=quantile(self.step_times, 0.9),
+            samples_per_s=self.samples / sum(self.step_times) if self.step_times and reason is None else None,
+            loss_start=epoch[0] if epoch else None,
+            loss_end=epoch[-1] if epoch else None,
+            nonfinite_losses=sum(not math.isfinite(v) for v in losses),
+            loss_scale=({"initial": INIT_LOSS_SCALE, "final": scales[-1], "min": min(scales),
+                         "skipped_steps": trainer.skipped} if scales else None),
+            grad_norm={"median": statistics.median(finite_norms), "max": max(finite_norms)} if finite_norms else None,
+            wall_s=time.monotonic() - started,
+        )
+
+
 def run_probe(
     workload: Workload,
     trial: Measurement,
     *,
     device: torch.device,
-    meter: Meter,
+    meter: Meter | None = None,
     budget_bytes: int | None,
     headroom: float,
     settings: ProbeSettings = ProbeSettings(),
     guard: GuardRails = GuardRails(),
     lr: float = 1e-4,
 ) -> ProbeResult:
-    """Train ``trial``'s configuration over the probe's epochs; return what happened."""
+    """Train ``trial``'s configuration over the probe's epochs in this process; return what happened.
+
+    ``meter`` defaults to the device's, enforcing ``budget_bytes``.
+    """
     if workload.dataset is None:
         raise UsageError("the probe trains on --data: pass a dataset, or --no-probe")
-    config = trial.config
-    loader = _loader(workload, config.batch_size, settings)
+    device = torch.device(device)
+    backend = backend_for(device)
+    meter = meter if meter is not None else backend.meter(budget_bytes)
     started = time.monotonic()
     deadline = started + settings.timeout_s if settings.timeout_s else None
-    trainer = Trainer(workload, config, device, lr=lr, seed=settings.seed, guard=guard, record_grad_norm=True)
-    step_peaks: list[int] = []
-    step_times: list[float] = []
-    samples = 0
-    worst_peak = None
-    reason = None
+    candidate = _Candidate(workload, trial, device, settings, guard, lr, budget_bytes)
     try:
-        with meter.measure(deadline=deadline) as handle:
-            trainer.build()
-            for batch in _epochs(loader, settings.epochs, device, deadline):
-                handle.reset_peak()
-                step_times.append(trainer.timed_step(batch))
-                step_peaks.append(handle.peak_bytes())
-                samples += _batch_len(batch)
-            # Then the worst batch the data can make at this size (its largest items), with the optimizer's state.
-            handle.reset_peak()
-            trainer.step(to_device(workload.make_batch(trainer.model, config.batch_size), device))
-            worst_peak = handle.peak_bytes()
-            step_peaks.append(worst_peak)
-        if meter.slows_steps:  # time the same batches again, unmetered, on a fresh model
-            timer = Trainer(workload, config, device, lr=lr, seed=settings.seed, guard=guard)
-            timer.build()
-            step_times = [timer.timed_step(batch) for batch in _epochs(loader, settings.epochs, device, deadline)]
-            timer.release()
-    except UsageError:
-        raise
-    except TrialTimeoutError as exc:
-        reason = f"timeout: {exc}"
+        candidate.train(meter, deadline)
     except Exception as exc:  # noqa: BLE001 - the candidate's outcome
-        reason = f"oom: {first_line(exc)}" if is_oom(exc) else f"failed: {type(exc).__name__}: {first_line(exc)}"
-        if is_oom(exc):
-            step_peaks.append(handle.reading.peak_bytes if handle.reading else budget_bytes or 0)
+        candidate.failed(exc)
     finally:
-        trainer.release()
-        release_memory(device)
+        candidate.trainer.release()
+        backend.release()
+    candidate.verdict(headroom)
+    return candidate.result(started)
 
-    losses, scales = trainer.losses, trainer.scales
-    epoch = losses[:-1] if worst_peak is not None else losses  # the epoch's losses, without the worst batch's step
-    nonfinite = sum(not math.isfinite(v) for v in losses)
-    peak_max = max(step_peaks) if step_peaks else None
-    loss_scale = None
-    if trainer.mode.uses_scaler and scales:
-        loss_scale = {"initial": INIT_LOSS_SCALE, "final": scales[-1], "min": min(scales),
-                      "skipped_steps": trainer.skipped}
-    if reason is None:
-        limit = None if budget_bytes is None else budget_bytes * (1.0 - headroom)
-        if nonfinite:
-            reason = f"non-finite loss in {nonfinite} of {len(losses)} steps"
-        elif loss_scale and loss_scale["min"] < MIN_LOSS_SCALE:
-            reason = f"the fp16 loss scale collapsed to {loss_scale['min']:g}: gradients overflow even unscaled"
-        elif loss_scale and trainer.skipped > settings.max_skipped_share * len(losses):
-            reason = f"the GradScaler skipped {trainer.skipped} of {len(losses)} steps (inf/NaN gradients)"
-        elif limit is not None and peak_max is not None and peak_max > limit:
-            reason = (f"worst-case peak {peak_max} bytes leaves less than {headroom:.0%} headroom "
-                      f"(the short trial peaked at {trial.peak_bytes})")
-    finite_norms = [v for v in trainer.grad_norms if math.isfinite(v)]
-    step_median = statistics.median(step_times) if step_times else None
-    return ProbeResult(
-        config=config,
-        accepted=reason is None,
-        reason=reason,
-        steps=len(epoch),
-        samples=samples,
-        peak_bytes_max=peak_max,
-        worst_batch_peak_bytes=worst_peak,
-        peak_bytes_median=int(statistics.median(step_peaks)) if step_peaks else None,
-        trial_peak_bytes=trial.peak_bytes,
-        step_s_median=step_median,
-        step_s_p90=_quantile(step_times, 0.9),
-        samples_per_s=samples / sum(step_times) if step_times and reason is None else None,
-        loss_start=epoch[0] if epoch else None,
-        loss_end=epoch[-1] if epoch else None,
-        nonfinite_losses=nonfinite,
-        loss_scale=loss_scale,
-        grad_norm={"median": statistics.median(finite_norms), "max": max(finite_norms)} if finite_norms else None,
-        wall_s=time.monotonic() - started,
-    )
+
+def _probe_job(workload: Workload, *, trial: dict, **kwargs: Any) -> dict:
+    """The isolated worker's side of :func:`probe_isolated`."""
+    return run_probe(workload, Measurement.from_dict(trial), **kwargs).to_dict()
+
+
+def probe_isolated(workload: Workload, trial: Measurement, *, device: torch.device, budget_bytes: int | None,
+                   headroom: float, settings: ProbeSettings, guard: GuardRails) -> ProbeResult:
+    """:func:`run_probe` in a fresh worker process: a crash or a sticky CUDA error rejects the candidate, no more."""
+    from autotune.isolation import run_isolated
+
+    kwargs = {"trial": trial.to_dict(), "device": str(device), "budget_bytes": budget_bytes, "headroom": headroom,
+              "settings": settings, "guard": guard}
+    passes = 2 if backend_for(device).meter().slows_steps else 1
+    limit = settings.timeout_s * passes if settings.timeout_s else None
+    status, payload, seconds = run_isolated(workload, _probe_job, kwargs, name=f"autotune-probe-{trial.config.precision}"
+                                            f"-{trial.config.segments}-b{trial.config.batch_size}", timeout_s=limit)
+    if status == "result":
+        return ProbeResult.from_dict(payload)
+    return ProbeResult(config=trial.config, accepted=False, reason=f"{status}: the probe's {payload}",
+                       trial_peak_bytes=trial.peak_bytes, wall_s=seconds)
 
 
 def _epochs(loader: DataLoader, epochs: int, device: torch.device, deadline: float | None) -> Iterator[Any]:
@@ -218,16 +227,3 @@ def _epochs(loader: DataLoader, epochs: int, device: torch.device, deadline: flo
             if deadline is not None and time.monotonic() > deadline:
                 raise TrialTimeoutError("the probe ran past its time limit (--trial-timeout)")
             yield to_device(batch, device)
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
-
-
-def choose(results: Iterable[ProbeResult]) -> ProbeResult | None:
-    """Return the fastest accepted candidate, or None when every one was rejected."""
-    accepted = [r for r in results if r.accepted and r.samples_per_s]
-    return max(accepted, key=lambda r: (r.samples_per_s, -(r.peak_bytes_max or 0)), default=None)

@@ -12,8 +12,7 @@ import contextlib
 import sys
 from typing import Any, TextIO
 
-from autotune.space import Config
-from autotune.trial import Measurement
+from autotune.records import Config, Measurement
 from autotune.units import format_bytes
 
 __all__ = ["Progress"]

@@ -6,25 +6,22 @@ import contextlib
 import dataclasses
 import json
 import os
-import platform
 import tempfile
 from typing import Any
 
-import torch
-
-from autotune.apply import accumulation_plan
 from autotune.memory_model import MemoryModel
-from autotune.pareto import batch_limits, pareto_front, recommend
-from autotune.plan_check import PlanCheck
+from autotune.pareto import batch_limits, choose, pareto_front, recommend
 from autotune.plans import canonical
-from autotune.probe import ProbeResult, choose
-from autotune.trial import GuardRails, Measurement
+from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan
 from autotune.units import format_bytes
 
-__all__ = ["SCHEMA_VERSION", "Report", "environment", "load", "ram_bytes"]
+__all__ = ["SCHEMA_VERSION", "Report", "load"]
 
-SCHEMA_VERSION = 2  # 2: checkpoint plans by name ("segments": "2", "all", "every2"), the blocks, plan_checks
-READABLE_VERSIONS = (1, 2)
+# 2: checkpoint plans by name ("segments": "2", "all", "every2"), the blocks, plan_checks.
+# 3: the gradient-accumulation plan is "accumulation" (was "plan"); oom trials hold oom_held_bytes and
+#    oom_needed_bytes; probe candidates peak_reserved_bytes_max.
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 TABLE_COLUMNS = ["precision", "segments", "batch_size", "status", "peak_bytes", "step_s", "samples_per_s"]
 
@@ -44,54 +41,6 @@ def _from_version_1(data: dict[str, Any]) -> dict[str, Any]:
     if library and "autotune" in library:
         library = {**library, "autotune": {**library["autotune"], "segments": canonical(library["autotune"]["segments"])}}
     return {**data, "search": search, "library_checkpointing": library}
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    """Describe the machine the trials ran on."""
-    import optuna
-
-    from autotune import __version__
-
-    env: dict[str, Any] = {
-        "autotune_version": __version__,
-        "torch_version": torch.__version__,
-        "optuna_version": optuna.__version__,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "device": str(device),
-        "device_type": device.type,
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        env.update(
-            device_name=props.name,
-            total_memory_bytes=props.total_memory,
-            cuda_version=torch.version.cuda,
-            compute_capability=f"{props.major}.{props.minor}",
-        )
-    else:
-        env.update(device_name=_cpu_name(), total_memory_bytes=ram_bytes(), cpu_count=os.cpu_count(),
-                   torch_threads=torch.get_num_threads())
-    return env
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def ram_bytes() -> int | None:
-    """The machine's physical memory in bytes, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +65,11 @@ class Report:
 
     @property
     def memory_model(self) -> MemoryModel:
-        """``peak = fixed + per_sample x batch`` per (precision, plan), fitted to the trials."""
+        """``peak = fixed + per_sample x batch`` per variant (precision, plan), fitted to the trials."""
         space = self.search.get("space") or {}
-        plans = [(p, s) for p in space.get("precisions", ()) for s in space.get("segments", ())]
+        variants = [(p, s) for p in space.get("precisions", ()) for s in space.get("segments", ())]
         hint = self.workload.get("parameter_bytes")
-        return MemoryModel.fit(self.trials, plans, fixed_bytes_hint=4 * hint if hint else None, blocks=space.get("blocks"))
+        return MemoryModel.fit(self.trials, variants, fixed_bytes_hint=4 * hint if hint else None, blocks=space.get("blocks"))
 
     def for_budget(self, budget_bytes: int | None) -> dict[str, Any]:
         """Limits and recommendation (from the short trials) for another budget, with the same headroom."""
@@ -150,7 +99,7 @@ class Report:
         return recommend(self.trials, self.budget_bytes, self.headroom)
 
     @property
-    def plan(self) -> dict[str, Any] | None:
+    def accumulation(self) -> dict[str, Any] | None:
         """With a target batch size: micro-batch, accumulation steps and effective batch for the recommendation."""
         rec = self.recommendation
         if rec is None or self.target_batch_size is None:
@@ -159,7 +108,7 @@ class Report:
 
     @property
     def limits(self) -> list[dict]:
-        """Per (precision, segments): ``max_batch_size`` that fits, and the smallest batch that did not."""
+        """Per variant (precision, plan): ``max_batch_size`` that fits, and the smallest batch that did not."""
         return batch_limits(self.trials, self.budget_bytes, batch_sizes=(self.search.get("space") or {}).get("batch_sizes"))
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,7 +124,7 @@ class Report:
             "limits": self.limits,
             "pareto": [self._trial_dict(m) for m in self.pareto],
             "recommendation": self._trial_dict(recommendation) if recommendation else None,
-            "plan": self.plan,
+            "accumulation": self.accumulation,
             "guard": self.guard.to_dict(),
             "probe": None if self.probe is None else {
                 "settings": self.probe_settings,
@@ -232,11 +181,10 @@ class Report:
             search=data["search"],
             trials=tuple(Measurement.from_dict(t) for t in data["trials"]),
             notices=tuple(data.get("notices", ())),
-            guard=GuardRails(clip_grad_norm=(data.get("guard") or {}).get("clip_grad_norm"),
-                             fp32_modules=tuple((data.get("guard") or {}).get("fp32_modules", ()))),
+            guard=GuardRails.from_dict(data.get("guard")),
             probe=None if data.get("probe") is None else tuple(ProbeResult.from_dict(r) for r in data["probe"]["candidates"]),
             probe_settings=None if data.get("probe") is None else data["probe"]["settings"],
-            target_batch_size=(data.get("plan") or {}).get("target_batch_size"),
+            target_batch_size=(data.get("accumulation", data.get("plan")) or {}).get("target_batch_size"),
             budgets=tuple(b["budget_bytes"] for b in data.get("budgets", ())),
             library_checkpointing=data.get("library_checkpointing"),
             plan_checks=tuple(PlanCheck.from_dict(c) for c in data.get("plan_checks", ())),
@@ -304,10 +252,10 @@ class Report:
                 f"recommendation: {rec.precision}, segments {rec.segments}, batch size {rec.batch_size}: "
                 f"{speed:.1f} samples/s, {where} {format_bytes(peak)}{share}"
             )
-            plan = self.plan
-            if plan and plan["target_batch_size"]:
-                lines.append(f"plan: {plan['accumulation_steps']} x {plan['micro_batch_size']} = effective batch "
-                             f"{plan['effective_batch_size']}; {plan['lr_note']}")
+            accumulation = self.accumulation
+            if accumulation and accumulation["target_batch_size"]:
+                lines.append(f"accumulation: {accumulation['accumulation_steps']} x {accumulation['micro_batch_size']} "
+                             f"= effective batch {accumulation['effective_batch_size']}; {accumulation['lr_note']}")
         if self.library_checkpointing:
             lines.append(_library_line(self.library_checkpointing))
         for budget in self.budgets:

@@ -7,29 +7,9 @@ import re
 
 from autotune.errors import UsageError
 from autotune.plans import canonical, parse_plans, plan_order
-from autotune.precision import PRECISIONS
+from autotune.records import PRECISION_NAMES, Config
 
 __all__ = ["Config", "SearchSpace", "parse_batch_sizes", "parse_segments", "parse_precisions"]
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Config:
-    """One point of the search space: how a single trial trains."""
-
-    precision: str  # "fp32", "fp16" or "bf16"
-    segments: str  # the checkpoint plan's name (autotune.plans): "0" is off, "2", "all", "every2", ...
-    batch_size: int  # samples per optimizer step
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "segments", canonical(self.segments))  # Config("fp32", 2, 8): plan "2"
-
-    @property
-    def plan(self) -> tuple[str, str]:
-        """The (precision, checkpoint plan) pair: configurations that differ only in batch size."""
-        return (self.precision, self.segments)
-
-    def __str__(self) -> str:
-        return f"{self.precision} segments={self.segments} batch={self.batch_size}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +30,10 @@ class SearchSpace:
     def ordered_plans(self) -> list[str]:
         """The space's plans from the least recompute to the most."""
         return plan_order(self.segments, self.blocks)
+
+    def variants(self) -> list[tuple[str, str]]:
+        """Every (precision, plan) pair, by precision, then plan as given."""
+        return [(p, s) for p in self.precisions for s in self.segments]
 
     def configs(self) -> list[Config]:
         """Return every configuration, by precision, then plan as given, then ascending batch size."""
@@ -101,7 +85,7 @@ def parse_precisions(text: str) -> tuple[str, ...] | None:
     if text.strip() == "auto":
         return None
     names = tuple(dict.fromkeys(part.strip().lower() for part in text.split(",") if part.strip()))
-    unknown = [n for n in names if n not in PRECISIONS]
+    unknown = [n for n in names if n not in PRECISION_NAMES]
     if unknown or not names:
-        raise UsageError(f"unknown precision {', '.join(unknown) or repr(text)} in --precisions: choose from {', '.join(PRECISIONS)}")
+        raise UsageError(f"unknown precision {', '.join(unknown) or repr(text)} in --precisions: choose from {', '.join(PRECISION_NAMES)}")
     return names

@@ -1,308 +1,482 @@
-"""``tune()``: the whole pipeline behind one call, shared by the CLI and the Python API."""
+"""``tune()``: the whole pipeline behind one call, shared by the CLI and the Python API.
+
+:func:`run` reads top to bottom as its stages, each a function with typed inputs and outputs:
+
+    Options -> resolve -> Target          the device's backend, the workload, budgets, the data's worst batches
+            -> preflight -> ModelFacts    the model built once: its size, its blocks, its library's switch
+            -> plan_study -> Study        the plans checked on the model, the space, the study's identity
+            -> search -> SearchResult     trials in the Optuna study (autotune.search)
+            -> analyse -> Report          front, limits and recommendation derive from the trials
+            -> probe -> Report            the best candidates train an epoch over a slice of the data
+            -> compare_library -> Report  the library's own checkpointing beside autotune's plan
+
+A Ctrl-C at any stage after the search raises :class:`~autotune.errors.Interrupted` with the
+report so far, marked partial; finished trials are in the store either way.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
-import math
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from autotune._log import logger, notice_once
+from autotune._log import logger
 from autotune.checkpointing import Chain, find_chain, order_chain
 from autotune.data import scan_items, worst_indices
+from autotune.device import Backend, backend_for, resolve_device
 from autotune.errors import Interrupted, UsageError, first_line
-from autotune.meters import make_meter
-from autotune.precision import default_precisions, supported_precisions
-from autotune.report import Report, environment, ram_bytes
-from autotune.plan_check import PlanCheck, run_checks
-from autotune.plans import ALL, auto_plans, check_plan_fits, is_off, parse_plans
-from autotune.search import (SearchInterrupted, default_storage, default_study_name, fingerprint, run_one, run_search,
-                             store_plan_checks, stored_plan_checks)
-from autotune.space import Config, SearchSpace, parse_batch_sizes, parse_precisions
+from autotune.options import Options
+from autotune.pareto import probe_candidates
+from autotune.plan_check import run_checks
+from autotune.plans import ALL, auto_plans, check_plan_fits, is_off
+from autotune.precision import keep_in_fp32
+from autotune.probe import probe_isolated, run_probe
+from autotune.records import Config, Measurement, PlanCheck, ProbeResult
+from autotune.report import Report
+from autotune.search import SearchInterrupted, SearchResult, run_one, run_search
+from autotune.space import SearchSpace
+from autotune.store import default_storage, default_study_name, fingerprint, store_plan_checks, stored_plan_checks
 from autotune.strategies import make_strategy
-from autotune.probe import ProbeResult, ProbeSettings, probe_candidates, run_probe
 from autotune.thirdparty import library_checkpointing
-from autotune.trial import GuardRails, Measurement, TrialSettings, keep_in_fp32
-from autotune.units import format_bytes, parse_size
+from autotune.units import format_bytes
 from autotune.workload import Workload, parse_model_kwargs, to_device
 
-__all__ = ["tune", "resolve_device", "device_total_bytes"]
+__all__ = ["tune", "run", "Target", "ModelFacts", "Study", "resolve", "preflight", "plan_study", "search", "analyse",
+           "probe", "compare_library"]
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """Return ``device`` as a ``torch.device`` (default: CUDA when available, else the CPU)."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise UsageError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N ({exc})") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: this torch sees no CUDA GPU (install a CUDA build of torch, or use --device cpu)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-    elif device.type != "cpu":
-        notice_once(f"device type {device.type!r}: memory is measured with the tensor meter")
-    return device
+def tune(model: str | type | Callable[[], nn.Module], *, progress: Any = None,
+         on_trial: Callable[[Measurement, bool], None] | None = None,
+         on_probe: Callable[[ProbeResult], None] | None = None, **options: Any) -> Report:
+    """Measure training configurations of ``model`` and return the :class:`~autotune.report.Report`.
 
-
-def device_total_bytes(device: torch.device) -> int | None:
-    """Return the device's total memory in bytes (the machine's RAM for the CPU), or None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return ram_bytes()
-
-
-def _as_list(value: str | Sequence | None, parse: Callable) -> tuple | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return parse(value)
-    return tuple(value)
-
-
-def tune(
-    model: str | type | Callable[[], nn.Module],
-    *,
-    model_kwargs: str | dict | None = None,
-    data: Any = None,
-    loss: str | Callable | None = None,
-    device: str | torch.device | None = None,
-    budget: str | int | None = None,
-    headroom: float = 0.1,
-    precisions: str | Sequence[str] | None = None,
-    segments: str | Sequence[int] | None = "auto",
-    batch_sizes: str | Sequence[int] = "1..512",
-    strategy: str = "auto",
-    n_trials: int | None = None,
-    budgets: str | Sequence[str | int] | None = None,
-    warmup_steps: int = 2,
-    measure_steps: int = 5,
-    trial_timeout: float | None = 300.0,
-    storage: str | None = None,
-    study: str | None = None,
-    results_dir: str = "results",
-    isolation: str = "auto",
-    probe: bool = True,
-    probe_top: int = 3,
-    probe_epochs: int = 1,
-    probe_fraction: float = 0.1,
-    num_workers: int = 0,
-    target_batch_size: int | None = None,
-    clip_grad_norm: float | None = None,
-    fp32_modules: str | Sequence[str] = (),
-    compare_library: bool = True,
-    on_trial: Callable[[Measurement, bool], None] | None = None,
-    on_probe: Callable[[ProbeResult], None] | None = None,
-    progress: Any = None,
-) -> Report:
-    """Measure training configurations of ``model`` and return the :class:`Report`.
-
-    ``model`` is ``"MODULE:ATTR"`` or the class or factory itself; ``data``, ``loss`` likewise
-    (see :mod:`autotune.workload` for the protocol). ``budget`` is a size such as ``"24GiB"``
-    or bytes (default: the device's memory). ``precisions`` defaults to the modes the device runs
-    well, ``segments="auto"`` to a spread up to the model's chain length. Trials are stored in
-    the Optuna study ``study`` in ``storage`` (default ``results/<study>.db``): running the same
-    call again reuses them. ``isolation="process"`` runs each trial in a fresh worker process
-    (``auto``: on CUDA only). With ``data``, the ``probe_top`` fastest candidates then train
-    ``probe_epochs`` epochs over ``probe_fraction`` of it and the recommendation comes from that
-    probe (``probe=False`` skips it). ``target_batch_size`` adds a gradient-accumulation plan;
-    ``clip_grad_norm`` and ``fp32_modules`` are guard rails used in trials, probe and ``apply``.
-    For a model whose library has its own per-layer checkpointing (Hugging Face, timm), two more
-    trials at the recommendation's precision and batch size compare it with autotune's plan of
-    one segment per block (``compare_library=False`` skips them). ``progress`` receives the
-    events of :class:`autotune.progress.Progress` (search and trial started and done, probe
-    candidates); ``on_trial`` and ``on_probe`` are the plain callbacks. Raises :class:`~autotune.errors.UsageError` for bad input and
-    :class:`~autotune.errors.Interrupted` (holding the partial report) on Ctrl-C.
+    ``options`` are the fields of :class:`~autotune.options.Options` (the CLI's flags: ``budget``,
+    ``data``, ``precisions``, ``segments``, ``batch_sizes``, ``strategy``, ``isolation``, ``probe``,
+    ...). Trials are stored in an Optuna study (default ``results/<study>.db``): running the same
+    call again reuses them. ``progress`` receives the events of :class:`autotune.progress.Progress`;
+    ``on_trial(measurement, reused)`` and ``on_probe(result)`` are plain callbacks. Raises
+    :class:`~autotune.errors.UsageError` for bad input and :class:`~autotune.errors.Interrupted`
+    (holding the partial report) on Ctrl-C.
     """
-    for flag, value in (("--headroom", headroom), ("--trial-timeout", trial_timeout), ("--probe-fraction", probe_fraction),
-                        ("--clip-grad-norm", clip_grad_norm)):
-        if value is not None and not math.isfinite(value):
-            raise UsageError(f"{flag} {value} must be a finite number")
-    if not 0.0 <= headroom < 1.0:
-        raise UsageError(f"--headroom {headroom} must be at least 0 and below 1, e.g. 0.1 for 10%")
-    if warmup_steps < 0 or measure_steps < 1:
-        raise UsageError("--warmup-steps must be 0 or more and --measure-steps 1 or more")
-    if trial_timeout is not None and trial_timeout <= 0:
-        raise UsageError(f"--trial-timeout {trial_timeout} must be a positive number of seconds")
-    if probe_top < 1 or probe_epochs < 1 or not 0.0 < probe_fraction <= 1.0 or num_workers < 0:
-        raise UsageError("--probe-top and --probe-epochs must be at least 1, --probe-fraction in (0, 1], "
-                         "--num-workers 0 or more")
-    if clip_grad_norm is not None and clip_grad_norm <= 0:
-        raise UsageError(f"--clip-grad-norm {clip_grad_norm} must be positive")
-    if target_batch_size is not None and target_batch_size < 1:
-        raise UsageError(f"--target-batch-size {target_batch_size} must be at least 1")
-    if isinstance(fp32_modules, str):
-        fp32_modules = [name.strip() for name in fp32_modules.split(",") if name.strip()]
-    guard = GuardRails(clip_grad_norm=clip_grad_norm, fp32_modules=tuple(fp32_modules))
-    dev = resolve_device(device)
-    workload = Workload.from_specs(model, model_kwargs=model_kwargs, data=data, loss=loss)
-    extra_budgets = _budgets(budgets)
-    if budget is not None:
-        budget_bytes = parse_size(budget)
-    else:  # the largest of --budgets, else the whole device
-        budget_bytes = max(extra_budgets) if extra_budgets else device_total_bytes(dev)
-    extra_budgets = tuple(b for b in extra_budgets if b != budget_bytes)
-    # Trials run under the largest budget; a smaller one is judged by the peaks they measured.
-    enforced = None if budget_bytes is None else max((budget_bytes, *extra_budgets))
-    batch_list = _as_list(batch_sizes, parse_batch_sizes)
+    return run(Options(model=model, **options), progress=progress, on_trial=on_trial, on_probe=on_probe)
 
-    if workload.dataset is not None and max(batch_list) > len(workload.dataset):
-        too_big = [b for b in batch_list if b > len(workload.dataset)]
-        raise UsageError(
-            f"--data has {len(workload.dataset)} items, fewer than the batch sizes {','.join(map(str, too_big))}: "
-            f"pass --batch-sizes up to {len(workload.dataset)}, or more data"
-        )
-    data_profile = None
-    if workload.dataset is not None:  # the worst batch of every size, found once for every trial
-        items = scan_items(workload.dataset)
-        workload = workload.with_worst_batches({b: worst_indices(items, b) for b in batch_list})
-        data_profile = {**items.to_dict(), "memory_batch": "the worst batch of each size",
-                        "timed_batches": "random draws from the whole dataset"}
-    info = _preflight(workload, dev, budget_bytes, min(batch_list), guard)
-    strategy_obj = make_strategy(strategy, headroom=headroom, budgets=(budget_bytes, *extra_budgets) if enforced else (),
-                                 fixed_bytes_hint=4 * info["parameter_bytes"], n_trials=n_trials)
-    chain: Chain | None = info["chain"]
-    workload = workload.with_chain(chain)  # plans count in the blocks' forward order, in workers too
-    notices: list[str] = list(workload.notes)
+
+def run(options: Options, *, progress: Any = None, on_trial: Callable[[Measurement, bool], None] | None = None,
+        on_probe: Callable[[ProbeResult], None] | None = None) -> Report:
+    """Run every stage for ``options``; return the report (see the module docstring)."""
+    events = _Events(progress, on_trial, on_probe)
+    target = resolve(options)
+    facts = preflight(target)
+    study = plan_study(target, facts)
+    result = search(target, facts, study, events)
+    report = analyse(target, facts, study, result)
+    if result.partial:
+        raise Interrupted(report)
+    try:
+        report = probe(report, target, study, events)
+        return compare_library(report, target, facts, study)
+    except KeyboardInterrupt:
+        raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
+
+
+# -- stage 1: the options, resolved against this machine ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the options mean here: the device's backend, the workload and the budgets, in bytes."""
+
+    options: Options
+    backend: Backend
+    workload: Workload
+    budget_bytes: int | None  # the recommendation's budget: --budget, else the largest of --budgets, else the device
+    budgets: tuple[int, ...]  # the other budgets recommended for, from the same trials
+    precisions: tuple[str, ...]
+    isolation: str  # "process" or "none"
+    data_profile: dict[str, Any] | None  # the item sizes and how batches were chosen (with data)
+    notices: tuple[str, ...]
+
+    @property
+    def enforced_bytes(self) -> int | None:
+        """The budget trials run under: the largest (a smaller one is judged by the peaks measured)."""
+        return None if self.budget_bytes is None else max((self.budget_bytes, *self.budgets))
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+
+def resolve(options: Options) -> Target:
+    """Stage 1: the device, the workload (with the data's worst batch of every size), budgets and precisions."""
+    backend = backend_for(resolve_device(options.device))
+    workload = Workload.from_specs(options.model, model_kwargs=options.model_kwargs, data=options.data, loss=options.loss)
+    budget = options.budget if options.budget is not None else backend.total_bytes()
+    isolation = backend.default_isolation if options.isolation == "auto" else options.isolation
+    if isolation == "process":
+        from autotune.isolation import check_picklable
+
+        check_picklable(workload)  # one clear line now, not every trial crashed later
+    workload, profile = _with_data(workload, options.batch_sizes)
+    notices = list(workload.notes)
     for notice in notices:
         logger.warning(notice)
     if workload.dataset is None:  # said once, as information (--quiet keeps it to the JSON)
         notices.append("no --data: the limits hold for the shapes of the model's example_batch; pass --data for limits "
                        "that hold over your dataset's batches")
         logger.info(notices[-1])
+    return Target(options, backend, workload, budget, tuple(b for b in options.budgets if b != budget),
+                  _precisions(options.precisions, backend), isolation, profile, tuple(notices))
 
-    precision_list = _as_list(precisions, parse_precisions) or tuple(default_precisions(dev))
-    supported = supported_precisions(dev)
-    unsupported = [p for p in precision_list if p not in supported]
-    if unsupported:
-        raise UsageError(f"{', '.join(unsupported)} is not supported on {dev}: use --precisions {','.join(supported)}")
-    plan_list = _plans(segments, chain, info["model_class"], notices)
 
-    settings = TrialSettings(warmup_steps=warmup_steps, measure_steps=measure_steps, timeout_s=trial_timeout,
-                             guard=guard)
-    kwargs = parse_model_kwargs(model_kwargs)  # the same kwargs as text or dict make the same study
-    # Workers on several GPUs of one kind share a study: the key names the kind of device, not its index.
-    device_kind = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
-    workload_key = fingerprint(model=workload.name, model_kwargs=kwargs, data=_describe(data), loss=_describe(loss),
-                               device=device_kind)
-    options_key = (fingerprint(model_kwargs=kwargs, data=_describe(data), loss=_describe(loss))
-                   if (kwargs or data or loss) else None)
-    study_name = study or default_study_name(workload, dev, options_key)
-    storage_url = storage or default_storage(study_name, results_dir)
-    isolation_mode = _isolation(isolation, dev)
-    compared = compare_library and info["library_checkpointing"] is not None and chain is not None
-    # The library comparison measures plan all beside the library's switch: it is checked too.
-    checks = _checked_plans(workload, (*plan_list, *((ALL,) if compared else ())), dev, min(batch_list), settings,
-                            isolation_mode, study_name=study_name, storage=storage_url, workload_key=workload_key)
-    plan_list = _surviving_plans(plan_list, checks, notices)
-    space = SearchSpace(precision_list, plan_list, batch_list, blocks=chain.length if chain else None)
-    # With process isolation each worker makes its own meter; this one stays unused (and sets nothing).
-    meter = make_meter(dev, budget_bytes=enforced if isolation_mode == "none" else None)
-    interrupted = None
-    events = _Events(progress, on_trial, on_probe)
-    planned = {"grid": len(space), "optuna": min(len(space), n_trials or max(1, len(space) // 4))}.get(strategy_obj.name)
-    events.call("search_started", space_size=len(space), planned=planned, strategy=strategy_obj.name,
-                budget_bytes=budget_bytes)
-    try:
-        result = run_search(
-            workload, space, strategy_obj, device=dev, meter=meter, budget_bytes=enforced, settings=settings,
-            study_name=study_name, storage=storage_url, workload_key=workload_key, isolation=isolation_mode,
-            on_trial=events.trial_done, on_trial_start=events.trial_started,
+def _with_data(workload: Workload, batch_sizes: Sequence[int]) -> tuple[Workload, dict[str, Any] | None]:
+    """The workload with the worst batch of every size found once for every trial, and the data's profile."""
+    if workload.dataset is None:
+        return workload, None
+    if max(batch_sizes) > len(workload.dataset):
+        too_big = [b for b in batch_sizes if b > len(workload.dataset)]
+        raise UsageError(
+            f"--data has {len(workload.dataset)} items, fewer than the batch sizes {','.join(map(str, too_big))}: "
+            f"pass --batch-sizes up to {len(workload.dataset)}, or more data"
         )
-    except SearchInterrupted as exc:
-        result, interrupted = exc.result, exc
+    items = scan_items(workload.dataset)
+    return workload.with_worst_batches({b: worst_indices(items, b) for b in batch_sizes}), {
+        **items.to_dict(), "memory_batch": "the worst batch of each size", "timed_batches": "random draws from the whole dataset"}
+
+
+def _precisions(asked: Sequence[str] | None, backend: Backend) -> tuple[str, ...]:
+    """The precisions to search: those asked for (each must run here), else the device's defaults."""
+    if asked is None:
+        return tuple(backend.default_precisions())
+    supported = backend.supported_precisions()
+    unsupported = [p for p in asked if p not in supported]
+    if unsupported:
+        raise UsageError(f"{', '.join(unsupported)} is not supported on {backend.device}: use --precisions "
+                         f"{','.join(supported)}")
+    return tuple(asked)
+
+
+# -- stage 2: the model, built once -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What building the model once and running one forward pass said about it."""
+
+    model_class: str
+    parameter_count: int
+    parameter_bytes: int
+    chain: Chain | None  # the repeated blocks, in forward order
+    library_checkpointing: str | None  # the library's own per-layer checkpointing switch, if it has one
+
+
+def preflight(target: Target) -> ModelFacts:
+    """Stage 2: build the model and run one forward pass: bad input fails here, before any trial.
+
+    The model is dropped and its memory handed back (reference cycles collected first: every
+    Hugging Face model and any model after ``--fp32-modules`` holds its weights in one) before the
+    trials measure.
+    """
+    workload, device, batch_size = target.workload, target.device, min(target.options.batch_sizes)
+    model = workload.build_model()
+    keep_in_fp32(model, target.options.fp32_modules, device.type)  # --fp32-modules names the model lacks fail here
+    params = list(model.parameters())
+    facts = ModelFacts(type(model).__name__, sum(p.numel() for p in params),
+                       sum(p.numel() * p.element_size() for p in params), find_chain(model), None)
+    del params
+    _check_fits(facts, target.budget_bytes)
+    try:
+        chain = _forward(model, workload, device, batch_size, facts)
+        library = _library_switch(model)
     finally:
-        meter.close()
+        del model
+        target.backend.release()  # gc.collect, then the allocator's cache: nothing of the preflight stays
+    return dataclasses.replace(facts, chain=chain, library_checkpointing=library)
+
+
+def _check_fits(facts: ModelFacts, budget_bytes: int | None) -> None:
+    if budget_bytes is not None and facts.parameter_bytes >= budget_bytes:
+        raise UsageError(
+            f"--budget {format_bytes(budget_bytes)} is smaller than the model's parameters alone "
+            f"({facts.parameter_count:,} parameters, {format_bytes(facts.parameter_bytes)}); training needs about 4x that "
+            f"with AdamW: raise --budget"
+        )
+
+
+def _forward(model: nn.Module, workload: Workload, device: torch.device, batch_size: int, facts: ModelFacts) -> Chain | None:
+    """One forward pass without gradients on a batch of ``batch_size``; return the chain in forward order."""
+    try:
+        model.to(device)
+        batch = to_device(workload.make_batch(model, batch_size), device)
+        with torch.no_grad():
+            if facts.chain is None:
+                workload.loss(model, batch)
+                return None
+            return order_chain(model, facts.chain, lambda: workload.loss(model, batch))  # which block runs when
+    except UsageError:
+        raise
+    except Exception as exc:
+        raise UsageError(
+            f"{facts.model_class} failed on a batch of {batch_size}: {type(exc).__name__}: {first_line(exc)} "
+            f"(check --data, --loss and the model's example_batch)"
+        ) from None
+
+
+def _library_switch(model: nn.Module) -> str | None:
+    """On this throwaway model: has its library a per-layer checkpointing switch of its own?"""
+    try:
+        return library_checkpointing(model)
+    except Exception as exc:  # noqa: BLE001 - a switch that fails is one not compared with
+        logger.info("the model's own checkpointing switch failed (%s: %s): not compared", type(exc).__name__,
+                    first_line(exc))
+        return None
+
+
+# -- stage 3: the plans checked, the space and the study ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """The search's space and where its trials live; the checks that chose its plans."""
+
+    workload: Workload  # with the chain: plans count in the blocks' forward order, in workers too
+    space: SearchSpace
+    name: str
+    storage: str
+    workload_key: str  # what the study's trials are trials of: model, options, data, loss, kind of device
+    checks: tuple[PlanCheck, ...]
+    notices: tuple[str, ...]
+    compare_library: bool  # the library's switch is measured after the probe
+
+
+def plan_study(target: Target, facts: ModelFacts) -> Study:
+    """Stage 3: the study's identity, every plan checked on the model (or the checks it stored), the space."""
+    options, workload = target.options, target.workload.with_chain(facts.chain)
+    kwargs = parse_model_kwargs(options.model_kwargs)  # the same kwargs as text or dict make the same study
+    described = {"model_kwargs": kwargs, "data": _describe(options.data), "loss": _describe(options.loss)}
+    # Workers on several GPUs of one kind share a study: the key names the kind of device, not its index.
+    workload_key = fingerprint(model=workload.name, **described, device=target.backend.kind)
+    options_key = fingerprint(**described) if (kwargs or options.data or options.loss) else None
+    name = options.study or default_study_name(workload.name, target.device.type, options_key)
+    storage = options.storage or default_storage(name, options.results_dir)
+    notices: list[str] = []
+    plans = _plans(options.segments, facts.chain, facts.model_class, notices)
+    compared = options.compare_library and facts.library_checkpointing is not None and facts.chain is not None
+    # The library comparison measures plan all beside the library's switch: it is checked too.
+    checks = _checked_plans(workload, (*plans, *((ALL,) if compared else ())), target, study_name=name,
+                            storage=storage, workload_key=workload_key)
+    space = SearchSpace(target.precisions, _surviving_plans(plans, checks, notices), options.batch_sizes,
+                        blocks=facts.chain.length if facts.chain else None)
+    return Study(workload, space, name, storage, workload_key, tuple(checks), tuple(notices), compared)
+
+
+def _plans(segments: tuple[str, ...] | None, chain: Chain | None, model_class: str, notices: list[str]) -> tuple[str, ...]:
+    """Resolve ``--segments`` (None: auto) against the model's blocks: the plan names to search."""
+    if chain is None:
+        if segments and not all(is_off(n) for n in segments):
+            raise UsageError(f"{model_class} has no repeated blocks to checkpoint: use --segments 0")
+        if segments is None:
+            notices.append(f"{model_class} has no repeated blocks: checkpointing is not tried (segments 0 only)")
+            logger.warning(notices[-1])
+        return segments or ("0",)
+    if segments is None:
+        return tuple(auto_plans(chain.length))
+    for name in segments:
+        check_plan_fits(name, chain.length, chain.describe())
+    return segments
+
+
+def _checked_plans(workload: Workload, plans: Sequence[str], target: Target, *, study_name: str, storage: str,
+                   workload_key: str) -> list[PlanCheck]:
+    """Check every plan on the model (one step with and without it), or reuse the checks stored in the study."""
+    to_check = [p for p in dict.fromkeys(plans) if not is_off(p)]
+    if not to_check:
+        return []
+    settings, batch_size = target.options.trial_settings, min(target.options.batch_sizes)
+    key = fingerprint(plans=to_check, batch_size=batch_size, seed=settings.seed, guard=settings.guard,
+                      chain=workload.chain.to_dict() if workload.chain else None)
+    stored = stored_plan_checks(study_name, storage, workload_key=workload_key, key=key)
+    if stored is not None:
+        return [PlanCheck.from_dict(c) for c in stored]
+    logger.info("checking %d checkpoint plan(s) on %s: one step with and without each, batch %d, fp32",
+                len(to_check), workload.name, batch_size)
+    started = time.monotonic()
+    checks = run_checks(workload, to_check, batch_size=batch_size, device=target.device, seed=settings.seed,
+                        guard=settings.guard, isolation=target.isolation, timeout_s=settings.timeout_s)
+    logger.info("checked in %.1f s: %s", time.monotonic() - started, ", ".join(f"{c.plan} {c.status}" for c in checks))
+    store_plan_checks(study_name, storage, workload_key=workload_key, key=key, checks=[c.to_dict() for c in checks])
+    return checks
+
+
+def _surviving_plans(plans: Sequence[str], checks: Sequence[PlanCheck], notices: list[str]) -> tuple[str, ...]:
+    """The plans to search: those that recompute nothing or passed their check. Each dropped plan is a notice."""
+    failed = {c.plan: c for c in checks if not c.ok and c.plan in plans}
+    for check in failed.values():
+        notices.append(f"{check.describe()}: dropped")
+        logger.warning(notices[-1])
+    kept = tuple(p for p in plans if p not in failed)
+    if not kept:
+        notices.append("no checkpoint plan passed its check on this model: the search goes on without checkpointing "
+                       "(segments 0)")
+        logger.warning(notices[-1])
+        kept = ("0",)
+    return kept
+
+
+def _describe(obj: Any) -> str | None:
+    """A stable name for a spec or object: the same across runs (no memory addresses)."""
+    if obj is None or isinstance(obj, str):
+        return obj
+    name = f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+    return f"{name}[{len(obj)}]" if hasattr(obj, "__len__") and not callable(obj) else name
+
+
+# -- stage 4: the search -----------------------------------------------------------------------------------------
+
+
+def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -> SearchResult:
+    """Stage 4: the strategy's trials in the study (partial when interrupted: the report is still made)."""
+    options = target.options
+    budgets = (target.budget_bytes, *target.budgets) if target.budget_bytes is not None else ()
+    strategy = make_strategy(options.strategy, headroom=options.headroom, budgets=budgets,
+                             fixed_bytes_hint=4 * facts.parameter_bytes, n_trials=options.n_trials)
+    space = study.space
+    planned = {"grid": len(space), "optuna": min(len(space), options.n_trials or max(1, len(space) // 4))}.get(strategy.name)
+    events.call("search_started", space_size=len(space), planned=planned, strategy=strategy.name,
+                budget_bytes=target.budget_bytes)
+    # With process isolation each worker makes its own meter; this one stays unused.
+    meter = target.backend.meter(target.enforced_bytes if target.isolation == "none" else None)
+    try:
+        return run_search(study.workload, space, strategy, device=target.device, meter=meter,
+                          budget_bytes=target.enforced_bytes, settings=options.trial_settings, study_name=study.name,
+                          storage=study.storage, workload_key=study.workload_key, isolation=target.isolation,
+                          on_trial=events.trial_done, on_trial_start=events.trial_started)
+    except SearchInterrupted as exc:
+        return exc.result
+    finally:
         events.call("search_done")
-    report = Report(
-        environment=environment(dev),
+
+
+# -- stage 5: the report -----------------------------------------------------------------------------------------
+
+
+def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResult) -> Report:
+    """Stage 5: the report of the trials; its front, limits and recommendation derive from them."""
+    options = target.options
+    return Report(
+        environment=target.backend.environment(),
         workload={
-            "model": workload.name,
-            "model_class": info["model_class"],
-            "model_kwargs": kwargs,
-            "data": _describe(data),
-            "loss": _describe(loss),
-            "parameter_count": info["parameter_count"],
-            "parameter_bytes": info["parameter_bytes"],
-            "chain": None if chain is None else chain.to_dict(),
-            "library_checkpointing": info["library_checkpointing"],
+            "model": study.workload.name,
+            "model_class": facts.model_class,
+            "model_kwargs": parse_model_kwargs(options.model_kwargs),
+            "data": _describe(options.data),
+            "loss": _describe(options.loss),
+            "parameter_count": facts.parameter_count,
+            "parameter_bytes": facts.parameter_bytes,
+            "chain": None if facts.chain is None else facts.chain.to_dict(),
+            "library_checkpointing": facts.library_checkpointing,
         },
-        budget_bytes=budget_bytes,
-        headroom=headroom,
+        budget_bytes=target.budget_bytes,
+        headroom=options.headroom,
         search={
-            "strategy": strategy_obj.name,
-            "n_trials_limit": n_trials,
-            "n_trials": len(result.measurements),
-            "n_run": result.n_run,
-            "n_reused": result.n_reused,
-            "wall_s": round(result.wall_s, 3),
-            "study": result.study_name,
-            "storage": result.storage,
-            "space": space.to_dict(),
-            "warmup_steps": warmup_steps,
-            "measure_steps": measure_steps,
-            "trial_timeout_s": trial_timeout,
-            "memory_meter": "CudaMeter" if dev.type == "cuda" else "TensorMeter",
-            "isolation": isolation_mode,
-            "partial": result.partial,
+            "strategy": options.strategy, "n_trials_limit": options.n_trials, "n_trials": len(result.measurements),
+            "n_run": result.n_run, "n_reused": result.n_reused, "wall_s": round(result.wall_s, 3),
+            "study": result.study_name, "storage": result.storage, "space": study.space.to_dict(),
+            "warmup_steps": options.warmup_steps, "measure_steps": options.measure_steps,
+            "trial_timeout_s": options.trial_timeout, "memory_meter": target.backend.meter_name,
+            "isolation": target.isolation, "partial": result.partial,
         },
         trials=result.measurements,
-        notices=tuple(notices),
-        plan_checks=tuple(checks),
-        data=data_profile,
-        guard=guard,
-        target_batch_size=target_batch_size,
-        budgets=tuple(sorted(extra_budgets)),
+        notices=target.notices + study.notices,
+        plan_checks=study.checks,
+        data=target.data_profile,
+        guard=options.guard,
+        target_batch_size=options.target_batch_size,
+        budgets=tuple(sorted(target.budgets)),
     )
-    if interrupted is not None:
-        raise Interrupted(report) from None
-    try:
-        report = _probe(report, workload, dev, budget_bytes=budget_bytes, headroom=headroom, guard=guard, probe=probe,
-                        settings=ProbeSettings(top=probe_top, epochs=probe_epochs, fraction=probe_fraction,
-                                               num_workers=num_workers, seed=0, timeout_s=trial_timeout),
-                        events=events)
-        if compared:
-            report = _compare_library(report, workload, info["library_checkpointing"], dev, enforced, settings,
-                                      isolation_mode)
+
+
+# -- stage 6: the probe ------------------------------------------------------------------------------------------
+
+
+def probe(report: Report, target: Target, study: Study, events: "_Events") -> Report:
+    """Stage 6: the best candidates train an epoch over a slice of the data; return the report with their results."""
+    options, settings = target.options, target.options.probe_settings
+    if not options.probe:
         return report
-    except KeyboardInterrupt:
-        raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
+    if study.workload.dataset is None:
+        notice = ("no --data: the probe (an epoch over a slice of your data) was skipped; the recommendation comes from "
+                  "the short trials alone")
+        logger.info(notice)
+        return dataclasses.replace(report, notices=report.notices + (notice,))
+    candidates = probe_candidates(report.pareto, target.budget_bytes, options.headroom, settings.top)
+    common = {"device": target.device, "budget_bytes": target.budget_bytes, "headroom": options.headroom,
+              "settings": settings, "guard": options.guard}
+    results: list[ProbeResult] = []
+    try:
+        for i, candidate in enumerate(candidates, 1):
+            events.call("probe_started", candidate.config, i, len(candidates))
+            logger.debug("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config, 100 * settings.fraction,
+                         settings.epochs)
+            if target.isolation == "process":  # a crash or a sticky CUDA error rejects the candidate, no more
+                results.append(probe_isolated(study.workload, candidate, **common))
+            else:
+                results.append(run_probe(study.workload, candidate, **common))
+            events.probe_done(results[-1])
+    except KeyboardInterrupt:  # the probe is incomplete: report what it did, marked partial
+        raise Interrupted(dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict(),
+                                              search={**report.search, "partial": True})) from None
+    return dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict())
 
 
-def _probe(report: Report, workload: Workload, dev: torch.device, *, budget_bytes: int | None, headroom: float,
-           guard: GuardRails, probe: bool, settings: ProbeSettings, events: "_Events") -> Report:
-    """Run the probe on the report's best candidates; return the report with its results."""
-    if probe and workload.dataset is None:
-        report = dataclasses.replace(report, notices=report.notices + (
-            "no --data: the probe (an epoch over a slice of your data) was skipped; the recommendation "
-            "comes from the short trials alone",))
-        logger.info(report.notices[-1])
-    elif probe:
-        candidates = probe_candidates(report.pareto, budget_bytes, headroom, settings.top)
-        results: list[ProbeResult] = []
-        probe_meter = make_meter(dev, budget_bytes=budget_bytes)
-        try:
-            for i, candidate in enumerate(candidates, 1):
-                events.call("probe_started", candidate.config, i, len(candidates))
-                logger.debug("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config,
-                            100 * settings.fraction, settings.epochs)
-                results.append(run_probe(workload, candidate, device=dev, meter=probe_meter, budget_bytes=budget_bytes,
-                                         headroom=headroom, settings=settings, guard=guard))
-                events.probe_done(results[-1])
-        except KeyboardInterrupt:  # the probe is incomplete: report what it did, marked partial
-            raise Interrupted(dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict(),
-                                                  search={**report.search, "partial": True})) from None
-        finally:
-            probe_meter.close()
-        report = dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict())
-    return report
+# -- stage 7: the library's own checkpointing --------------------------------------------------------------------
+
+
+def compare_library(report: Report, target: Target, facts: ModelFacts, study: Study) -> Report:
+    """Stage 7: measure the library's per-layer checkpointing beside autotune's plan ``all``.
+
+    Both at the recommendation's precision and batch size, as the search ran its trials; the
+    plan's trial is taken from the search when it was measured there. The trials are not part of
+    the search space, so they are reported, not stored. A comparison that cannot be made is a
+    notice: the search and probe are kept.
+    """
+    rec, method = report.recommendation, facts.library_checkpointing
+    if rec is None or not study.compare_library:
+        return report
+    if not any(c.plan == ALL and c.ok for c in report.plan_checks):
+        return _with_notice(report, f"the comparison with {method} was not made: autotune's plan {ALL} did not pass its "
+                                    f"check on this model")
+    measured = {m.config: m for m in report.trials}
+    ours_config = Config(rec.precision, ALL, rec.batch_size)  # every block recomputed, as the library's switch does
+    logger.info("comparing %s with plan %s at %s, batch %d", method, ALL, rec.precision, rec.batch_size)
+    meter = target.backend.meter(target.enforced_bytes if target.isolation == "none" else None)
+    run = functools.partial(run_one, device=target.device, meter=meter, budget_bytes=target.enforced_bytes,
+                            settings=target.options.trial_settings, isolation=target.isolation)
+    try:
+        lib = Workload.from_specs(**{**study.workload.spec, "library_checkpointing": True})  # rebuilt so in a worker
+        library = run(lib, Config(rec.precision, 0, rec.batch_size))
+        ours = measured.get(ours_config) or run(study.workload, ours_config)
+    except Exception as exc:  # noqa: BLE001 - an extra measurement: its failure must not cost the report
+        return _with_notice(report, f"the comparison with {method} could not be made ({type(exc).__name__}: "
+                                    f"{first_line(exc)})")
+    none = measured.get(Config(rec.precision, 0, rec.batch_size))
+    return dataclasses.replace(report, library_checkpointing={
+        "method": method, "precision": rec.precision, "batch_size": rec.batch_size, "library": _row(library),
+        "autotune": {"segments": ALL, **_row(ours)}, "none": None if none is None else _row(none),
+    })
+
+
+def _row(m: Measurement) -> dict[str, Any]:
+    return {"status": m.status, "peak_bytes": m.peak_bytes, "step_s": m.step_s, "samples_per_s": m.samples_per_s,
+            "error": m.error}
+
+
+def _with_notice(report: Report, notice: str) -> Report:
+    logger.warning(notice)
+    return dataclasses.replace(report, notices=report.notices + (notice,))
 
 
 class _Events:
@@ -329,185 +503,3 @@ class _Events:
         if self.on_probe:
             self.on_probe(result)
         self.call("probe_done", result)
-
-
-def _compare_library(report: Report, workload: Workload, method: str, dev: torch.device, budget_bytes: int | None,
-                     settings: TrialSettings, isolation: str) -> Report:
-    """Measure the library's per-layer checkpointing beside autotune's one-segment-per-block plan.
-
-    Both at the recommendation's precision and batch size, as the search ran its trials (in this
-    process, or each in a fresh worker); the plan's trial is taken from the search when it was
-    measured there. The trials are not part of the search space, so they are reported, not
-    stored. A comparison that cannot be made is a notice: the search and probe are kept.
-    """
-    rec = report.recommendation
-    if rec is None:
-        return report
-    ours_config = Config(rec.precision, ALL, rec.batch_size)  # every block recomputed, as the library's switch does
-    if not any(c.plan == ALL and c.ok for c in report.plan_checks):
-        notice = f"the comparison with {method} was not made: autotune's plan {ALL} did not pass its check on this model"
-        logger.warning(notice)
-        return dataclasses.replace(report, notices=report.notices + (notice,))
-    measured = {m.config: m for m in report.trials}
-    logger.info("comparing %s with plan %s at %s, batch %d", method, ALL, rec.precision, rec.batch_size)
-    meter = make_meter(dev, budget_bytes=budget_bytes if isolation == "none" else None)
-    try:
-        lib = Workload.from_specs(**{**workload.spec, "library_checkpointing": True})  # rebuilt the same way in a worker
-        run = functools.partial(run_one, device=dev, meter=meter, budget_bytes=budget_bytes, settings=settings,
-                                isolation=isolation)
-        library = run(lib, Config(rec.precision, 0, rec.batch_size))
-        ours = measured.get(ours_config) or run(workload, ours_config)
-    except Exception as exc:  # noqa: BLE001 - an extra measurement: its failure must not cost the report
-        notice = f"the comparison with {method} could not be made ({type(exc).__name__}: {first_line(exc)})"
-        logger.warning(notice)
-        return dataclasses.replace(report, notices=report.notices + (notice,))
-    finally:
-        meter.close()
-    none = measured.get(Config(rec.precision, 0, rec.batch_size))
-
-    def row(m: Measurement) -> dict[str, Any]:
-        return {"status": m.status, "peak_bytes": m.peak_bytes, "step_s": m.step_s, "samples_per_s": m.samples_per_s, "error": m.error}
-
-    return dataclasses.replace(report, library_checkpointing={
-        "method": method, "precision": rec.precision, "batch_size": rec.batch_size,
-        "library": row(library), "autotune": {"segments": ALL, **row(ours)}, "none": None if none is None else row(none),
-    })
-
-
-def _plans(segments: str | Sequence | None, chain: Chain | None, model_class: str, notices: list[str]) -> tuple[str, ...]:
-    """Resolve ``--segments`` against the model's blocks: the plan names to search."""
-    if segments is None or (isinstance(segments, str) and segments.strip() == "auto"):
-        names = None
-    elif isinstance(segments, str):
-        names = parse_plans(segments)
-    else:
-        names = parse_plans(",".join(map(str, segments)))
-    if chain is None:
-        if names and not all(is_off(n) for n in names):
-            raise UsageError(f"{model_class} has no repeated blocks to checkpoint: use --segments 0")
-        if names is None:
-            notices.append(f"{model_class} has no repeated blocks: checkpointing is not tried (segments 0 only)")
-            logger.warning(notices[-1])
-        return names or ("0",)
-    if names is None:
-        return tuple(auto_plans(chain.length))
-    for name in names:
-        check_plan_fits(name, chain.length, chain.describe())
-    return names
-
-
-def _checked_plans(workload: Workload, plans: Sequence[str], dev: torch.device, batch_size: int, settings: TrialSettings,
-                   isolation: str, *, study_name: str, storage: str, workload_key: str) -> list[PlanCheck]:
-    """Check every plan on the model (one step with and without it), or reuse the checks stored in the study."""
-    to_check = [p for p in dict.fromkeys(plans) if not is_off(p)]
-    if not to_check:
-        return []
-    key = fingerprint(plans=to_check, batch_size=batch_size, seed=settings.seed, guard=settings.guard,
-                      chain=workload.chain.to_dict() if workload.chain else None)
-    stored = stored_plan_checks(study_name, storage, workload_key=workload_key, key=key)
-    if stored is not None:
-        return [PlanCheck.from_dict(c) for c in stored]
-    logger.info("checking %d checkpoint plan(s) on %s: one step with and without each, batch %d, fp32",
-                len(to_check), workload.name, batch_size)
-    started = time.monotonic()
-    checks = run_checks(workload, to_check, batch_size=batch_size, device=dev, seed=settings.seed, guard=settings.guard,
-                        isolation=isolation, timeout_s=settings.timeout_s)
-    logger.info("checked in %.1f s: %s", time.monotonic() - started,
-                ", ".join(f"{c.plan} {c.status}" for c in checks))
-    store_plan_checks(study_name, storage, workload_key=workload_key, key=key, checks=[c.to_dict() for c in checks])
-    return checks
-
-
-def _surviving_plans(plans: Sequence[str], checks: Sequence[PlanCheck], notices: list[str]) -> tuple[str, ...]:
-    """The plans to search: those that recompute nothing or passed their check. Each dropped plan is a notice."""
-    failed = {c.plan: c for c in checks if not c.ok and c.plan in plans}
-    for check in failed.values():
-        notices.append(f"{check.describe()}: dropped")
-        logger.warning(notices[-1])
-    kept = tuple(p for p in plans if p not in failed)
-    if not kept:
-        notices.append("no checkpoint plan passed its check on this model: the search goes on without checkpointing "
-                       "(segments 0)")
-        logger.warning(notices[-1])
-        kept = ("0",)
-    return kept
-
-
-def _budgets(value: str | Sequence[str | int] | None) -> tuple[int, ...]:
-    """Parse ``--budgets 8GiB,24GiB,80GiB`` (or a list of sizes) into sorted bytes without repeats."""
-    if value is None:
-        return ()
-    parts = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else list(value)
-    if not parts:
-        raise UsageError(f"--budgets {value!r} is empty: write sizes such as 8GiB,24GiB")
-    return tuple(sorted({parse_size(p) for p in parts}))
-
-
-def _describe(obj: Any) -> str | None:
-    """A stable name for a spec or object: the same across runs (no memory addresses)."""
-    if obj is None or isinstance(obj, str):
-        return obj
-    name = f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
-    return f"{name}[{len(obj)}]" if hasattr(obj, "__len__") and not callable(obj) else name
-
-
-def _isolation(name: str, device: torch.device) -> str:
-    """Resolve ``--isolation``: ``auto`` is ``process`` on CUDA and ``none`` elsewhere."""
-    if name not in ("auto", "process", "none"):
-        raise UsageError(f"unknown --isolation {name!r}: choose auto, process or none")
-    if name == "auto":
-        return "process" if device.type == "cuda" else "none"
-    return name
-
-
-def _preflight(workload: Workload, device: torch.device, budget_bytes: int | None, batch_size: int,
-               guard: GuardRails) -> dict[str, Any]:
-    """Build the model once and run one forward pass: bad input fails here, before any trial."""
-    model = workload.build_model()
-    keep_in_fp32(model, guard.fp32_modules, device.type)  # --fp32-modules names the model lacks fail here
-    model_class = type(model).__name__
-    params = list(model.parameters())
-    parameter_count = sum(p.numel() for p in params)
-    parameter_bytes = sum(p.numel() * p.element_size() for p in params)
-    if budget_bytes is not None and parameter_bytes >= budget_bytes:
-        raise UsageError(
-            f"--budget {format_bytes(budget_bytes)} is smaller than the model's parameters alone "
-            f"({parameter_count:,} parameters, {format_bytes(parameter_bytes)}); training needs about 4x that "
-            f"with AdamW: raise --budget"
-        )
-    chain = find_chain(model)
-    batch = None
-    try:
-        try:
-            model.to(device)
-            batch = to_device(workload.make_batch(model, batch_size), device)
-            with torch.no_grad():
-                if chain is None:
-                    workload.loss(model, batch)
-                else:  # the forward pass also says in which order the blocks run
-                    chain = order_chain(model, chain, lambda: workload.loss(model, batch))
-        except UsageError:
-            raise
-        except Exception as exc:
-            raise UsageError(
-                f"{model_class} failed on a batch of {batch_size}: {type(exc).__name__}: {first_line(exc)} "
-                f"(check --data, --loss and the model's example_batch)"
-            ) from None
-        try:  # on this throwaway model: has its library a per-layer checkpointing switch of its own?
-            library = library_checkpointing(model)
-        except Exception as exc:  # noqa: BLE001 - a switch that fails is one not compared with
-            library = None
-            logger.info("the model's own checkpointing switch failed (%s: %s): not compared", type(exc).__name__,
-                        first_line(exc))
-    finally:
-        model = params = batch = None
-        gc.collect()  # models with reference cycles (the --fp32-modules wrappers, Hugging Face's) go now, not later
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the preflight's memory back before the trials measure
-    return {
-        "model_class": model_class,
-        "parameter_count": parameter_count,
-        "parameter_bytes": parameter_bytes,
-        "library_checkpointing": library,
-        "chain": chain,
-    }

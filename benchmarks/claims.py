@@ -32,8 +32,8 @@ import tempfile
 import torch
 
 import autotune
+from autotune.device import backend_for
 from autotune.plans import plan_order
-from autotune.report import environment
 from autotune.units import format_bytes
 
 
@@ -153,7 +153,7 @@ def main() -> None:
         reports = [autotune.load(p) for p in args.reports.split(",")]
     device = reports[0].environment["device_type"]
     data = {"benchmark": "claims", "command": "python benchmarks/claims.py " + " ".join(sys.argv[1:]),
-            "environment": reports[0].environment if not args.run else environment(torch.device(device)),
+            "environment": reports[0].environment if not args.run else backend_for(torch.device(device)).environment(),
             "sources": None if args.run else args.reports.split(","),
             "models": [claims(r) for r in reports]}
     stem = os.path.join(args.out, f"claims-{device}")

@@ -1,7 +1,11 @@
-"""GPU check: the CUDA meter, OOM recovery and a small tune, on one NVIDIA GPU, in a few minutes.
+"""GPU check: the CUDA meter, OOM recovery, a sticky CUDA error and a small tune, on one NVIDIA GPU.
 
-Run with ``bash benchmarks/gpu_check.sh`` on a machine with a CUDA build of torch. It prints
-allocated vs reserved vs NVML figures and exits non-zero if a check fails.
+Run with ``bash benchmarks/gpu_check.sh`` on a machine with a CUDA build of torch (a few
+minutes). It prints allocated vs reserved vs NVML figures and exits non-zero if a check fails.
+What the CPU tests check against a faked ``torch.cuda`` and NVML (tests/test_meters_cuda.py,
+tests/test_device.py) is checked here on the real thing: the budget set only inside a measured
+region, per-step allocated peaks, an OOM's held and needed bytes, the NVML device found by UUID,
+bf16 offered only with hardware support, a device-side assert recorded as ``crashed``.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import time
 import torch
 
 import autotune
-from autotune.meters.cuda import CudaMeter
-from autotune.space import Config
-from autotune.trial import TrialSettings, run_trial
+from autotune.device import backend_for
+from autotune.isolation import run_trial_isolated
+from autotune.meters.cuda import CudaMeter, nvml_handle
+from autotune.records import Config, TrialSettings
+from autotune.trial import run_trial
 from autotune.units import format_bytes
 from autotune.workload import Workload
 
@@ -38,13 +44,24 @@ def main() -> int:
     props = torch.cuda.get_device_properties(dev)
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {props.name}, {format_bytes(props.total_memory)}")
 
-    print("1. CUDA meter: a known allocation")
+    backend = backend_for(dev)
+    names = backend.supported_precisions()
+    print(f"0. precisions {names}; compute capability {props.major}.{props.minor}; NVML handle {nvml_handle(dev)}")
+    check(("bf16" in names) == (props.major >= 8 or bool(torch.version.hip)), "bf16 offered exactly where the GPU has it")
+
+    print("1. CUDA meter: a known allocation, then per-step peaks")
     meter = CudaMeter(dev)
     with meter.measure() as h:
         x = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)  # 256 MiB
         y = torch.empty(128 * 2**20, dtype=torch.uint8, device=dev)  # 128 MiB
         del x, y
+        h.reset_peak()
+        z = torch.empty(64 * 2**20, dtype=torch.uint8, device=dev)  # a later "step" of 64 MiB
+        step_allocated, step_reserved = h.peak_bytes(), h.peak_reserved_bytes()
+        del z
     r = h.reading
+    print(f"  second step: allocated peak {format_bytes(step_allocated)}, reserved {format_bytes(step_reserved)}")
+    check(step_allocated == 64 * 2**20, "a step's allocated peak is its own (64 MiB), not the region's")
     print(f"  allocated {format_bytes(r.peak_allocated_bytes)}, reserved {format_bytes(r.peak_reserved_bytes)}, "
           f"NVML device-used {format_bytes(r.peak_nvml_bytes)}")
     check(r.peak_allocated_bytes == 384 * 2**20, "max_memory_allocated is exactly the 384 MiB allocated")
@@ -58,18 +75,31 @@ def main() -> int:
     meter = CudaMeter(dev, budget_bytes=budget)
     settings = TrialSettings(warmup_steps=2, measure_steps=3)
     base = torch.cuda.memory_allocated(dev)
-    statuses = []
-    for _ in range(5):
-        statuses.append(run_trial(workload, Config("fp32", 0, 4096), device=dev, meter=meter, settings=settings).status)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: None)(dev)
+    ooms = [run_trial(workload, Config("fp32", 0, 4096), device=dev, meter=meter, settings=settings) for _ in range(5)]
+    statuses = [m.status for m in ooms]
     ok = run_trial(workload, Config("fp32", 0, 8), device=dev, meter=meter, settings=settings)
-    meter.close()
     print(f"  5 x batch 4096: {statuses}; then batch 8: {ok.status}, peak reserved {format_bytes(ok.peak_bytes)}, "
           f"allocated {format_bytes(ok.peak_allocated_bytes)}, NVML {format_bytes(ok.peak_nvml_bytes)}")
+    print(f"  the first oom: held {format_bytes(ooms[0].oom_held_bytes)}, needed {format_bytes(ooms[0].oom_needed_bytes)}, "
+          f"peak {format_bytes(ooms[0].peak_bytes)}")
     check(statuses == ["oom"] * 5, "batch 4096 is an oom outcome under a 2 GiB budget, five times")
+    check(ooms[0].oom_held_bytes is not None and ooms[0].oom_held_bytes <= budget < (ooms[0].oom_needed_bytes or 0)
+          == ooms[0].peak_bytes, "an oom trial holds less than the budget and needed more, its peak the need")
+    check(getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: None)(dev) == fraction,
+          "the memory fraction is back to what it was outside the measured regions")
     check(ok.status == "ok" and ok.peak_bytes <= budget, "a small trial after the OOMs runs and fits")
     check(torch.cuda.memory_allocated(dev) == base, "allocated memory back to where it started")
 
-    print("3. A small tune: isolated trials (the CUDA default), then the probe on token_dataset")
+    print("3. A device-side assert in a worker is a crashed trial; the next trial runs")
+    crash_w = Workload.from_specs("tests.models:DeviceAssert")
+    crashed = run_trial_isolated(crash_w, Config("fp32", 0, 4), device=dev, budget_bytes=None, settings=settings)
+    after = run_trial_isolated(crash_w, Config("fp32", 0, 2), device=dev, budget_bytes=None, settings=settings)
+    print(f"  batch 4: {crashed.status} ({crashed.error}); batch 2: {after.status}")
+    check(crashed.status == "crashed" and "CUDA" in (crashed.error or ""), "the device-side assert is recorded as crashed")
+    check(after.status == "ok", "a fresh worker trains the next trial")
+
+    print("4. A small tune: isolated trials (the CUDA default), then the probe on token_dataset")
     start = time.monotonic()
     report = autotune.tune("autotune.examples:TinyGPT", data="autotune.examples:token_dataset", device="cuda",
                            budget="4GiB", precisions="fp32,fp16,bf16", segments="0,3,every2,all", batch_sizes="8..512",
@@ -84,6 +114,8 @@ def main() -> int:
     check(bool(report.plan_checks) and all(c.ok for c in report.plan_checks),
           "every checkpoint plan passed its check on CUDA (bitwise, or within the plan-free step's own noise)")
     check(bool(report.probe) and all(r.peak_bytes_max for r in report.probe), "the probe measured per-step peaks on CUDA")
+    check(all(r.peak_bytes_median <= (r.peak_reserved_bytes_max or 0) for r in report.probe if r.peak_bytes_median),
+          "the probe's median step peak (allocated, reset per step) is below the reserved peak beside it")
     rows = [(m.config, m.peak_allocated_bytes, m.peak_reserved_bytes, m.peak_nvml_bytes) for m in report.trials if m.status == "ok"]
     print("  allocated / reserved / NVML per ok trial (MiB):")
     for config, a, res, n in rows:

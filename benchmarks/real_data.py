@@ -24,11 +24,11 @@ import time
 import torch
 
 import autotune
+from autotune.device import backend_for
 from autotune.errors import is_oom
 from autotune.meters import TensorMeter
-from autotune.report import environment
-from autotune.space import Config
-from autotune.trial import Trainer, TrialSettings, run_trial
+from autotune.records import Config, TrialSettings
+from autotune.trial import Trainer, run_trial
 from autotune.units import format_bytes, parse_size
 from autotune.workload import Workload, to_device
 
@@ -108,7 +108,7 @@ def main() -> None:
                      "epoch_metered": epoch(workload, config, budget, metered=True),
                      "epoch_timed": epoch(workload, config, budget, metered=False)})
     result = {"benchmark": "real_data", "command": "python benchmarks/real_data.py " + " ".join(sys.argv[1:]),
-              "environment": environment(torch.device("cpu")), "dataset": f"{LOADER}(size={args.size})",
+              "environment": backend_for(torch.device("cpu")).environment(), "dataset": f"{LOADER}(size={args.size})",
               "budget_bytes": budget, "headroom": report.headroom, "data": report.data, "tune_s": round(tune_s, 1),
               "recommendation": None if rec is None else vars(rec.config), "rows": rows}
     stem = os.path.join(args.out, "real_data-cpu")

@@ -43,10 +43,10 @@ import warnings
 import torch
 
 import autotune
+from autotune.device import backend_for
 from autotune.meters import TensorMeter
 from autotune.pareto import recommend
-from autotune.report import environment
-from autotune.space import Config
+from autotune.records import Config
 from autotune.units import format_bytes, parse_size
 from autotune.workload import Workload
 
@@ -90,7 +90,7 @@ def finder_rows(grid, budget, headroom):
     sizes = sorted(grid.search["space"]["batch_sizes"])
     by_plan = {}
     for m in grid.trials:
-        by_plan.setdefault(m.config.plan, {})[m.batch_size] = _Trial(m, budget)
+        by_plan.setdefault(m.config.variant, {})[m.batch_size] = _Trial(m, budget)
     rows = {}
     for name, finder in (("lightning-style", lightning_style), ("accelerate-style", accelerate_style)):
         trials, found, seconds = 0, {}, 0.0
@@ -324,7 +324,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             models = [run_model(name, args, folder) for name in args.models.split(",")]
         data = {"benchmark": "search_efficiency", "command": command,
-                "environment": environment(torch.device(args.device)), "wall_s": round(time.monotonic() - started, 1),
+                "environment": backend_for(torch.device(args.device)).environment(), "wall_s": round(time.monotonic() - started, 1),
                 "models": models}
     with open(stem + ".json", "w") as f:
         json.dump(data, f, indent=2, default=str)

@@ -18,8 +18,8 @@ import weakref
 import torch
 
 from autotune.meters import TensorMeter
-from autotune.space import Config
-from autotune.trial import TrialSettings, run_trial
+from autotune.records import Config, TrialSettings
+from autotune.trial import run_trial
 from autotune.workload import Workload
 
 TINY = {"n_layer": 2, "block_size": 16, "n_embd": 16, "n_head": 2, "vocab_size": 32}

@@ -289,3 +289,44 @@ class _Stream(torch.utils.data.IterableDataset):
 
 def stream():
     return _Stream()
+
+
+class DiesInTheProbe(nn.Module):
+    """Trains normally for a dozen steps, then kills its process: a crash only a long run (the probe) meets."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 12 and torch.is_grad_enabled():
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.lin(x).square().mean()
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 4)
+
+
+def vectors():
+    return [torch.randn(4) for _ in range(64)]
+
+
+class DeviceAssert(nn.Module):
+    """Indexes past its embedding at batch size 4: on CUDA a device-side assert, which poisons the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+
+    def forward(self, idx):
+        if idx.shape[0] == 4:
+            idx = idx + 100  # out of range: an illegal access on the GPU, an IndexError on the CPU
+        return self.emb(idx).square().mean()
+
+    def example_batch(self, batch_size):
+        return torch.randint(8, (batch_size, 3))

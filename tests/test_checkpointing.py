@@ -7,7 +7,7 @@ from autotune.errors import AutotuneError, UsageError
 from autotune.examples import ResNetish, TinyGPT
 from autotune.meters import TensorMeter
 from autotune.plans import auto_plans
-from autotune.trial import keep_in_fp32
+from autotune.precision import keep_in_fp32
 
 
 class TupleBlock(nn.Module):

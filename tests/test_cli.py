@@ -124,7 +124,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys, monke
 
 def test_a_precision_the_device_cannot_run_is_bad_input(tmp_path, capsys, monkeypatch):
     # Every mode runs on this CPU; a device without fp16 is what a GPU before Volta, or an old CPU build, reports.
-    monkeypatch.setattr("autotune.tuner.supported_precisions", lambda device: ["fp32", "bf16"])
+    monkeypatch.setattr("autotune.device.Backend.supported_precisions", lambda self: ["fp32", "bf16"])
     code = main(["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--precisions", "fp32,fp16", "--quiet",
                  "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o.json"), *QUICK])
     err = capsys.readouterr().err.strip().splitlines()

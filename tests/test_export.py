@@ -45,7 +45,7 @@ def variant(report: autotune.Report, precision: str, segments: str, target: int 
 
 
 def steps_of(report: autotune.Report) -> int:
-    return report.plan["accumulation_steps"] if report.plan else 1
+    return report.accumulation["accumulation_steps"] if report.accumulation else 1
 
 
 def test_quickstart_export_is_json_safe_and_carries_the_recommendation(quickstart):
@@ -61,12 +61,12 @@ def test_quickstart_export_is_json_safe_and_carries_the_recommendation(quickstar
 
 def test_plan_sets_accumulation_everywhere(quickstart):
     report = variant(quickstart, "fp32", "0", target=64)  # micro 16 -> 4 steps
-    assert report.plan["accumulation_steps"] == 4
+    assert report.accumulation["accumulation_steps"] == 4
     assert export(report, "hf")["training_arguments"]["gradient_accumulation_steps"] == 4
     assert export(report, "lightning")["trainer"]["accumulate_grad_batches"] == 4
     assert export(report, "deepspeed")["config"]["gradient_accumulation_steps"] == 4
     assert export(report, "accelerate")["accelerator"]["gradient_accumulation_steps"] == 4
-    assert report.plan["lr_note"] in export(report, "hf")["notes"]
+    assert report.accumulation["lr_note"] in export(report, "hf")["notes"]
 
 
 def test_checkpoint_notes_say_what_each_framework_does_instead(quickstart):

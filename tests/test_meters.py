@@ -4,9 +4,11 @@ import weakref
 import pytest
 import torch
 
-from autotune.errors import BudgetExceededError, TrialTimeoutError, is_oom
-from autotune.meters import TensorMeter, make_meter
+from autotune.errors import TrialTimeoutError, is_oom
+from autotune.meters import TensorMeter
 from autotune.meters import cuda as cuda_meter
+from autotune.meters import make_meter
+from autotune.oom import BudgetExceededError
 
 
 def test_counts_parameters_gradients_optimizer_state_and_activations():
@@ -127,3 +129,28 @@ def test_nvml_without_a_driver_is_a_notice_not_a_crash(monkeypatch, caplog):
         assert cuda_meter.nvml_handle(torch.device("cuda", 0)) is None
     assert any("NVML could not be read" in r.message for r in caplog.records)
     del pynvml
+
+
+def test_an_oom_region_reports_what_it_held_and_the_least_it_needed():
+    with pytest.raises(BudgetExceededError):
+        with TensorMeter(budget_bytes=10_000).measure() as h:
+            kept = torch.zeros(1_000)  # 4,000 bytes held
+            torch.zeros(5_000)  # 20,000 more: 24,000 asked for
+    r = h.reading
+    assert (r.oom_held_bytes, r.oom_needed_bytes) == (4_000, 24_000)
+    assert r.peak_bytes == r.peak_allocated_bytes == 24_000  # as before: the total it asked for
+    del kept
+
+
+def test_a_region_that_recovered_from_oom_has_no_oom_figures():
+    with TensorMeter(budget_bytes=10_000).measure() as h:
+        with pytest.raises(BudgetExceededError):
+            torch.zeros(5_000)
+    assert h.reading.oom_held_bytes is None and h.reading.oom_needed_bytes is None
+    assert h.reading.peak_bytes == 20_000
+
+
+def test_the_tensor_meter_has_no_reserved_figure():
+    with TensorMeter().measure() as h:
+        torch.zeros(10)
+        assert h.peak_reserved_bytes() is None

@@ -1,6 +1,5 @@
 from autotune.pareto import batch_limits, pareto_front, recommend
-from autotune.space import Config
-from autotune.trial import Measurement
+from autotune.records import Config, Measurement
 
 MiB = 2**20
 

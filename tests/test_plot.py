@@ -11,8 +11,7 @@ pytest.importorskip("matplotlib", reason="the plots need matplotlib (an optional
 import autotune  # noqa: E402
 from autotune.errors import UsageError  # noqa: E402
 from autotune.plot import MARKERS, memory_figure, pareto_figure, require_matplotlib, write_plots  # noqa: E402
-from autotune.space import Config  # noqa: E402
-from autotune.trial import Measurement  # noqa: E402
+from autotune.records import Config, Measurement  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), os.pardir, "results")
 QUICKSTART_V1 = os.path.join(os.path.dirname(__file__), "data", "quickstart-v1.json")  # a report of schema version 1
@@ -101,7 +100,7 @@ def test_memory_figure_has_a_panel_per_precision_and_a_line_per_plan(grid):
         p = ax.get_title()
         assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
         assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "8", "16", "32", "64", "128", "256"]
-        plans = sorted(s for q, s in model.plans if q == p)
+        plans = sorted(s for q, s in model.lines if q == p)
         fits = by_gid(ax, "fit:")
         assert sorted(g.split(":")[2] for g in fits) == plans == sorted(["0", "every4", "2", "4", "8", "all"])
         for s in plans:
@@ -109,7 +108,7 @@ def test_memory_figure_has_a_panel_per_precision_and_a_line_per_plan(grid):
             assert fit.get_linestyle() == "--" and fit.get_color() == measured.get_color()
             b = fit.get_xdata()
             np.testing.assert_allclose(fit.get_ydata(), [model.predict((p, s), x) / MiB for x in b])
-            ok = sorted((m for m in grid.trials if m.config.plan == (p, s) and m.status == "ok"), key=lambda m: m.batch_size)
+            ok = sorted((m for m in grid.trials if m.config.variant == (p, s) and m.status == "ok"), key=lambda m: m.batch_size)
             assert list(measured.get_xdata()) == [m.batch_size for m in ok]
             np.testing.assert_allclose(measured.get_ydata(), [m.peak_bytes / MiB for m in ok])
             assert measured.get_marker() == MARKERS[p]
@@ -127,7 +126,7 @@ def test_memory_figure_has_a_panel_per_precision_and_a_line_per_plan(grid):
 
 def test_one_point_plans_get_their_shared_intercept_line_over_the_search(quickstart):
     fig = memory_figure(quickstart)
-    sources = {plan: m.source for plan, m in quickstart.memory_model.plans.items()}
+    sources = {plan: m.source for plan, m in quickstart.memory_model.lines.items()}
     assert sources[("fp32", "2")] == "shared-intercept"
     fit = by_gid(fig.axes[0], "fit:fp32:2")["fit:fp32:2"]
     assert (fit.get_xdata()[0], fit.get_xdata()[-1]) == pytest.approx((1, 64))

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import autotune
-from autotune.apply import accumulation_plan
 from autotune.meters import TensorMeter
-from autotune.probe import ProbeSettings, choose, probe_candidates, run_probe
-from autotune.space import Config
-from autotune.trial import Measurement, TrialSettings, run_trial
+from autotune.pareto import choose, probe_candidates
+from autotune.probe import run_probe
+from autotune.records import Config, Measurement, ProbeSettings, TrialSettings, accumulation_plan
+from autotune.trial import run_trial
 from autotune.workload import Workload
 
 TINY = {"n_layer": 4, "block_size": 64, "n_embd": 32, "n_head": 4, "vocab_size": 64}
@@ -37,12 +37,12 @@ def test_probe_trains_an_epoch_over_a_tenth_of_the_data_and_plans_the_target_bat
     assert chosen == {k: data["recommendation"][k] for k in ("precision", "segments", "batch_size")}
     fastest = max(probe["candidates"], key=lambda c: c["samples_per_s"])
     assert (fastest["precision"], fastest["segments"], fastest["batch_size"]) == tuple(chosen.values())
-    plan = data["plan"]
+    plan = data["accumulation"]
     assert plan["micro_batch_size"] == chosen["batch_size"]
     assert plan["micro_batch_size"] * plan["accumulation_steps"] >= 256 == plan["target_batch_size"]
     assert "learning rate" in plan["lr_note"]
     back = autotune.load(tmp_path / "r.json") if report.to_json(tmp_path / "r.json") else None
-    assert back.recommendation == report.recommendation and back.plan == report.plan
+    assert back.recommendation == report.recommendation and back.accumulation == report.accumulation
 
 
 def test_variable_lengths_do_not_surprise_the_probe(tmp_path):
@@ -111,7 +111,7 @@ def test_candidates_and_choice():
 
     front = [m(1, 10, 5.0), m(2, 20, 9.0), m(4, 40, 12.0), m(8, 95, 20.0)]
     assert [c.batch_size for c in probe_candidates(front, 100, 0.1, top=2)] == [4, 2]
-    from autotune.probe import ProbeResult
+    from autotune.records import ProbeResult
 
     results = [ProbeResult(Config("fp32", "0", 4), False, "oom: x"), ProbeResult(Config("fp32", "0", 2), True, samples_per_s=8.0)]
     assert choose(results).config.batch_size == 2

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import autotune
+import autotune.store
 from autotune import isolation
 from autotune.meters import TensorMeter
-from autotune.space import Config
-from autotune.trial import TrialSettings, run_trial
+from autotune.records import Config, TrialSettings
+from autotune.trial import run_trial
 from autotune.workload import Workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +32,7 @@ def cli(*args, **popen):
 
 
 def measured_trials(storage, study):
-    trials = optuna.load_study(study_name=study, storage=autotune.search.make_storage(storage)).get_trials(deepcopy=False)
+    trials = optuna.load_study(study_name=study, storage=autotune.store.make_storage(storage)).get_trials(deepcopy=False)
     return [t for t in trials if "measurement" in t.user_attrs]
 
 

@@ -24,7 +24,7 @@ def test_json_has_the_documented_fields(report, tmp_path):
     path = tmp_path / "out.json"
     report.to_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 2
+    assert data["schema_version"] == 3
     assert {"torch_version", "device_name", "total_memory_bytes"} <= set(data["environment"])
     assert data["workload"]["model"] == "autotune.examples:TinyGPT" and data["workload"]["parameter_count"] > 0
     assert data["workload"]["chain"] == {"length": 4, "containers": ["transformer.h"], "block_types": ["Block"],
@@ -40,6 +40,8 @@ def test_json_has_the_documented_fields(report, tmp_path):
             assert trial["plan"] == {"name": trial["segments"], "chain_length": 4,
                                      "recomputed_blocks": [0, 1] if trial["segments"] == "2" else []}
     assert {t["status"] for t in data["trials"]} == {"ok", "oom"}
+    for trial in (t for t in data["trials"] if t["status"] == "oom"):  # both figures, named for what they are
+        assert trial["oom_held_bytes"] <= data["budget_bytes"] < trial["oom_needed_bytes"] == trial["peak_bytes"]
     assert {(r["precision"], r["segments"]) for r in data["limits"]} == {("fp32", "0"), ("fp32", "2"), ("bf16", "0"), ("bf16", "2")}
     assert all(r["max_batch_size"] == 4 for r in data["limits"])
     rec = data["recommendation"]
@@ -79,7 +81,7 @@ def test_reports_of_schema_version_1_still_load_show_and_apply(tmp_path, caplog)
     old = autotune.load(path)
     assert old.search["space"]["segments"] == ["0", "2"] and old.search["space"]["blocks"] == 12
     assert {m.segments for m in old.trials} == {"0", "2"} and old.recommendation is not None
-    assert json.loads(old.to_json())["schema_version"] == 2  # written again in today's terms
+    assert json.loads(old.to_json())["schema_version"] == 3  # written again in today's terms
     assert {r["segments"] for r in old.memory_model.to_list()} == {"0", "2"}
     out = subprocess.run([sys.executable, "-m", "autotune", "show", path], capture_output=True, text=True)
     assert out.returncode == 0 and "recommendation: bf16, segments 0" in out.stdout

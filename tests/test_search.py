@@ -4,10 +4,10 @@ import torch
 
 from autotune.errors import UsageError
 from autotune.meters import TensorMeter
+from autotune.records import Config, TrialSettings
 from autotune.search import run_search
-from autotune.space import Config, SearchSpace
+from autotune.space import SearchSpace
 from autotune.strategies import GridStrategy, make_strategy
-from autotune.trial import TrialSettings
 from autotune.workload import Workload
 
 QUICK = TrialSettings(warmup_steps=2, measure_steps=2)
@@ -81,7 +81,7 @@ def test_unknown_strategy_is_bad_input():
 
 
 def test_a_new_study_names_its_objectives_for_optunas_own_tools(tmp_path):
-    from autotune.search import open_study
+    from autotune.store import open_study
 
     open_study("named", f"sqlite:///{tmp_path}/n.db", workload_key="k")
     assert optuna.load_study(study_name="named", storage=f"sqlite:///{tmp_path}/n.db").metric_names == [

@@ -9,14 +9,14 @@ import random
 
 import pytest
 
+from autotune.errors import UsageError
 from autotune.memory_model import MemoryModel
 from autotune.pareto import batch_limits, recommend
 from autotune.plans import recompute_fraction
-from autotune.space import Config, SearchSpace
+from autotune.records import Config, Measurement
+from autotune.space import SearchSpace
 from autotune.strategies import AutoStrategy, GridStrategy, OptunaStrategy, make_strategy
 from autotune.strategies.auto import bracket, next_in_bracket
-from autotune.trial import Measurement
-from autotune.errors import UsageError
 
 MiB = 2**20
 BUDGET = 1024 * MiB
@@ -146,7 +146,7 @@ def test_a_plan_another_worker_is_measuring_is_left_to_it():
     strategy = AutoStrategy(fixed_bytes_hint=8 * MiB)
     first = strategy.propose(SPACE, {}, BUDGET)
     second = strategy.propose(SPACE, {}, BUDGET, pending=frozenset({first}))
-    assert second is not None and second.plan != first.plan
+    assert second is not None and second.variant != first.variant
 
 
 def test_smaller_budgets_come_from_the_same_trials_where_the_model_is_sure():
@@ -170,12 +170,12 @@ def test_the_memory_model_recovers_lines_and_predicts_unmeasured_plans():
     trial = measure(linear)
     points = [trial(Config("fp32", "0", b)) for b in (1, 8)] + [trial(Config("fp32", "4", 16)), trial(Config("bf16", "0", 8))]
     model = MemoryModel.fit(points, [(p, s) for p in ("fp32", "bf16") for s in ("0", "4")], blocks=BLOCKS)
-    fp32 = model.plans[("fp32", "0")]
+    fp32 = model.lines[("fp32", "0")]
     assert fp32.source == "fit" and fp32.fixed_bytes == pytest.approx(8 * MiB, rel=1e-6)
     assert fp32.per_sample_bytes == pytest.approx(18 * MiB, rel=1e-6) and fp32.max_error_bytes < 1
-    assert model.plans[("fp32", "4")].source == "shared-intercept"
+    assert model.lines[("fp32", "4")].source == "shared-intercept"
     assert model.predict(("fp32", "4"), 64) == pytest.approx(linear(Config("fp32", "4", 64)), rel=1e-6)
-    bf16_4 = model.plans[("bf16", "4")]  # never measured: fp32's plan scaled by the bf16/fp32 ratio of plan 0
+    bf16_4 = model.lines[("bf16", "4")]  # never measured: fp32's plan scaled by the bf16/fp32 ratio of plan 0
     assert bf16_4.source == "predicted" and bf16_4.points == 0
     assert bf16_4.predict(64) == pytest.approx(linear(Config("bf16", "4", 64)), rel=0.02)
     row = model.to_list()[0]

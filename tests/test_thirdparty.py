@@ -136,8 +136,7 @@ def test_a_comparison_that_fails_is_a_notice_and_the_report_is_kept(tmp_path, mo
 def test_the_library_switch_survives_a_rebuild_from_the_spec_in_a_worker():
     _needs("transformers")
     from autotune import isolation
-    from autotune.space import Config
-    from autotune.trial import TrialSettings
+    from autotune.records import Config, TrialSettings
 
     spec = Workload.from_specs("autotune.thirdparty:gpt2", model_kwargs=GPT2).spec
     lib = Workload.from_specs(**{**spec, "library_checkpointing": True})

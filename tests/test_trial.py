@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from autotune.meters import TensorMeter
-from autotune.space import Config
-from autotune.trial import Measurement, TrialSettings, run_trial
+from autotune.records import Config, Measurement, TrialSettings
+from autotune.trial import run_trial
 from autotune.workload import Workload
 
 QUICK = TrialSettings(warmup_steps=2, measure_steps=3)

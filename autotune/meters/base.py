@@ -16,6 +16,12 @@ class MemoryReading:
     ``peak_bytes`` is the figure the budget is compared to: tracked live tensor bytes for the
     tensor meter, the caching allocator's reserved bytes on CUDA. The other fields are filled
     where the meter can read them and are ``None`` elsewhere.
+
+    When the region raised an out-of-memory error, ``oom_held_bytes`` is what was held when the
+    failing allocation was made and ``oom_needed_bytes`` that plus the allocation that failed: the
+    least the region needed (``None`` when the failed size is unknown). ``peak_bytes`` is then at
+    least ``oom_needed_bytes`` when it is known, else at least ``oom_held_bytes``: a lower bound on
+    the region's need, above the budget when the budget was what refused it.
     """
 
     peak_bytes: int
@@ -23,6 +29,8 @@ class MemoryReading:
     peak_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved
     peak_nvml_bytes: int | None = None  # device memory used, sampled through NVML (all processes)
     source: str = ""  # which meter produced it: "tensor" or "cuda"
+    oom_held_bytes: int | None = None  # held when the allocation failed (reserved on CUDA, tracked on CPU)
+    oom_needed_bytes: int | None = None  # oom_held_bytes plus the size of the allocation that failed
 
 
 class Meter(abc.ABC):
@@ -32,6 +40,10 @@ class Meter(abc.ABC):
     :class:`MemoryReading`. When a budget is set, exceeding it inside the region raises an error
     that :func:`autotune.errors.is_oom` recognises (a ``torch.OutOfMemoryError``); the reading
     is still filled in. A meter is reusable: each ``measure()`` starts from a fresh peak.
+
+    A meter changes no process-wide setting outside ``measure()``: whatever it sets to enforce
+    the budget (a CUDA memory fraction) is set on entering the region and put back on leaving it,
+    also when the region raised.
     """
 
     #: True when metering slows the measured code down, so timing must run outside it.
@@ -49,22 +61,40 @@ class Meter(abc.ABC):
         """
 
     def close(self) -> None:
-        """Undo any process-wide setting the meter made (for example a CUDA memory fraction)."""
+        """Do nothing; kept so that callers written when meters held settings between regions still run.
+
+        Meters no longer hold any process-wide setting outside :meth:`measure`, so there is
+        nothing to undo; new code need not call it.
+        """
 
 
 class Measuring:
     """Handle yielded by :meth:`Meter.measure`; ``reading`` is set when the block ends.
 
-    ``reset_peak()`` and ``peak_bytes()`` measure a part of the region, such as one step.
+    ``reset_peak()``, ``peak_bytes()`` and ``peak_reserved_bytes()`` measure a part of the region,
+    such as one step. Resetting does not lower the region's reading, which keeps the largest peak.
     """
 
     reading: MemoryReading | None = None
 
     def reset_peak(self) -> None:
-        """Start a new peak from the memory in use now."""
+        """Start new peaks from the memory in use now."""
         raise NotImplementedError
 
     def peak_bytes(self) -> int:
-        """Return the peak since the region began or since :meth:`reset_peak`, in bytes."""
+        """Return the peak of allocated bytes (live tensors) since the region began or :meth:`reset_peak`.
+
+        On CUDA this is ``torch.cuda.max_memory_allocated``, which falls back between steps as
+        tensors are freed; for the tensor meter, tracked live tensor bytes.
+        """
         raise NotImplementedError
+
+    def peak_reserved_bytes(self) -> int | None:
+        """Return the peak of reserved bytes since the region began or :meth:`reset_peak`; ``None`` without one.
+
+        On CUDA this is ``torch.cuda.max_memory_reserved``: the caching allocator keeps freed
+        blocks, so it starts each step from what the earlier steps left cached. The tensor meter
+        has no allocator, and no reserved figure.
+        """
+        return None
 

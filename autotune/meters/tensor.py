@@ -20,8 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autotune.errors import BudgetExceededError, TrialTimeoutError
-from autotune.meters.base import MemoryReading, Measuring, Meter
+from autotune.errors import TrialTimeoutError, is_oom
+from autotune.meters.base import Measuring, MemoryReading, Meter
+from autotune.oom import BudgetExceededError
 
 __all__ = ["TensorMeter"]
 
@@ -35,6 +36,7 @@ class _Tracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0  # of what was allowed
         self.refused_bytes = 0  # the largest total an allocation asked for and was refused
+        self.refused_held_bytes = 0  # what was live when that allocation was refused
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (nbytes, finaliser)
 
     def track(self, tensors: Iterable[object]) -> None:
@@ -67,7 +69,8 @@ class _Tracker(TorchDispatchMode):
                 size, finaliser = self._storages.pop(storage)
                 finaliser.detach()
                 self.live_bytes -= size
-            self.refused_bytes = max(self.refused_bytes, tried)
+            if tried > self.refused_bytes:
+                self.refused_bytes, self.refused_held_bytes = tried, self.live_bytes
             raise BudgetExceededError(nbytes, tried, self.budget_bytes)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
@@ -106,18 +109,35 @@ class TensorMeter(Meter):
         """Track tensors created in the block; ``deadline`` (``time.monotonic()``) stops it."""
         tracker = _Tracker(self.device_type, self.budget_bytes, deadline)
         handle = _TensorMeasuring(tracker)
+        raised: BaseException | None = None
         try:
             with tracker:
                 yield handle
+        except BaseException as exc:
+            raised = exc
+            raise
         finally:
-            # A region that ran out of memory reports the total it asked for: a lower bound on its need.
-            peak = max(tracker.peak_bytes, handle.region_peak, tracker.refused_bytes)
-            handle.reading = MemoryReading(
-                peak_bytes=peak,
-                peak_allocated_bytes=peak,
-                source="tensor",
-            )
+            handle.reading = _reading(tracker, handle, raised)
             tracker.release()
+
+
+def _reading(tracker: _Tracker, handle: "_TensorMeasuring", raised: BaseException | None) -> MemoryReading:
+    """Return the region's reading; ``raised`` is what the block raised, if anything."""
+    # A region that ran out of memory reports the total it asked for: a lower bound on its need.
+    peak = max(tracker.peak_bytes, handle.region_peak, tracker.refused_bytes)
+    held = needed = None
+    if raised is not None and is_oom(raised):
+        if tracker.refused_bytes:  # the largest refusal: the one peak_bytes reports
+            held, needed = tracker.refused_held_bytes, tracker.refused_bytes
+        else:  # an out-of-memory error the budget did not raise: its size is unknown here
+            held = tracker.live_bytes
+    return MemoryReading(
+        peak_bytes=peak,
+        peak_allocated_bytes=peak,
+        source="tensor",
+        oom_held_bytes=held,
+        oom_needed_bytes=needed,
+    )
 
 
 class _TensorMeasuring(Measuring):

@@ -24,32 +24,14 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from autotune.memory_model import MemoryModel
-from autotune.space import Config, SearchSpace
+from autotune.pareto import bracket
+from autotune.records import Config, Measurement, usable_bytes
+from autotune.space import SearchSpace
 from autotune.strategies.base import Strategy
-from autotune.trial import Measurement
 
-__all__ = ["AutoStrategy", "bracket"]
+__all__ = ["AutoStrategy", "next_in_bracket"]
 
 _BISECT_AFTER = 3  # trials of one plan after which the model is not trusted to close its bracket
-
-
-def _feasible(m: Measurement, limit: float | None) -> bool | None:
-    """True if the trial fits ``limit``, False if it does not (or could not run), None when unknown."""
-    if m.status == "ok":
-        return limit is None or (m.peak_bytes or 0) <= limit
-    return False  # oom, timeout, failed, crashed: nothing larger is tried
-
-
-def bracket(sizes: list[int], outcomes: Mapping[int, bool]) -> tuple[int, int]:
-    """Return (lo, hi): indices of the largest size known to fit and the smallest above it known not to.
-
-    ``lo`` is -1 when no size fits, ``hi`` is ``len(sizes)`` when none above ``lo`` fails. The
-    boundary is found when ``hi == lo + 1``.
-    """
-    fits = [i for i, b in enumerate(sizes) if outcomes.get(b) is True]
-    lo = max(fits, default=-1)
-    hi = min((i for i, b in enumerate(sizes) if i > lo and outcomes.get(b) is False), default=len(sizes))
-    return lo, hi
 
 
 def next_in_bracket(sizes: list[int], outcomes: Mapping[int, bool], predicted: Mapping[int, float] | None,
@@ -72,7 +54,7 @@ def next_in_bracket(sizes: list[int], outcomes: Mapping[int, bool], predicted: M
 
 
 def _dominates(fast: str, slow: str, measured: Mapping[Config, Measurement], model: MemoryModel,
-               plans: list[tuple[str, int]], smallest: int, largest: int) -> bool:
+               variants: list[tuple[str, str]], smallest: int, largest: int) -> bool:
     """Whether precision ``fast`` beats ``slow`` on both axes: faster in every configuration measured in both
     (at least one), and predicted to need no more memory in any plan at any batch size."""
     pairs = [(m.samples_per_s, measured[Config(fast, c.segments, c.batch_size)].samples_per_s)
@@ -80,8 +62,8 @@ def _dominates(fast: str, slow: str, measured: Mapping[Config, Measurement], mod
              and Config(fast, c.segments, c.batch_size) in measured]
     if not pairs or any(q is None or q <= s for s, q in pairs):
         return False
-    for _, segments in (pl for pl in plans if pl[0] == slow):
-        a, b = model.plans.get((fast, segments)), model.plans.get((slow, segments))
+    for _, segments in (pl for pl in variants if pl[0] == slow):
+        a, b = model.lines.get((fast, segments)), model.lines.get((slow, segments))
         if a is None or b is None or any(a.predict(n) > b.predict(n) * (1 + 1e-9) for n in (smallest, largest)):
             return False  # two lines: no higher at both ends, no higher anywhere between
     return True
@@ -101,47 +83,47 @@ class AutoStrategy(Strategy):
                 *, pending: frozenset[Config] = frozenset()) -> Config | None:
         sizes = sorted(space.batch_sizes)
         ordered = space.ordered_plans()  # least recompute first
-        plans = [(p, s) for s in ordered for p in space.precisions]  # a precision's ratio early
-        model = MemoryModel.fit(measured.values(), plans, fixed_bytes_hint=self.fixed_bytes_hint, blocks=space.blocks)
-        busy = {c.plan for c in pending}
-        by_plan: dict[tuple[str, int], dict[int, Measurement]] = {}
+        variants = [(p, s) for s in ordered for p in space.precisions]  # a precision's ratio early
+        model = MemoryModel.fit(measured.values(), variants, fixed_bytes_hint=self.fixed_bytes_hint, blocks=space.blocks)
+        busy = {c.variant for c in pending}
+        by_variant: dict[tuple[str, str], dict[int, Measurement]] = {}
         for c, m in measured.items():
-            by_plan.setdefault(c.plan, {})[c.batch_size] = m
+            by_variant.setdefault(c.variant, {})[c.batch_size] = m
 
-        def outcomes(plan, limit):
-            return {b: _feasible(m, limit) for b, m in by_plan.get(plan, {}).items()}
+        def outcomes(variant, limit):
+            return {b: m.fits(limit) for b, m in by_variant.get(variant, {}).items()}
 
-        def predicted(plan):
-            return None if plan not in model.plans else {b: model.predict(plan, b) for b in sizes}
+        def predicted(variant):
+            return None if variant not in model.lines else {b: model.predict(variant, b) for b in sizes}
 
         # 1. The budget's boundary of every plan, measured on both sides.
         waiting = False
-        for plan in plans:
-            b = next_in_bracket(sizes, outcomes(plan, budget_bytes), predicted(plan), budget_bytes,
-                                len(by_plan.get(plan, {})))
+        for variant in variants:
+            b = next_in_bracket(sizes, outcomes(variant, budget_bytes), predicted(variant), budget_bytes,
+                                len(by_variant.get(variant, {})))
             if b is not None:
-                if plan in busy:
+                if variant in busy:
                     waiting = True
                     continue
-                return Config(*plan, b)
+                return Config(*variant, b)
         if waiting:
             return None  # the rest depends on trials other workers are running
         # 2. Smaller budgets: measure a boundary only where the model is not clear of it.
         margin = max(0.05, model.relative_error())
         for limit in (b for b in self.budgets if budget_bytes is None or b < budget_bytes):
-            for plan in plans:
-                b = self._uncertain(sizes, outcomes(plan, limit), predicted(plan), limit, margin)
-                if b is not None and Config(*plan, b) not in pending:
-                    return Config(*plan, b)
+            for variant in variants:
+                b = self._uncertain(sizes, outcomes(variant, limit), predicted(variant), limit, margin)
+                if b is not None and Config(*variant, b) not in pending:
+                    return Config(*variant, b)
         # 3. Throughput along each precision's envelope, for every budget less headroom; a precision
         # slower wherever both were measured, and needing more memory in every plan, is skipped.
         for budget in dict.fromkeys([budget_bytes, *self.budgets]):
-            limit = None if budget is None else budget * (1.0 - self.headroom)
+            limit = usable_bytes(budget, self.headroom)
             for precision in space.precisions:
-                if any(_dominates(other, precision, measured, model, plans, sizes[0], sizes[-1])
+                if any(_dominates(other, precision, measured, model, variants, sizes[0], sizes[-1])
                        for other in space.precisions if other != precision):
                     continue
-                config = self._climb(precision, ordered, sizes, by_plan, model, limit)
+                config = self._climb(precision, ordered, sizes, by_variant, model, limit)
                 if config is not None and config not in pending:
                     return config
         return None
@@ -157,23 +139,23 @@ class AutoStrategy(Strategy):
         return None
 
     @staticmethod
-    def _climb(precision, segments, sizes, by_plan, model, limit) -> Config | None:
+    def _climb(precision, segments, sizes, by_variant, model, limit) -> Config | None:
         """The next point of the precision's throughput climb under ``limit``, or None at a local maximum."""
         envelope: list[Config] = []
         for b in sizes:
             for s in segments:  # least recompute first
-                trials = by_plan.get((precision, s), {})
+                trials = by_variant.get((precision, s), {})
                 if b in trials:
-                    fits = _feasible(trials[b], limit)
+                    fits = trials[b].fits(limit)
                 else:  # not measured: not if a smaller size of the plan failed the limit, else as predicted
                     guess = model.predict((precision, s), b)
                     fits = (guess is not None and (limit is None or guess <= limit)
-                            and all(_feasible(m, limit) for c, m in trials.items() if c < b))
+                            and all(m.fits(limit) for c, m in trials.items() if c < b))
                 if fits:
                     envelope.append(Config(precision, s, b))
                     break
-        speeds = {i: by_plan[c.plan][c.batch_size].samples_per_s for i, c in enumerate(envelope)
-                  if c.batch_size in by_plan.get(c.plan, {})}
+        speeds = {i: by_variant[c.variant][c.batch_size].samples_per_s for i, c in enumerate(envelope)
+                  if c.batch_size in by_variant.get(c.variant, {})}
         if not envelope:
             return None
         if not speeds:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import abc
 from typing import Mapping
 
-from autotune.space import Config, SearchSpace
-from autotune.trial import Measurement
+from autotune.records import Config, Measurement
+from autotune.space import SearchSpace
 
 __all__ = ["Strategy"]
 

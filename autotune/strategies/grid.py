@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from autotune.space import Config, SearchSpace
+from autotune.records import Config, Measurement
+from autotune.space import SearchSpace
 from autotune.strategies.base import Strategy
-from autotune.trial import Measurement
 
 __all__ = ["GridStrategy"]
 

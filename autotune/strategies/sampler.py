@@ -14,9 +14,10 @@ from typing import Mapping
 
 import optuna
 
-from autotune.space import Config, SearchSpace
+from autotune.records import Config, Measurement
+from autotune.space import SearchSpace
+from autotune.store import distributions as space_distributions
 from autotune.strategies.base import Strategy
-from autotune.trial import Measurement
 
 __all__ = ["OptunaStrategy"]
 
@@ -41,11 +42,7 @@ class OptunaStrategy(Strategy):
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Config | None:
         limit = self.n_trials if self.n_trials is not None else max(1, len(space) // 4)
-        distributions = {
-            "precision": optuna.distributions.CategoricalDistribution(space.precisions),
-            "segments": optuna.distributions.CategoricalDistribution(space.segments),
-            "batch_size": optuna.distributions.CategoricalDistribution(space.batch_sizes),
-        }
+        distributions = space_distributions(space)  # as the store declares them
         if self._shadow is None:
             sampler = optuna.samplers.NSGAIISampler(population_size=max(4, min(20, limit // 3)), seed=self.seed)
             self._shadow = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)

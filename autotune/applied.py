@@ -24,36 +24,11 @@ from autotune._log import logger
 from autotune.checkpointing import Chain, apply_plan
 from autotune.errors import UsageError
 from autotune.plans import canonical, is_off
-from autotune.precision import get_mode
-from autotune.trial import GuardRails, Measurement, keep_in_fp32
+from autotune.precision import get_mode, keep_in_fp32
+from autotune.records import GuardRails, Measurement, accumulation_plan
+from autotune.report import Report
 
-__all__ = ["Applied", "apply", "accumulation_plan"]
-
-
-def accumulation_plan(micro_batch_size: int, target_batch_size: int | None) -> dict[str, Any]:
-    """Return gradient-accumulation steps so that micro x steps reaches ``target_batch_size``."""
-    if target_batch_size is None:
-        return {"target_batch_size": None, "micro_batch_size": micro_batch_size, "accumulation_steps": 1,
-                "effective_batch_size": micro_batch_size, "lr_note": None}
-    if target_batch_size < 1:
-        raise UsageError(f"--target-batch-size {target_batch_size} must be at least 1")
-    steps = max(1, math.ceil(target_batch_size / micro_batch_size))
-    effective = micro_batch_size * steps
-    if effective == target_batch_size:
-        note = (f"keep the learning rate you tuned for batch {target_batch_size}: {steps} micro-batches of "
-                f"{micro_batch_size} make one optimizer step of exactly that batch")
-    else:
-        note = (f"the effective batch is {effective}, not {target_batch_size}: keep the learning rate of batch "
-                f"{target_batch_size} scaled linearly by {effective}/{target_batch_size} = "
-                f"{effective / target_batch_size:.3f}, or train with micro-batches of "
-                f"{math.ceil(target_batch_size / steps)} to hit the target")
-    if micro_batch_size > target_batch_size:
-        note = (f"the recommended micro-batch ({micro_batch_size}) is larger than the target: train with batch "
-                f"{target_batch_size} at your tuned learning rate, or with batch {micro_batch_size} and the learning "
-                f"rate scaled linearly by {micro_batch_size / target_batch_size:.3f}")
-        steps, effective = 1, micro_batch_size
-    return {"target_batch_size": target_batch_size, "micro_batch_size": micro_batch_size, "accumulation_steps": steps,
-            "effective_batch_size": effective, "lr_note": note}
+__all__ = ["Applied", "apply", "prepare", "accumulation_plan"]
 
 
 @dataclasses.dataclass
@@ -68,7 +43,12 @@ class Applied:
     scaler: "torch.amp.GradScaler | None"  # fp16 only
     clip_grad_norm: float | None
     device_type: str
-    plan: dict[str, Any]
+    plan: dict[str, Any]  # the checkpoint plan applied: name and recomputed blocks
+    record_loss_scale: bool = False  # fp16: keep the scale after each step and count skipped steps (trials, probe)
+    record_grad_norm: bool = False  # keep each step's gradient norm, computed even without clipping (the probe)
+    loss_scales: list[float] = dataclasses.field(default_factory=list)
+    skipped_steps: int = 0  # steps the GradScaler skipped because gradients held inf/NaN
+    grad_norms: list[float] = dataclasses.field(default_factory=list)  # after unscaling, before clipping
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The autocast context for the forward pass and the loss (a no-op for fp32)."""
@@ -79,15 +59,26 @@ class Applied:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> float | None:
-        """Unscale, clip, step and zero the gradients; return the gradient norm when clipping."""
+        """Unscale, clip, step and zero the gradients; return the gradient norm when clipping (or recording).
+
+        This is the step trials and the probe time too: what they measure is this loop.
+        """
         norm = None
-        if self.scaler is not None and self.clip_grad_norm is not None:
-            self.scaler.unscale_(optimizer)
-        if self.clip_grad_norm is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm))
+        measure_norm = self.clip_grad_norm is not None or self.record_grad_norm
+        if self.scaler is not None and measure_norm:
+            self.scaler.unscale_(optimizer)  # clip and report the true gradients, not scaled ones
+        if measure_norm:
+            max_norm = self.clip_grad_norm if self.clip_grad_norm is not None else float("inf")
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            if self.record_grad_norm:
+                self.grad_norms.append(norm)
         if self.scaler is not None:
+            before = self.scaler.get_scale() if self.record_loss_scale else None
             self.scaler.step(optimizer)
             self.scaler.update()
+            if self.record_loss_scale:
+                self.loss_scales.append(self.scaler.get_scale())
+                self.skipped_steps += self.loss_scales[-1] < before  # the scaler halves its scale exactly when it skips
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -107,13 +98,11 @@ class _Recommended:
 
 def _recommendation_fields(recommendation: Any) -> _Recommended:
     """Read a Report, a Measurement or the JSON dict of either."""
-    from autotune.report import Report
-
     if isinstance(recommendation, Report):
         rec = recommendation.recommendation
         if rec is None:
             raise UsageError("the report has no recommendation: nothing fitted the budget")
-        return _Recommended(rec.to_dict(), recommendation.plan or {}, recommendation.guard.to_dict(),
+        return _Recommended(rec.to_dict(), recommendation.accumulation or {}, recommendation.guard.to_dict(),
                             [c.to_dict() for c in recommendation.plan_checks], recommendation.workload.get("chain"))
     if isinstance(recommendation, Measurement):
         return _Recommended(recommendation.to_dict())
@@ -121,7 +110,8 @@ def _recommendation_fields(recommendation: Any) -> _Recommended:
         if "recommendation" in recommendation:  # a whole report, as loaded from JSON
             if recommendation["recommendation"] is None:
                 raise UsageError("the report has no recommendation: nothing fitted the budget")
-            return _Recommended(recommendation["recommendation"], recommendation.get("plan") or {},
+            return _Recommended(recommendation["recommendation"],
+                                recommendation.get("accumulation", recommendation.get("plan")) or {},  # "plan" in v1-2
                                 recommendation.get("guard") or {}, recommendation.get("plan_checks"),
                                 (recommendation.get("workload") or {}).get("chain"))
         return _Recommended(recommendation)
@@ -158,9 +148,8 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
     either. ``device_type`` defaults to where the model's parameters are.
     """
     source = _recommendation_fields(recommendation)
-    fields, plan = source.trial, source.accumulation
-    guard = GuardRails(clip_grad_norm=source.guard.get("clip_grad_norm"),
-                       fp32_modules=tuple(source.guard.get("fp32_modules", ())))
+    fields, accumulation = source.trial, source.accumulation
+    guard = GuardRails.from_dict(source.guard)
     if device_type is None:
         first = next(model.parameters(), None)
         device_type = first.device.type if first is not None else "cpu"
@@ -171,18 +160,33 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
     if missing:
         raise UsageError(f"the report's blocks are not in this {type(model).__name__} (no {missing[0]}): apply a report "
                          f"made for this model")
+    micro = int(accumulation.get("micro_batch_size") or fields["batch_size"])
+    return prepare(model, precision=fields["precision"], segments=segments, chain=chain, guard=guard,
+                   device_type=device_type, micro_batch_size=micro,
+                   accumulation_steps=int(accumulation.get("accumulation_steps") or 1))
+
+
+def prepare(model: nn.Module, *, precision: str, segments: str, chain: Chain | None, guard: GuardRails,
+            device_type: str, micro_batch_size: int, accumulation_steps: int = 1, record_loss_scale: bool = False,
+            record_grad_norm: bool = False) -> Applied:
+    """Apply the guard rails' fp32 modules and the checkpoint plan to ``model`` in place; return its :class:`Applied`.
+
+    The one way a model is prepared for training: :func:`apply` for users, and every trial and
+    probe candidate (recording loss scales, and for the probe gradient norms).
+    """
     keep_in_fp32(model, guard.fp32_modules, device_type)
     applied_plan = apply_plan(model, segments, chain)
-    mode = get_mode(fields["precision"])
-    micro = int(plan.get("micro_batch_size") or fields["batch_size"])
+    mode = get_mode(precision)
     return Applied(
         model=model,
         precision=mode.name,
-        segments=segments,
-        micro_batch_size=micro,
-        accumulation_steps=int(plan.get("accumulation_steps") or 1),
+        segments=canonical(segments),
+        micro_batch_size=micro_batch_size,
+        accumulation_steps=accumulation_steps,
         scaler=mode.grad_scaler(device_type),
         clip_grad_norm=guard.clip_grad_norm,
         device_type=device_type,
         plan=applied_plan.to_dict(),
+        record_loss_scale=record_loss_scale,
+        record_grad_norm=record_grad_norm,
     )

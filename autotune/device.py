@@ -1,0 +1,232 @@
+"""The device backend: every place autotune behaves differently on CUDA and elsewhere, in one class.
+
+:func:`backend_for` picks :class:`CudaBackend` or :class:`Backend` (the CPU, and any other device
+through the tensor meter) once, at the boundary; the stages ask it, never ``device.type``:
+synchronise before reading a clock, release memory after a trial, total memory, the default
+isolation, the precisions the device runs, the meter (whose ``measure()`` applies the budget for
+its region and puts the setting back) and a description for the report. Cleanup that runs while
+another error propagates never raises over it: after a sticky CUDA error every CUDA call fails,
+and the error worth reporting is the first one.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import platform
+import time
+from typing import Any, Callable
+
+import torch
+
+from autotune._log import logger, notice_once
+from autotune.errors import UsageError, first_line
+from autotune.meters import Meter, make_meter
+from autotune.precision import PRECISIONS
+
+__all__ = ["Backend", "CudaBackend", "backend_for", "resolve_device", "ram_bytes", "slowdown_vs_fp32", "SLOW_FACTOR"]
+
+SLOW_FACTOR = 8.0  # a mode whose matmuls run this many times slower than fp32 leaves the defaults
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """Return ``device`` as a ``torch.device`` (default: CUDA when available, else the CPU)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N ({exc})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: this torch sees no CUDA GPU (install a CUDA build of torch, or use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif device.type != "cpu":
+        notice_once(f"device type {device.type!r}: memory is measured with the tensor meter")
+    return device
+
+
+@functools.lru_cache(maxsize=None)
+def slowdown_vs_fp32(name: str, device_type: str, n: int = 384) -> float:
+    """Return how many times slower an ``n`` x ``n`` matmul runs in ``name`` than in fp32 (median of 5).
+
+    For devices whose ops run synchronously (the CPU): CUDA keeps every mode it supports.
+    """
+    dtype = PRECISIONS[name].autocast_dtype or torch.float32
+
+    def median_s(dt: torch.dtype) -> float:
+        a = torch.randn(n, n, device=device_type).to(dt)
+        b = torch.randn(n, n, device=device_type).to(dt)
+        times = []
+        for _ in range(6):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        return sorted(times[1:])[2]  # the first call warms up kernels and caches
+
+    return median_s(dtype) / median_s(torch.float32)
+
+
+def ram_bytes() -> int | None:
+    """Return the machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class Backend:
+    """The CPU (and any non-CUDA device): tensor meter, no synchronisation, trials in this process."""
+
+    meter_name = "TensorMeter"
+    default_isolation = "none"  # a trial cannot poison the process: no worker start-up to pay
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    def kind(self) -> str:
+        """What the study's identity names: workers on devices of one kind share a study."""
+        return self.device.type
+
+    def total_bytes(self) -> int | None:
+        """Return the device's memory in bytes (the machine's RAM for the CPU), or None if unknown."""
+        return ram_bytes()
+
+    def synchronize(self) -> None:
+        """Wait for queued work to finish (a no-op where ops run synchronously)."""
+
+    def timed(self, fn: Callable[[], Any]) -> float:
+        """Run ``fn`` to completion on the device; return its seconds."""
+        self.synchronize()
+        start = time.perf_counter()
+        fn()
+        self.synchronize()
+        return time.perf_counter() - start
+
+    def release(self) -> None:
+        """Free what a finished trial left: reference cycles first (a model's weights may sit in one)."""
+        gc.collect()
+
+    def meter(self, budget_bytes: int | None = None) -> Meter:
+        """Return the meter for this device; ``budget_bytes`` is enforced inside its ``measure()`` regions."""
+        return make_meter(self.device, budget_bytes=budget_bytes)
+
+    def supported_precisions(self) -> list[str]:
+        """Return the precision modes the device can train in at all (autocast runs a matmul)."""
+        names = ["fp32"]
+        for name in ("fp16", "bf16"):
+            try:
+                with torch.autocast(self.device.type, dtype=PRECISIONS[name].autocast_dtype):
+                    torch.ones(2, 2, device=self.device) @ torch.ones(2, 2, device=self.device)
+            except Exception:  # noqa: BLE001 - any failure means the mode is not available here
+                continue
+            names.append(name)
+        return names
+
+    def default_precisions(self) -> list[str]:
+        """Return the supported modes that are not pathologically slow here.
+
+        A mode whose matmuls run more than ``SLOW_FACTOR`` times slower than fp32 (fp16 on CPUs
+        without native half arithmetic) is left out, with a notice; asking for it explicitly still
+        runs it, cut at ``--trial-timeout``.
+        """
+        kept = []
+        for name in self.supported_precisions():
+            factor = 1.0 if name == "fp32" else slowdown_vs_fp32(name, self.device.type)
+            if factor > SLOW_FACTOR:
+                notice_once(f"{name} matmuls run {factor:.0f}x slower than fp32 on this {self.device.type}: left out of "
+                            f"the default precisions (add it with --precisions to measure it anyway)")
+                continue
+            kept.append(name)
+        return kept
+
+    def environment(self) -> dict[str, Any]:
+        """Describe the machine the trials run on, for the report."""
+        import optuna
+
+        from autotune import __version__
+
+        return {"autotune_version": __version__, "torch_version": torch.__version__, "optuna_version": optuna.__version__,
+                "python_version": platform.python_version(), "platform": platform.platform(),
+                "device": str(self.device), "device_type": self.device.type, **self.describe()}
+
+    def describe(self) -> dict[str, Any]:
+        """The device's part of the report's ``environment``."""
+        return {"device_name": _cpu_name(), "total_memory_bytes": ram_bytes(), "cpu_count": os.cpu_count(),
+                "torch_threads": torch.get_num_threads()}
+
+
+class CudaBackend(Backend):
+    """A CUDA GPU: caching-allocator and NVML meter, asynchronous kernels, one worker process per trial."""
+
+    meter_name = "CudaMeter"
+    default_isolation = "process"  # a sticky CUDA error or a fragmented cache stays in the worker
+
+    def __init__(self, device: torch.device) -> None:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(device)
+
+    @property
+    def kind(self) -> str:
+        return torch.cuda.get_device_name(self.device)
+
+    def total_bytes(self) -> int | None:
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)  # kernels run asynchronously: time them to completion
+
+    def release(self) -> None:
+        """Collect reference cycles, then hand the allocator's cache back; never raise over a sticky error.
+
+        After an illegal memory access every CUDA call fails: the trial has already recorded that
+        error, and a second one from the cleanup would hide it.
+        """
+        gc.collect()  # before empty_cache: a model in a reference cycle still holds its blocks
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            logger.info("releasing CUDA memory failed (%s: %s): the device is unusable", type(exc).__name__,
+                        first_line(exc))
+
+    def supported_precisions(self) -> list[str]:
+        """fp32 and fp16 on every GPU; bf16 where the hardware has it (compute capability 8.0+, or ROCm).
+
+        ``torch.cuda.is_bf16_supported()`` counts emulated bf16 (Volta, Turing) by default, and asks
+        the current device rather than this one: both would offer a mode that runs slowly or fails
+        in cuDNN's convolutions.
+        """
+        names = ["fp32", "fp16"]
+        if torch.version.hip or torch.cuda.get_device_capability(self.device)[0] >= 8:
+            names.append("bf16")
+        return names
+
+    def default_precisions(self) -> list[str]:
+        return self.supported_precisions()  # on a GPU every supported mode is worth measuring
+
+    def describe(self) -> dict[str, Any]:
+        props = torch.cuda.get_device_properties(self.device)
+        return {"device_name": props.name, "total_memory_bytes": props.total_memory, "cuda_version": torch.version.cuda,
+                "compute_capability": f"{props.major}.{props.minor}"}
+
+
+def backend_for(device: str | torch.device) -> Backend:
+    """Return the backend of ``device``: :class:`CudaBackend` on CUDA, :class:`Backend` elsewhere."""
+    device = torch.device(device)
+    return CudaBackend(device) if device.type == "cuda" else Backend(device)

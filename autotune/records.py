@@ -1,0 +1,293 @@
+"""The records every stage passes on: configurations, settings, measurements, probe results, checks.
+
+Plain frozen values with their JSON, and the rules that read them (does a trial fit, what a
+budget leaves after its headroom, how many micro-batches make a target batch). Nothing here
+imports torch: the analysis side (:mod:`autotune.pareto`, :mod:`autotune.memory_model`,
+:mod:`autotune.strategies`, :mod:`autotune.report`) reads a report on a machine without it.
+Times are in seconds and memory in bytes, as the field names say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from autotune.errors import UsageError
+from autotune.plans import canonical
+
+__all__ = [
+    "PRECISION_NAMES", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "STATUSES", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
+    "ProbeResult", "PlanCheck", "quantile", "usable_bytes", "accumulation_plan",
+]
+
+PRECISION_NAMES = ("fp32", "fp16", "bf16")  # the modes of autotune.precision
+INIT_LOSS_SCALE = 2.0**16  # fp16's GradScaler starts here (the practitioner's guide): halve on inf/NaN, grow when quiet
+GROWTH_INTERVAL = 2000  # fp16: clean steps before the scale doubles (GradScaler's default, stated for the exports)
+STATUSES = ("ok", "oom", "timeout", "failed", "crashed")  # crashed: its worker process died, or CUDA is unusable
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Config:
+    """One point of the search space: how a single trial trains."""
+
+    precision: str  # "fp32", "fp16" or "bf16"
+    segments: str  # the checkpoint plan's name (autotune.plans): "0" is off, "2", "all", "every2", ...
+    batch_size: int  # samples per optimizer step
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", canonical(self.segments))  # Config("fp32", 2, 8): plan "2"
+
+    @property
+    def variant(self) -> tuple[str, str]:
+        """The (precision, checkpoint plan) pair: configurations that differ only in batch size."""
+        return (self.precision, self.segments)
+
+    def __str__(self) -> str:
+        return f"{self.precision} segments={self.segments} batch={self.batch_size}"
+
+
+def quantile(values: list[float] | list[int], q: float) -> Any:
+    """Return the smallest of ``values`` with at least a share ``q`` of them at or below it (None when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = math.ceil(q * len(ordered) - 1e-9)  # 0.07 * 100 is 7.000000000000001 in floating point: still the 7th
+    return ordered[min(len(ordered) - 1, max(0, rank - 1))]
+
+
+def usable_bytes(budget_bytes: int | None, headroom: float) -> float | None:
+    """Return what a recommendation may use of ``budget_bytes``: the budget less its headroom share."""
+    return None if budget_bytes is None else budget_bytes * (1.0 - headroom)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardRails:
+    """Numerical guard rails from the practitioner's guide, applied in trials, probes and ``apply``."""
+
+    clip_grad_norm: float | None = None  # clip the global gradient norm to this (after unscaling fp16)
+    fp32_modules: tuple[str, ...] = ()  # module class names kept outside autocast (numerically sensitive)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"clip_grad_norm": self.clip_grad_norm, "fp32_modules": list(self.fp32_modules)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "GuardRails":
+        data = data or {}
+        return cls(clip_grad_norm=data.get("clip_grad_norm"), fp32_modules=tuple(data.get("fp32_modules", ())))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialSettings:
+    """How long each trial trains and how it is cut short."""
+
+    warmup_steps: int = 2  # untimed; on the tensor meter they are the metered steps (at least 2)
+    measure_steps: int = 5  # timed with device synchronisation; the median is reported
+    timeout_s: float | None = 300.0  # a trial running longer is stopped with status "timeout"
+    lr: float = 1e-4  # AdamW learning rate; memory and step time do not depend on it
+    seed: int = 0  # the same initial weights and dropout masks for every trial
+    guard: GuardRails = GuardRails()  # gradient clipping and fp32 modules: part of how a trial trains
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What one trial measured. Times in seconds, memory in bytes; ``None`` where not reached."""
+
+    config: Config
+    status: str  # one of STATUSES
+    peak_bytes: int | None = None  # compared to the budget: tracked tensors (CPU) or CUDA reserved; for an
+    # oom, what the failing step needed at least (oom_needed_bytes) where known, else what it held
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    peak_nvml_bytes: int | None = None
+    oom_held_bytes: int | None = None  # oom: bytes held when the failing allocation was made
+    oom_needed_bytes: int | None = None  # oom: held plus the allocation that failed
+    memory_source: str = ""  # "tensor" or "cuda"
+    step_s: float | None = None  # median of the measured steps
+    step_times_s: tuple[float, ...] = ()
+    samples_per_s: float | None = None
+    step_s_spread: float | None = None  # (slowest - fastest) / median of the timed steps, on their different batches
+    tokens_per_s: float | None = None  # real tokens (attention_mask, or labels not -100) over the timed steps' time
+    loss_first: float | None = None
+    loss_final: float | None = None
+    nonfinite_losses: int = 0
+    loss_scale_history: tuple[float, ...] = ()  # fp16: the GradScaler's scale after each step
+    skipped_steps: int = 0  # fp16: steps the scaler skipped because gradients held inf/NaN
+    plan: dict[str, Any] = dataclasses.field(default_factory=dict)  # the checkpoint plan applied (name, blocks)
+    error: str | None = None
+    wall_s: float = 0.0
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    @property
+    def segments(self) -> str:
+        return self.config.segments
+
+    @property
+    def batch_size(self) -> int:
+        return self.config.batch_size
+
+    def fits(self, limit_bytes: float | None) -> bool:
+        """True when the trial ran to the end and its peak stays within ``limit_bytes`` (None: no limit)."""
+        return self.status == "ok" and (limit_bytes is None or (self.peak_bytes or 0) <= limit_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["step_times_s"] = list(self.step_times_s)
+        data["loss_scale_history"] = list(self.loss_scale_history)
+        return _flatten_config(data, floats=("loss_first", "loss_final"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Measurement":
+        config, kwargs = _unflatten_config(cls, data, floats=("loss_first", "loss_final"))
+        kwargs["step_times_s"] = tuple(kwargs.get("step_times_s", ()))
+        kwargs["loss_scale_history"] = tuple(kwargs.get("loss_scale_history", ()))
+        return cls(config=config, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeSettings:
+    """How many candidates are probed, and on how much data."""
+
+    top: int = 3  # candidates from the Pareto front, fastest first
+    epochs: int = 1
+    fraction: float = 0.1  # share of the dataset, drawn at random (seeded)
+    num_workers: int = 0  # DataLoader worker processes
+    max_skipped_share: float = 0.2  # fp16: more skipped steps than this rejects a candidate
+    seed: int = 0
+    timeout_s: float | None = None  # per candidate pass
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """What one candidate did over the probe's epochs. Memory in bytes, times in seconds."""
+
+    config: Config
+    accepted: bool
+    reason: str | None = None  # why it was rejected
+    steps: int = 0
+    samples: int = 0
+    peak_bytes_max: int | None = None  # the worst step's peak, the worst batch's included (what the budget is judged by)
+    worst_batch_peak_bytes: int | None = None  # the step on the data's worst batch of this size
+    peak_bytes_median: int | None = None  # the median step's own peak (allocated on CUDA, reset every step)
+    peak_reserved_bytes_max: int | None = None  # CUDA: the caching allocator's reserved peak over the probe
+    trial_peak_bytes: int | None = None  # the short trial's peak, for comparison
+    step_s_median: float | None = None
+    step_s_p90: float | None = None
+    samples_per_s: float | None = None
+    loss_start: float | None = None
+    loss_end: float | None = None
+    nonfinite_losses: int = 0
+    loss_scale: dict[str, float] | None = None  # fp16: initial, final, min, skipped_steps
+    grad_norm: dict[str, float] | None = None  # median and max of the global gradient norm
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if data["grad_norm"]:
+            data["grad_norm"] = {k: (v if math.isfinite(v) else str(v)) for k, v in data["grad_norm"].items()}
+        return _flatten_config(data, floats=("loss_start", "loss_end"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ProbeResult":
+        config, kwargs = _unflatten_config(cls, data, floats=("loss_start", "loss_end"))
+        if kwargs.get("grad_norm"):
+            kwargs["grad_norm"] = {k: float(v) for k, v in kwargs["grad_norm"].items()}
+        return cls(config=config, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCheck:
+    """One plan's step compared with the plan-free step: differences are relative to the value's largest magnitude."""
+
+    plan: str
+    status: str  # "exact", "within_noise" (kept), "differs" or "failed" (dropped)
+    batch_size: int
+    recomputed_blocks: tuple[str, ...] = ()
+    max_rel_diff: float | None = None  # the largest relative difference over the loss, gradients and buffers
+    max_abs_diff: float | None = None
+    worst: str | None = None  # where it is: "loss", "grad:NAME" or "buffer:NAME"
+    noise: float = 0.0  # the same measure between two plan-free steps
+    tolerance: float = 0.0  # what was allowed: NOISE_MULTIPLE x noise (0: bitwise)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("exact", "within_noise")
+
+    def describe(self) -> str:
+        """One line for the user: what the plan does differently, or that it is exact."""
+        if self.status == "failed":
+            return f"checkpoint plan {self.plan}: its check step failed ({self.error})"
+        if self.status == "differs":
+            return (f"checkpoint plan {self.plan} trains a different model: {self.worst} differs by "
+                    f"{self.max_rel_diff:.3g} (relative; {self.max_abs_diff:.3g} absolute) from the step without a plan, "
+                    f"more than the {self.tolerance:.3g} allowed")
+        return f"checkpoint plan {self.plan}: {self.status} (largest relative difference {self.max_rel_diff:.3g})"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["recomputed_blocks"] = list(self.recomputed_blocks)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PlanCheck":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        kwargs["recomputed_blocks"] = tuple(kwargs.get("recomputed_blocks", ()))
+        return cls(**kwargs)
+
+
+def accumulation_plan(micro_batch_size: int, target_batch_size: int | None) -> dict[str, Any]:
+    """Return gradient-accumulation steps so that micro x steps reaches ``target_batch_size``."""
+    if target_batch_size is None:
+        return {"target_batch_size": None, "micro_batch_size": micro_batch_size, "accumulation_steps": 1,
+                "effective_batch_size": micro_batch_size, "lr_note": None}
+    if target_batch_size < 1:
+        raise UsageError(f"--target-batch-size {target_batch_size} must be at least 1")
+    steps = max(1, math.ceil(target_batch_size / micro_batch_size))
+    effective = micro_batch_size * steps
+    if effective == target_batch_size:
+        note = (f"keep the learning rate you tuned for batch {target_batch_size}: {steps} micro-batches of "
+                f"{micro_batch_size} make one optimizer step of exactly that batch")
+    else:
+        note = (f"the effective batch is {effective}, not {target_batch_size}: keep the learning rate of batch "
+                f"{target_batch_size} scaled linearly by {effective}/{target_batch_size} = "
+                f"{effective / target_batch_size:.3f}, or train with micro-batches of "
+                f"{math.ceil(target_batch_size / steps)} to hit the target")
+    if micro_batch_size > target_batch_size:
+        note = (f"the recommended micro-batch ({micro_batch_size}) is larger than the target: train with batch "
+                f"{target_batch_size} at your tuned learning rate, or with batch {micro_batch_size} and the learning "
+                f"rate scaled linearly by {micro_batch_size / target_batch_size:.3f}")
+        steps, effective = 1, micro_batch_size
+    return {"target_batch_size": target_batch_size, "micro_batch_size": micro_batch_size, "accumulation_steps": steps,
+            "effective_batch_size": effective, "lr_note": note}
+
+
+def _flatten_config(data: dict[str, Any], *, floats: tuple[str, ...]) -> dict[str, Any]:
+    """A dataclass dict with its ``config`` spread into the top level, JSON-safe.
+
+    Strict JSON has no NaN or inf: the ``floats`` fields keep them as text ("nan", "inf").
+    """
+    config = data.pop("config")
+    for key in floats:
+        if data.get(key) is not None and not math.isfinite(data[key]):
+            data[key] = str(data[key])
+    return {**config, **data}
+
+
+def _unflatten_config(cls: type, data: dict[str, Any], *, floats: tuple[str, ...]) -> tuple[Config, dict[str, Any]]:
+    """The inverse of :func:`_flatten_config`: the Config and the keyword arguments ``cls`` knows."""
+    data = dict(data)
+    config = Config(data.pop("precision"), canonical(data.pop("segments")), int(data.pop("batch_size")))
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in data.items() if k in fields}
+    for key in floats:
+        if isinstance(kwargs.get(key), str):
+            kwargs[key] = float(kwargs[key])
+    return config, kwargs

@@ -1,0 +1,216 @@
+"""The trial store: an Optuna study holding every trial's measurement, and how trials go in and out.
+
+Each configuration is an Optuna trial with its parameters (precision, segments, batch_size) and
+the whole measurement as user attributes; the study's user attributes hold what makes its trials
+comparable (the workload's key, the search space) and the plan checks. The storage is any Optuna
+URL, by default a SQLite file in ``results/`` named after the study, or a journal file. Optuna's
+private API is used in one place, :func:`_set_user_attr`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import time
+import warnings
+from typing import Any, Iterator
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune._log import logger
+from autotune.errors import UsageError, first_line
+from autotune.plans import canonical
+from autotune.records import Config, Measurement
+from autotune.space import SearchSpace
+
+__all__ = [
+    "METRIC_NAMES", "STATE", "FINISHED", "fingerprint", "default_study_name", "default_storage", "make_storage",
+    "open_study", "distributions", "stored_plan_checks", "store_plan_checks", "reusable", "config_of", "record",
+    "abandon", "stamp", "quiet_optuna",
+]
+
+STATE = {"ok": TrialState.COMPLETE, "oom": TrialState.PRUNED, "timeout": TrialState.PRUNED,
+         "failed": TrialState.FAIL, "crashed": TrialState.FAIL}
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+METRIC_NAMES = ("samples_per_s", "peak_bytes")  # the study's two objectives, maximised and minimised
+_OPEN_ATTEMPTS = 3
+
+
+def default_study_name(model_name: str, device_type: str, options_key: str | None = None) -> str:
+    """Return ``MODEL-DEVICE`` (with a short hash of non-default workload options), safe as a file name."""
+    model = re.sub(r"[^A-Za-z0-9_.-]+", "-", model_name.rpartition(":")[2] or model_name)
+    suffix = f"-{options_key[:8]}" if options_key else ""
+    return f"{model}{suffix}-{device_type}"
+
+
+def default_storage(study_name: str, results_dir: str = "results") -> str:
+    """Return the SQLite URL of ``results/<study>.db``, creating the folder."""
+    os.makedirs(results_dir, exist_ok=True)
+    return f"sqlite:///{os.path.join(results_dir, study_name)}.db"
+
+
+def fingerprint(**parts: object) -> str:
+    """Return a stable hash of JSON-serialisable parts: what makes two searches measure the same thing."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def quiet_optuna() -> Iterator[None]:
+    """Silence Optuna's INFO lines (one per trial would drown our table) inside the block."""
+    previous = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(previous)
+
+
+def make_storage(url: str) -> str | optuna.storages.BaseStorage:
+    """Return what Optuna takes for ``url``: an RDB URL as it is, or a journal file for ``journal:///PATH``.
+
+    A journal file (``optuna.storages.JournalStorage``) is the storage Optuna recommends for
+    several processes on one machine or a shared file system; SQLite suits one worker.
+    """
+    if url.startswith("journal://"):
+        path = url[len("journal://"):]
+        if not path:
+            raise UsageError(f"--storage {url!r}: write journal:///path/to/file.log")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"cannot open the trial store --storage {url!r}: the folder {folder} does not exist")
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+    return url
+
+
+def open_study(study_name: str, storage: str, *, workload_key: str, space: SearchSpace | None = None) -> optuna.Study:
+    """Create or load the study; refuse one made for a different workload or search space."""
+    for attempt in range(_OPEN_ATTEMPTS):
+        try:
+            with quiet_optuna():
+                study = optuna.create_study(
+                    study_name=study_name, storage=make_storage(storage), directions=["maximize", "minimize"],
+                    load_if_exists=True,
+                )
+            break
+        except UsageError:
+            raise
+        except Exception as exc:  # a bad URL, an unreachable server, a read-only file
+            # Workers starting together on a new database race to create its tables: try again.
+            if attempt == _OPEN_ATTEMPTS - 1:
+                raise UsageError(f"cannot open the trial store --storage {storage!r}: {type(exc).__name__}: "
+                                 f"{first_line(exc)}") from None
+            time.sleep(0.5 * (attempt + 1))
+    expected = {"workload_key": workload_key}
+    if space is not None:
+        expected["space"] = space.to_dict()
+    known = study.user_attrs
+    for key, value in expected.items():
+        if key not in known:
+            study.set_user_attr(key, value)
+    if "workload_key" not in known:  # a new study: name its objectives for Optuna's own tools (optuna-dashboard)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # stable since 3.2 in practice
+            study.set_metric_names(list(METRIC_NAMES))
+    if known.get("workload_key", workload_key) != workload_key:
+        raise UsageError(
+            f"study {study_name!r} in {storage} holds trials of a different model, data, loss or device: "
+            f"pass another --study name (or --storage) to start a new one"
+        )
+    if space is not None and known.get("space", space.to_dict()) != space.to_dict():
+        old = known["space"]
+        raise UsageError(
+            f"study {study_name!r} was made for another search space (precisions {','.join(old['precisions'])}, "
+            f"segments {','.join(map(str, old['segments']))}, batch sizes {','.join(map(str, old['batch_sizes']))}): "
+            f"pass the same flags, or another --study name"
+        )
+    return study
+
+
+def distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDistribution]:
+    """The Optuna distributions of ``space``'s three parameters, as the store and the sampler declare them."""
+    return {
+        "precision": optuna.distributions.CategoricalDistribution(space.precisions),
+        "segments": optuna.distributions.CategoricalDistribution(space.segments),
+        "batch_size": optuna.distributions.CategoricalDistribution(space.batch_sizes),
+    }
+
+
+def stored_plan_checks(study_name: str, storage: str, *, workload_key: str, key: str) -> list[dict] | None:
+    """The plan checks stored in the study under ``key`` (how they were made), or None."""
+    study = open_study(study_name, storage, workload_key=workload_key)
+    return (study.user_attrs.get("plan_checks") or {}).get(key)
+
+
+def store_plan_checks(study_name: str, storage: str, *, workload_key: str, key: str, checks: list[dict]) -> None:
+    """Keep the plan checks in the study, so that a resumed search (or another worker) reuses them."""
+    study = open_study(study_name, storage, workload_key=workload_key)
+    study.set_user_attr("plan_checks", {**(study.user_attrs.get("plan_checks") or {}), key: checks})
+
+
+def reusable(attrs: dict, *, settings_key: str, budget_bytes: int | None, timeout_s: float | None) -> Measurement | None:
+    """Return the stored measurement if it answers the same question under this budget and time limit."""
+    data = attrs.get("measurement")
+    if data is None or attrs.get("settings_key") != settings_key:
+        return None
+    measurement = Measurement.from_dict(data)
+    stored_budget = attrs.get("budget_bytes")
+    if measurement.status == "oom" and stored_budget is not None and (budget_bytes is None or stored_budget < budget_bytes):
+        return None  # it ran out of a smaller budget than today's (or today has none): it may fit now
+    stored_timeout = attrs.get("timeout_s")
+    if measurement.status == "timeout" and stored_timeout is not None and (timeout_s is None or stored_timeout < timeout_s):
+        return None  # it was cut sooner than today's limit would cut it
+    return measurement
+
+
+def config_of(trial: FrozenTrial) -> Config | None:
+    """The configuration a trial measures: its parameters, or those it was queued with.
+
+    A trial popped from the queue is RUNNING a moment before its parameters are written; its
+    queued parameters say what it will run.
+    """
+    params = trial.params if len(trial.params) == 3 else trial.system_attrs.get("fixed_params", {})
+    try:
+        return Config(params["precision"], canonical(params["segments"]), int(params["batch_size"]))
+    except (KeyError, TypeError, ValueError, UsageError):
+        return None
+
+
+def record(study: optuna.Study, trial: optuna.Trial, m: Measurement, distributions: dict, attrs: dict, *,
+           worker: str) -> None:
+    """Store a measurement on its trial; as a new trial (stamped ``worker``) if another worker closed ours meanwhile."""
+    attrs = {"status": m.status, **attrs, "measurement": m.to_dict()}  # the measurement last: it marks a stored trial
+    values = [m.samples_per_s, m.peak_bytes] if m.status == "ok" else None
+    try:
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        study.tell(trial, values, state=STATE[m.status])
+    except (RuntimeError, ValueError, optuna.exceptions.OptunaError):
+        # Judged stale by another worker (a stalled heartbeat) and failed: the measurement still counts.
+        logger.info("trial %d was closed by another worker; its measurement is stored as a new trial", trial.number)
+        study.add_trial(optuna.trial.create_trial(
+            params=dataclasses.asdict(m.config), distributions=distributions, state=STATE[m.status], values=values,
+            user_attrs={**attrs, "worker": worker}))
+
+
+def abandon(study: optuna.Study, trial: optuna.Trial | FrozenTrial, why: str) -> None:
+    """Close a trial that measured nothing, so that its configuration is proposed again."""
+    with contextlib.suppress(Exception):  # it may have been closed meanwhile by its own worker
+        stamp(study, trial, "status", why)
+        study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+
+
+def stamp(study: optuna.Study, trial: optuna.Trial | FrozenTrial, key: str, value: Any) -> None:
+    """Set a user attribute of ``trial``, also one read back from the store or owned by another thread.
+
+    Optuna's public ``Trial.set_user_attr`` belongs to the live ``Trial`` object of the process
+    that asked for it; a trial read back from the store (a ``FrozenTrial``: another worker's trial
+    that is abandoned, or ours from the heartbeat thread) has no public way to be written. So the
+    storage is called with the trial's id: Optuna's private ``_storage`` and ``_trial_id``, used
+    here and nowhere else.
+    """
+    study._storage.set_trial_user_attr(trial._trial_id, key, value)

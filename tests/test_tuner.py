@@ -1,0 +1,129 @@
+"""The tuner's stages, each on its own typed input and output, and the CUDA-path defects they fix."""
+
+import gc
+import signal
+import weakref
+
+import pytest
+import torch
+
+import autotune
+from autotune import tuner
+from autotune.errors import UsageError
+from autotune.options import Options
+from autotune.records import Config
+
+TINY = {"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
+
+
+def _options(tmp_path, **kwargs):
+    base = dict(model="autotune.examples:TinyGPT", model_kwargs=TINY, device="cpu", budget="64MiB", precisions="fp32",
+                segments="0,2", batch_sizes="2,4", measure_steps=2, storage=f"sqlite:///{tmp_path}/t.db", study="t",
+                probe=False, compare_library=False)
+    return Options(**{**base, **kwargs})
+
+
+def test_resolve_reads_the_options_against_this_machine(tmp_path):
+    target = tuner.resolve(_options(tmp_path, budget=None, budgets="32MiB"))
+    assert target.device == torch.device("cpu") and target.isolation == "none"
+    assert target.budget_bytes == 32 * 2**20 and target.budgets == () and target.enforced_bytes == 32 * 2**20
+    assert target.precisions == ("fp32",) and target.data_profile is None
+    assert any("no --data" in n for n in target.notices)
+    whole = tuner.resolve(_options(tmp_path, budget=None))
+    assert whole.budget_bytes == whole.backend.total_bytes()  # no budget: the device's memory
+
+
+def test_resolve_finds_the_worst_batch_of_every_size(tmp_path):
+    target = tuner.resolve(_options(tmp_path, data="tests.models:tiny_variable_loader", model_kwargs={**TINY, "block_size": 64}))
+    assert set(target.workload.worst_batches) == {2, 4} and target.data_profile["items"] == 640
+
+
+def test_preflight_builds_the_model_once_and_lets_it_go(tmp_path, monkeypatch):
+    built = []
+    from autotune.workload import Workload
+
+    original = Workload.build_model
+
+    def tracked(self):
+        model = original(self)
+        model.me = [model]  # a reference cycle, as Hugging Face models and --fp32-modules wrappers have
+        built.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(Workload, "build_model", tracked)
+    gc.disable()  # only the preflight may collect the cycle
+    try:
+        facts = tuner.preflight(tuner.resolve(_options(tmp_path)))
+    finally:
+        gc.enable()
+    assert facts.model_class == "TinyGPT" and facts.parameter_count > 0 and facts.parameter_bytes == 4 * facts.parameter_count
+    assert facts.chain.length == 4 and facts.chain.ordered_by == "forward" and facts.library_checkpointing is None
+    assert len(built) == 1 and built[0]() is None  # gone before the trials measure
+
+
+def test_preflight_refuses_a_budget_below_the_parameters(tmp_path):
+    with pytest.raises(UsageError, match="smaller than the model's parameters"):
+        tuner.preflight(tuner.resolve(_options(tmp_path, budget="16KiB")))
+
+
+def test_plan_study_checks_the_plans_and_names_the_study(tmp_path):
+    target = tuner.resolve(_options(tmp_path))
+    study = tuner.plan_study(target, tuner.preflight(target))
+    assert study.name == "t" and study.storage == f"sqlite:///{tmp_path}/t.db"
+    assert study.space.segments == ("0", "2") and study.space.blocks == 4
+    assert [(c.plan, c.status) for c in study.checks] == [("2", "exact")]
+    assert study.workload.chain is not None and not study.compare_library
+    again = tuner.plan_study(target, tuner.preflight(target))  # the checks come from the study this time
+    assert again.checks == study.checks and again.workload_key == study.workload_key
+
+
+def test_search_and_analyse_make_the_report_the_stages_describe(tmp_path):
+    options = _options(tmp_path)
+    target = tuner.resolve(options)
+    facts = tuner.preflight(target)
+    study = tuner.plan_study(target, facts)
+    seen = []
+    result = tuner.search(target, facts, study, tuner._Events(None, lambda m, reused: seen.append(m.config), None))
+    report = tuner.analyse(target, facts, study, result)
+    assert not result.partial and len(result.measurements) == len(seen) >= 2
+    assert report.search["space"] == study.space.to_dict() and report.plan_checks == study.checks
+    assert report.recommendation is not None
+    assert tuner.probe(report, target, study, tuner._Events(None, None, None)) is report  # probe=False: as it was
+    assert autotune.tune("autotune.examples:TinyGPT", **{f.name: getattr(options, f.name) for f in
+                                                           options.__dataclass_fields__.values() if f.name != "model"}
+                         ).trials == report.trials  # run() is these stages: the same trials, reused from the study
+
+
+def test_an_unpicklable_model_with_process_isolation_is_one_clear_line_up_front(tmp_path):
+    with pytest.raises(UsageError, match="--isolation none") as info:
+        autotune.tune(lambda: torch.nn.Linear(4, 4), device="cpu", isolation="process", budget="1GiB",
+                      storage=f"sqlite:///{tmp_path}/l.db")
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_a_probe_candidate_that_crashes_its_worker_is_rejected_not_the_run(tmp_path):
+    # With --isolation process the probe runs in a worker too: this model kills its process after a
+    # dozen steps, which the short trials never reach and the probe's epoch does.
+    report = autotune.tune("tests.models:DiesInTheProbe", data="tests.models:vectors", device="cpu", isolation="process",
+                           budget="1GiB", precisions="fp32", segments="0", batch_sizes="2,4", measure_steps=2,
+                           probe_fraction=1.0, probe_top=1, storage=f"sqlite:///{tmp_path}/d.db", study="d")
+    assert all(m.status == "ok" for m in report.trials)
+    (candidate,) = report.probe
+    assert not candidate.accepted and candidate.reason.startswith("crashed: the probe's worker process killed by SIGKILL")
+    assert report.recommendation is None
+    assert signal.SIGKILL.name in report.table()
+
+
+def test_a_trial_steps_through_the_users_loop(monkeypatch, tmp_path):
+    from autotune.applied import Applied
+    from autotune.meters import TensorMeter
+    from autotune.records import TrialSettings
+    from autotune.trial import run_trial
+    from autotune.workload import Workload
+
+    steps = []
+    original = Applied.step
+    monkeypatch.setattr(Applied, "step", lambda self, optimizer: steps.append(self.precision) or original(self, optimizer))
+    w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)
+    m = run_trial(w, Config("bf16", "0", 2), device="cpu", meter=TensorMeter(), settings=TrialSettings(measure_steps=3))
+    assert m.status == "ok" and steps == ["bf16"] * (2 + 3)  # two metered warm-up steps, three timed
