@@ -1,0 +1,257 @@
+"""Several workers on one study: who is alive, who claimed a configuration first, what a survey reads."""
+
+import dataclasses
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from optuna.trial import TrialState
+
+from autotune import workers
+from autotune.records import Config, Measurement
+from autotune.space import SearchSpace
+from autotune.store import distributions, open_study, record
+from autotune.workers import Heartbeat, claim, is_alive, survey, worker_id
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPACE = SearchSpace(("fp32", "bf16"), ("0", "all"), (1, 2, 4))
+DIST = distributions(SPACE)
+A, B = Config("fp32", "0", 2), Config("bf16", "all", 4)
+
+
+@pytest.fixture
+def study(tmp_path):
+    return open_study("s", f"sqlite:///{tmp_path / 'trials.db'}", workload_key="wk", space=SPACE)
+
+
+@pytest.fixture
+def live_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # exited and reaped: its pid names no process
+    return proc.pid
+
+
+def here(pid):
+    """The worker id a process ``pid`` on this machine would stamp."""
+    host, ns, _ = worker_id().rsplit(":", 2)
+    return f"{host}:{ns}:{pid}"
+
+
+def running(study, config, **user_attrs):
+    """A RUNNING trial of ``config`` with ``user_attrs``, as read back from the store."""
+    study.enqueue_trial(dataclasses.asdict(config))
+    trial = study.ask(DIST)
+    for key, value in user_attrs.items():
+        trial.set_user_attr(key, value)
+    return next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
+
+
+def finished(study, m, settings_key="s", budget=None):
+    study.enqueue_trial(dataclasses.asdict(m.config))
+    trial = study.ask(DIST)
+    record(study, trial, m, DIST, {"settings_key": settings_key, "budget_bytes": budget, "timeout_s": None}, worker="w")
+
+
+def ok(config):
+    return Measurement(config, "ok", peak_bytes=1000, samples_per_s=10.0)
+
+
+def states(study):
+    return {t.number: (t.state, t.user_attrs.get("status")) for t in study.get_trials(deepcopy=False)}
+
+
+# --- worker_id -----------------------------------------------------------------------------------
+
+
+def test_worker_id_is_host_pid_namespace_and_pid():
+    host, ns, pid = worker_id().rsplit(":", 2)
+    assert host == socket.gethostname() and pid == str(os.getpid())
+    assert re.fullmatch(r"\d+-[0-9a-f-]{8}", ns), ns  # the namespace's inode and the boot's id
+
+
+def test_another_process_here_has_the_same_host_and_namespace_and_its_own_pid():
+    out = subprocess.run([sys.executable, "-c", "import os; from autotune.workers import worker_id; "
+                          "print(worker_id()); print(os.getpid())"], capture_output=True, text=True, cwd=ROOT, check=True)
+    theirs, pid = out.stdout.split()
+    assert theirs == here(pid) and theirs != worker_id()
+
+
+# --- is_alive ------------------------------------------------------------------------------------
+
+
+def test_our_own_pid_is_a_trial_from_before(study):
+    t = running(study, A, worker=worker_id(), heartbeat=time.time())
+    assert is_alive(t, time.monotonic(), {}) is False  # this process runs one trial at a time
+
+
+def test_a_live_process_on_this_machine_is_alive(study, live_pid):
+    t = running(study, A, worker=here(live_pid), heartbeat=0.0)
+    stamps = {}
+    for now in (0.0, 10**6, 10**9):  # however old its stamp: the process is there
+        assert is_alive(t, now, stamps) is True
+
+
+def test_a_dead_process_on_this_machine_is_gone_at_once(study, dead_pid):
+    t = running(study, A, worker=here(dead_pid), heartbeat=time.time())
+    assert is_alive(t, 0.0, {}) is False
+
+
+def test_another_machines_trial_lives_while_its_heartbeat_moves(study):
+    stale = workers.STALE_S
+    t = running(study, A, worker="elsewhere.example:4026531836-0123abcd:1234", heartbeat=1.0)
+    stamps = {}
+    assert is_alive(t, 1000.0, stamps) is True  # first seen now
+    assert stamps[t.number] == (1.0, 1000.0)
+    assert is_alive(t, 1000.0 + stale - 1, stamps) is True
+    assert is_alive(t, 1000.0 + stale + 1, stamps) is False  # the stamp stood still for STALE_S of our clock
+    moved = running(study, B, worker="elsewhere.example:4026531836-0123abcd:1234", heartbeat=2.0)
+    stamps[moved.number] = (1.0, 1000.0)  # we saw 1.0 long ago; it has moved since
+    assert is_alive(moved, 1000.0 + 10 * stale, stamps) is True
+    assert stamps[moved.number] == (2.0, 1000.0 + 10 * stale)
+
+
+def test_another_pid_namespace_is_judged_by_its_heartbeat_not_its_pid(study, dead_pid):
+    host = socket.gethostname()
+    t = running(study, A, worker=f"{host}:9999-ffffffff:{dead_pid}", heartbeat=5.0)  # a container's pid: not ours to check
+    stamps = {}
+    assert is_alive(t, 0.0, stamps) is True
+    assert is_alive(t, workers.STALE_S + 1, stamps) is False
+
+
+def test_a_small_stale_limit_is_read_when_judging(study, monkeypatch):
+    monkeypatch.setattr(workers, "STALE_S", 0.5)
+    t = running(study, A, worker="elsewhere:ns:1", heartbeat=1.0)
+    stamps = {}
+    assert is_alive(t, 10.0, stamps) is True
+    assert is_alive(t, 10.4, stamps) is True
+    assert is_alive(t, 10.6, stamps) is False
+
+
+# --- claim ---------------------------------------------------------------------------------------
+
+
+def test_claim_starts_a_trial_stamped_with_this_worker(study):
+    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None)
+    assert trial is not None and Config(**trial.params) == A
+    (t,) = study.get_trials(deepcopy=False)
+    assert t.state == TrialState.RUNNING and t.user_attrs["worker"] == worker_id()
+    assert abs(t.user_attrs["heartbeat"] - time.time()) < 3600
+
+
+def test_a_configuration_running_under_a_lower_numbered_trial_is_not_claimed_again(study):
+    first = claim(study, A, DIST, settings_key="s", budget_bytes=None)
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=None) is None
+    assert states(study) == {first.number: (TrialState.RUNNING, None), first.number + 1: (TrialState.FAIL, "duplicate")}
+    other = claim(study, B, DIST, settings_key="s", budget_bytes=None)  # another configuration is free
+    assert other is not None and Config(**other.params) == B
+
+
+def test_a_configuration_finished_in_a_reusable_way_is_not_claimed(study):
+    finished(study, ok(A))
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=None) is None
+    assert claim(study, A, DIST, settings_key="other settings", budget_bytes=None) is not None  # measured another way
+
+
+def test_an_oom_under_a_smaller_budget_is_claimed_again(study):
+    finished(study, Measurement(A, "oom", peak_bytes=2000), budget=1000)
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=4000) is not None
+
+
+def test_claim_takes_another_workers_queued_configuration_first(study):
+    study.enqueue_trial(dataclasses.asdict(B))  # queued by another worker, not yet taken
+    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None)
+    assert Config(**trial.params) == B
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    assert [t.system_attrs["fixed_params"] for t in waiting] == [dataclasses.asdict(A)]  # ours is still queued
+
+
+# --- survey --------------------------------------------------------------------------------------
+
+
+def test_survey_reads_reusable_measurements_of_the_space(study):
+    finished(study, Measurement(A, "failed", error="first try"))
+    finished(study, ok(A))  # a later trial of the same configuration wins
+    finished(study, ok(B), settings_key="other")  # measured another way
+    outside = Config("fp32", "all", 1)
+    finished(study, ok(outside))  # not among the configurations asked about
+    measured, in_flight = survey(study, set(SPACE.configs()) - {outside}, "s", None, None, {})
+    assert measured == {A: ok(A)} and in_flight == set()
+
+
+def test_survey_marks_a_trial_left_running_by_a_dead_process_failed(study, dead_pid, live_pid):
+    gone = running(study, A, worker=here(dead_pid), heartbeat=time.time())
+    alive = running(study, B, worker=here(live_pid), heartbeat=time.time())
+    measured, in_flight = survey(study, set(SPACE.configs()), "s", None, None, {})
+    assert measured == {} and in_flight == {B}
+    assert states(study)[gone.number] == (TrialState.FAIL, "abandoned")
+    assert states(study)[alive.number] == (TrialState.RUNNING, None)
+    # its configuration is free again
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=None) is not None
+
+
+def test_survey_abandons_a_trial_of_ours_from_before(study):
+    mine = running(study, A, worker=worker_id(), heartbeat=time.time())
+    _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, {})
+    assert in_flight == set() and states(study)[mine.number] == (TrialState.FAIL, "abandoned")
+
+
+def test_survey_abandons_another_machines_trial_once_its_heartbeat_stops(study, monkeypatch):
+    monkeypatch.setattr(workers, "STALE_S", 0.0)  # any time at all without a new stamp is too long
+    t = running(study, A, worker="elsewhere:ns:1", heartbeat=1.0)
+    stamps = {}
+    _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps)
+    assert in_flight == {A}  # first seen: given the benefit of the doubt
+    _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps)
+    assert in_flight == set() and states(study)[t.number] == (TrialState.FAIL, "abandoned")
+
+
+def test_survey_abandons_a_queued_trial_that_was_never_stamped(study, monkeypatch):
+    monkeypatch.setattr(workers, "STALE_S", 0.0)
+    study.enqueue_trial(dataclasses.asdict(B))
+    taken = study.ask()  # a worker took it from the queue and died before writing anything
+    stamps = {}
+    _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps)
+    assert in_flight == {B}  # its queued parameters say what it would run
+    _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps)
+    assert in_flight == set() and states(study)[taken.number] == (TrialState.FAIL, "abandoned")
+
+
+def test_a_configuration_both_measured_and_running_is_not_in_flight(study, live_pid):
+    finished(study, ok(A))
+    running(study, A, worker=here(live_pid), heartbeat=time.time())
+    measured, in_flight = survey(study, set(SPACE.configs()), "s", None, None, {})
+    assert A in measured and in_flight == set()
+
+
+# --- Heartbeat -----------------------------------------------------------------------------------
+
+
+def test_heartbeat_stamps_the_running_trial_until_it_stops(study, monkeypatch):
+    monkeypatch.setattr(workers, "HEARTBEAT_S", 0.01)
+    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None)
+    trial.set_user_attr("heartbeat", 0.0)
+
+    def stamp():
+        return study.get_trials(deepcopy=False)[0].user_attrs["heartbeat"]
+
+    with Heartbeat(study, trial) as beat:
+        deadline = time.monotonic() + 30
+        while stamp() == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stamp() > 0.0
+    assert not beat._thread.is_alive()
+    after = stamp()
+    time.sleep(0.1)
+    assert stamp() == after  # no stamps once the trial's worker is done with it
