@@ -39,6 +39,7 @@ STATE = {"ok": TrialState.COMPLETE, "oom": TrialState.PRUNED, "timeout": TrialSt
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 METRIC_NAMES = ("samples_per_s", "peak_bytes")  # the study's two objectives, maximised and minimised
 _OPEN_ATTEMPTS = 3
+_RECORD_ATTEMPTS = 3  # writes of a finished trial, while it is still running in the store
 
 
 def default_study_name(model_name: str, device_type: str, options_key: str | None = None) -> str:
@@ -182,19 +183,40 @@ def config_of(trial: FrozenTrial) -> Config | None:
 
 def record(study: optuna.Study, trial: optuna.Trial, m: Measurement, distributions: dict, attrs: dict, *,
            worker: str) -> None:
-    """Store a measurement on its trial; as a new trial (stamped ``worker``) if another worker closed ours meanwhile."""
+    """Store a measurement on its trial; as a new trial (stamped ``worker``) if another worker closed ours meanwhile.
+
+    A write that fails while the trial is still running (a busy SQLite file, a dropped database
+    connection) is tried again: storing it as a second trial would count the configuration twice.
+    """
     attrs = {"status": m.status, **attrs, "measurement": m.to_dict()}  # the measurement last: it marks a stored trial
     values = [m.samples_per_s, m.peak_bytes] if m.status == "ok" else None
+    for attempt in range(_RECORD_ATTEMPTS):
+        try:
+            for key, value in attrs.items():
+                trial.set_user_attr(key, value)
+            study.tell(trial, values, state=STATE[m.status])
+            return
+        except (RuntimeError, ValueError, optuna.exceptions.OptunaError) as exc:
+            if _state_of(study, trial.number) in FINISHED:
+                break  # judged stale by another worker (a stalled heartbeat) and closed
+            if attempt == _RECORD_ATTEMPTS - 1:
+                raise
+            logger.info("storing trial %d failed (%s: %s): trying again", trial.number, type(exc).__name__,
+                        first_line(exc))
+            time.sleep(0.5 * (attempt + 1))
+    # The measurement still counts.
+    logger.info("trial %d was closed by another worker; its measurement is stored as a new trial", trial.number)
+    study.add_trial(optuna.trial.create_trial(
+        params=dataclasses.asdict(m.config), distributions=distributions, state=STATE[m.status], values=values,
+        user_attrs={**attrs, "worker": worker}))
+
+
+def _state_of(study: optuna.Study, number: int) -> TrialState | None:
+    """The state the store holds for trial ``number`` now (None if it cannot say)."""
     try:
-        for key, value in attrs.items():
-            trial.set_user_attr(key, value)
-        study.tell(trial, values, state=STATE[m.status])
-    except (RuntimeError, ValueError, optuna.exceptions.OptunaError):
-        # Judged stale by another worker (a stalled heartbeat) and failed: the measurement still counts.
-        logger.info("trial %d was closed by another worker; its measurement is stored as a new trial", trial.number)
-        study.add_trial(optuna.trial.create_trial(
-            params=dataclasses.asdict(m.config), distributions=distributions, state=STATE[m.status], values=values,
-            user_attrs={**attrs, "worker": worker}))
+        return next((t.state for t in study.get_trials(deepcopy=False) if t.number == number), None)
+    except Exception:  # noqa: BLE001 - the store may be what failed
+        return None
 
 
 def abandon(study: optuna.Study, trial: optuna.Trial | FrozenTrial, why: str) -> None:

@@ -314,6 +314,26 @@ def test_record_of_a_trial_another_worker_closed_adds_a_new_trial(study):
     assert config_of(second) == config
 
 
+def test_a_write_that_fails_while_the_trial_runs_is_tried_again_not_stored_twice(study, monkeypatch):
+    # A busy SQLite file refuses the tell of a trial that is still running: storing the measurement as a
+    # new trial would count the configuration twice (two workers' test saw 17 trials of a 16-point space).
+    config = Config("fp32", "2", 4)
+    trial = ask(study, config)
+    tell, calls = study.tell, []
+
+    def busy_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise optuna.exceptions.StorageInternalError("(sqlite3.OperationalError) database is locked")
+        return tell(*args, **kwargs)
+
+    monkeypatch.setattr(study, "tell", busy_once)
+    monkeypatch.setattr("autotune.store.time.sleep", lambda s: None)
+    record(study, trial, ok(config), distributions(SPACE), {"settings_key": "s"}, worker="w")
+    (stored,) = study.get_trials(deepcopy=False)
+    assert len(calls) == 2 and stored.state == TrialState.COMPLETE and "measurement" in stored.user_attrs
+
+
 def test_abandon_fails_a_running_trial_so_it_is_proposed_again(study):
     trial = ask(study, Config("fp32", "0", 1))
     abandon(study, trial, "interrupted")

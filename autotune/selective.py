@@ -1,0 +1,86 @@
+"""Selective (per-operation) checkpointing: keep what is expensive to recompute, recompute the rest.
+
+A block plan recomputes a block's whole forward pass. A selective plan wraps every block the same
+way (each call checkpointed on its own, with its own arguments: :mod:`autotune.checkpointing`),
+but inside the checkpoint a policy decides per operation whether its output is kept for the
+backward pass or recomputed (torch's :func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts`,
+as torchtitan's per-op mode and Megatron's selective recompute do):
+
+* ``sac-matmul``: keep every matrix multiplication, convolution and attention kernel's output;
+  recompute the element-wise work (activations, norms, softmax, dropout, residual sums).
+* ``sac-linear``: keep only the linear layers' outputs (``addmm``/``mm``); recompute attention
+  (its batched matmuls and the (T, T) scores) and the element-wise work. Less memory than
+  ``sac-matmul`` where attention's scores are large.
+* ``sac-lean``: as ``sac-matmul``, but keep only every other ``mm``/``addmm`` output
+  (torchtitan's default policy): less memory, more recompute.
+
+Random operations are never kept: they run again in the recompute from the RNG state the
+checkpoint saved, so dropout draws the same masks. The same recompute context that restores the
+buffers a block's forward changed (BatchNorm's statistics) wraps the policy's, so one
+``context_fn`` serves both (:func:`autotune.checkpointing.apply_plan` puts them together). A kept output that the block later changes in place makes torch
+raise in the backward pass: the plan's check on the model then fails and the plan is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+__all__ = ["POLICIES", "make_policy"]
+
+aten = torch.ops.aten
+
+
+def _ops(*names: str) -> frozenset:
+    """The default overloads of the named aten ops this torch has (attention kernels vary by version)."""
+    found = []
+    for name in names:
+        packet = getattr(aten, name, None)
+        if packet is not None and hasattr(packet, "default"):
+            found.append(packet.default)
+    return frozenset(found)
+
+
+_LINEAR = _ops("mm", "addmm")  # nn.Linear: addmm with a bias, mm without (3-D inputs are flattened to 2-D)
+_BATCHED = _ops("bmm", "baddbmm")  # attention's q @ k^T and att @ v, written out
+_ATTENTION = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                  "_flash_attention_forward", "_efficient_attention_forward")
+_CONVOLUTION = _ops("convolution", "cudnn_convolution", "mkldnn_convolution")
+_MATMUL = _LINEAR | _BATCHED | _ATTENTION | _CONVOLUTION
+
+
+def _keep(ops: frozenset) -> Callable[..., CheckpointPolicy]:
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if func in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _lean() -> Callable[..., CheckpointPolicy]:
+    """Keep attention and convolutions, and every other linear matmul: counted per pass, so the
+    recompute keeps exactly what the forward pass kept."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in _LINEAR:
+            counts[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in _MATMUL else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+# Each makes a fresh policy per checkpointed call (the lean policy counts within one call).
+POLICIES: dict[str, Callable[[], Callable[..., CheckpointPolicy]]] = {
+    "sac-matmul": lambda: _keep(_MATMUL),
+    "sac-linear": lambda: _keep(_LINEAR),
+    "sac-lean": _lean,
+}
+
+
+def make_policy(name: str) -> Callable[..., CheckpointPolicy]:
+    """A fresh policy of selective plan ``name`` for one checkpointed call (``policy_fn`` of torch's SAC)."""
+    return POLICIES[name]()
