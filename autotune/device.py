@@ -11,6 +11,7 @@ and the error worth reporting is the first one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
@@ -125,6 +126,14 @@ class Backend:
         """Return the meter for this device; ``budget_bytes`` is enforced inside its ``measure()`` regions."""
         return make_meter(self.device, budget_bytes=budget_bytes)
 
+    def budget(self, budget_bytes: int | None) -> contextlib.AbstractContextManager:
+        """Hold the device to ``budget_bytes`` inside the block, and put the setting back after.
+
+        On the CPU nothing process-wide is set: the tensor meter enforces its budget in its own
+        ``measure()`` region.
+        """
+        return contextlib.nullcontext()
+
     def supported_precisions(self) -> list[str]:
         """Return the precision modes the device can train in at all (autocast runs a matmul)."""
         names = ["fp32"]
@@ -204,6 +213,12 @@ class CudaBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - see the docstring
             logger.info("releasing CUDA memory failed (%s: %s): the device is unusable", type(exc).__name__,
                         first_line(exc))
+
+    def budget(self, budget_bytes: int | None) -> contextlib.AbstractContextManager:
+        """``torch.cuda.set_per_process_memory_fraction`` inside the block, the previous fraction after (the meter's)."""
+        from autotune.meters.cuda import memory_budget
+
+        return memory_budget(self.device, budget_bytes)
 
     def supported_precisions(self) -> list[str]:
         """fp32 and fp16 on every GPU; bf16 where the hardware has it (compute capability 8.0+, or ROCm).

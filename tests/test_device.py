@@ -99,3 +99,16 @@ def test_release_frees_a_model_held_in_a_reference_cycle():
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_the_cuda_budget_is_a_context_manager_that_puts_the_fraction_back(monkeypatch):
+    fractions = [0.75]  # a fraction some other code set before
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 8 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fractions[-1], raising=False)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))
+    backend = CudaBackend(torch.device("cuda", 0))
+    with backend.budget(2 * 2**30):
+        assert fractions[-1] == 0.25
+    assert fractions == [0.75, 0.25, 0.75]
+    with backend.budget(None), Backend(torch.device("cpu")).budget(2**30):
+        assert fractions == [0.75, 0.25, 0.75]  # no budget, and the CPU's: nothing process-wide

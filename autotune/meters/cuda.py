@@ -22,7 +22,7 @@ from autotune._log import notice_once
 from autotune.errors import is_oom
 from autotune.meters.base import Measuring, MemoryReading, Meter
 
-__all__ = ["CudaMeter", "nvml_handle", "oom_request_bytes"]
+__all__ = ["CudaMeter", "memory_budget", "nvml_handle", "oom_request_bytes"]
 
 _NVML_SAMPLE_S = 0.005  # NVML's memory query costs ~10 us; 5 ms catches all but the briefest peaks
 
@@ -205,6 +205,34 @@ class _CudaMeasuring(Measuring):
         return peak
 
 
+@contextlib.contextmanager
+def memory_budget(device: torch.device, budget_bytes: int | None, *, total_bytes: int | None = None) -> Iterator[None]:
+    """Hold the caching allocator to ``budget_bytes`` inside the block; put the previous fraction back after.
+
+    ``torch.cuda.set_per_process_memory_fraction`` makes the allocator raise ``torch.OutOfMemoryError``
+    as reserved memory would cross the budget. A budget at or above the device's memory sets nothing.
+    """
+    total_bytes = total_bytes or torch.cuda.get_device_properties(device).total_memory
+    if budget_bytes is None or budget_bytes >= total_bytes:
+        yield
+        return
+    # An older torch cannot say the fraction in force; 1.0, the whole card, is torch's default.
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    previous = float(get(device)) if get is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(budget_bytes / total_bytes, device)
+    failing = True
+    try:
+        yield
+        failing = False
+    finally:
+        try:
+            torch.cuda.set_per_process_memory_fraction(previous, device)
+        except Exception:
+            if not failing:
+                raise
+            # A sticky CUDA error fails every call: the block's error is the one to report.
+
+
 class CudaMeter(Meter):
     """Peak CUDA memory of a region; a budget below the card is enforced by the allocator.
 
@@ -247,27 +275,8 @@ class CudaMeter(Meter):
             finally:
                 handle.reading = self._reading(handle, sampler, raised)
 
-    @contextlib.contextmanager
-    def _budget(self) -> Iterator[None]:
-        """Hold the caching allocator to the budget inside the block; put the previous fraction back after."""
-        if self.budget_bytes is None or self.budget_bytes >= self.total_bytes:
-            yield
-            return
-        # An older torch cannot say the fraction in force; 1.0, the whole card, is torch's default.
-        get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        previous = float(get(self.device)) if get is not None else 1.0
-        torch.cuda.set_per_process_memory_fraction(self.budget_bytes / self.total_bytes, self.device)
-        failing = True
-        try:
-            yield
-            failing = False
-        finally:
-            try:
-                torch.cuda.set_per_process_memory_fraction(previous, self.device)
-            except Exception:
-                if not failing:
-                    raise
-                # A sticky CUDA error fails every call: the block's error is the one to report.
+    def _budget(self) -> contextlib.AbstractContextManager:
+        return memory_budget(self.device, self.budget_bytes, total_bytes=self.total_bytes)
 
     def _reading(self, handle: _CudaMeasuring, sampler: _NvmlSampler | None,
                  raised: BaseException | None) -> MemoryReading:
