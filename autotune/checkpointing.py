@@ -42,13 +42,14 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from autotune.errors import AutotuneError, UsageError
-from autotune.plans import canonical, check_plan_fits, is_off, recomputed_blocks
+from autotune.plans import SELECTIVE_POLICIES, canonical, check_plan_fits, is_off, is_selective, recomputed_blocks
+from autotune.selective import make_policy
 
 __all__ = ["Chain", "AppliedPlan", "find_chain", "order_chain", "apply_plan", "remove_plan", "plan_blocks", "restore_buffers",
-           "iter_wrapped"]
+           "selective_contexts", "iter_wrapped"]
 
 # The recompute contexts a block's checkpoint gets: a function of the block's call state returning
 # (forward context, recompute context), as torch's ``context_fn`` does.
@@ -94,8 +95,11 @@ class AppliedPlan:
     recomputed: tuple[int, ...] = ()  # indices into chain.blocks
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "recomputed_blocks": list(self.recomputed),
+        data = {"name": self.name, "recomputed_blocks": list(self.recomputed),
                 "chain_length": self.chain.length if self.chain else None}
+        if is_selective(self.name):  # every block wrapped; inside each, the policy keeps part of the forward
+            data["policy"] = SELECTIVE_POLICIES[self.name]
+        return data
 
 
 def _is_block_type(cls: type) -> bool:
@@ -165,7 +169,8 @@ def apply_plan(model: nn.Module, plan: str | int, chain: Chain | None = None, *,
 
     ``chain`` defaults to :func:`find_chain` (in definition order); the tuner passes the chain
     in forward order. ``contexts`` makes each call's (forward, recompute) contexts (default:
-    :func:`restore_buffers`; a per-operation policy keeps its recompute context inside that one's).
+    :func:`restore_buffers`, and for a selective plan :func:`selective_contexts`: its per-operation
+    policy inside the buffer restore).
     Returns what was done; ``0`` leaves the model unchanged.
     """
     name = canonical(plan)
@@ -179,8 +184,10 @@ def apply_plan(model: nn.Module, plan: str | int, chain: Chain | None = None, *,
     blocks = [model.get_submodule(chain.blocks[i]) for i in indices]
     if any(block in _APPLIED for block in blocks):
         raise UsageError(f"{type(model).__name__} already has a checkpoint plan: call remove_plan(model) first")
+    if contexts is None:
+        contexts = functools.partial(selective_contexts, name) if is_selective(name) else restore_buffers
     for block in blocks:
-        _Recompute(block, contexts or restore_buffers).install()
+        _Recompute(block, contexts).install()
     return AppliedPlan(name, chain, indices)
 
 
@@ -248,6 +255,27 @@ class _RestoreBuffers:
 def restore_buffers(call: _Call) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """The default contexts: nothing in the forward pass; the buffer restore in the recompute."""
     return contextlib.nullcontext(), _RestoreBuffers(call)
+
+
+class _Both(contextlib.ExitStack):
+    """Enter several context managers in order; exit them in reverse."""
+
+    def __init__(self, *managers: contextlib.AbstractContextManager) -> None:
+        super().__init__()
+        self.managers = managers
+
+    def __enter__(self) -> "_Both":
+        super().__enter__()
+        for manager in self.managers:
+            self.enter_context(manager)
+        return self
+
+
+def selective_contexts(name: str, call: _Call) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """A selective plan's contexts: its policy (torch's SAC) in both passes, inside the buffer restore."""
+    forward, recompute = create_selective_checkpoint_contexts(make_policy(name))
+    plain_forward, restore = restore_buffers(call)
+    return _Both(plain_forward, forward), _Both(restore, recompute)
 
 
 class _Recompute:

@@ -20,7 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from autotune.errors import UsageError
-from autotune.plans import ALL, canonical, is_off
+from autotune.plans import ALL, SELECTIVE_POLICIES, canonical, is_off, is_selective
 from autotune.records import GROWTH_INTERVAL, INIT_LOSS_SCALE
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ class _Context:
             return f"checkpoint plan all (every one of {blocks} recomputed)"
         if self.every_n:
             return f"checkpoint plan {self.segments} (every {self.every_n}th of {blocks} recomputed)"
+        if is_selective(self.segments):
+            return (f"selective checkpoint plan {self.segments} (every one of {blocks} wrapped, with a per-operation "
+                    f"policy: {SELECTIVE_POLICIES[self.segments]})")
         return f"checkpoint plan {self.segments} ({self.segments} segments over {blocks}, the last not recomputed)"
 
 

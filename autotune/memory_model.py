@@ -25,7 +25,7 @@ import math
 import statistics
 from typing import Callable, Iterable
 
-from autotune.plans import recompute_fraction
+from autotune.plans import is_selective, recompute_fraction
 from autotune.records import Measurement
 
 __all__ = ["MemoryLine", "MemoryModel"]
@@ -195,7 +195,10 @@ def _borrowed_slope(variant: Variant, slopes: dict[Variant, float], blocks: int 
         return statistics.median(shared) if shared else None
 
     def along_shape(of: str) -> float | None:  # the recompute-share line of precision `of`, at this plan
-        own = {recompute_fraction(s, blocks): a for (p, s), a in slopes.items() if p == of}
+        # The line is drawn through block plans (their share is exact); a selective plan's share is a prior.
+        mine = {s: a for (p, s), a in slopes.items() if p == of}
+        drawn = {s: a for s, a in mine.items() if not is_selective(s)} or mine
+        own = {recompute_fraction(s, blocks): a for s, a in drawn.items()}
         if not own:
             return None
         value = _shape_fit(own)(recompute_fraction(name, blocks))

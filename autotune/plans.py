@@ -12,6 +12,10 @@ is a set of blocks, each recomputed on its own with exactly the arguments of its
   transformers and timm do this).
 * ``everyN`` (``every2``, ``every4``, ...): blocks 0, N, 2N, ...: transformers' ``every_n_layers``.
   A smooth trade-off between memory and recompute time.
+* ``sac-matmul``, ``sac-linear``, ``sac-lean``: selective plans (:mod:`autotune.selective`).
+  Every block is wrapped, and inside it a per-operation policy keeps the outputs of matmuls
+  (all of them; only the linear layers'; every other linear one) and recomputes the rest: a
+  point between no checkpointing and recomputing whole blocks.
 
 This module holds no torch: the search strategies and the memory model read plans through it.
 """
@@ -22,13 +26,21 @@ import re
 
 from autotune.errors import UsageError
 
-__all__ = ["NONE", "ALL", "canonical", "parse_plans", "recomputed_blocks", "recompute_fraction", "plan_order",
-           "auto_plans", "check_plan_fits", "is_off"]
+__all__ = ["NONE", "ALL", "SELECTIVE", "SELECTIVE_POLICIES", "canonical", "parse_plans", "recomputed_blocks", "recompute_fraction",
+           "plan_order", "auto_plans", "check_plan_fits", "is_off", "is_selective"]
 
 NONE = "0"
 ALL = "all"
 _EVERY = re.compile(r"^every(\d+)$")
-_HINT = "0 (off), a segment count such as 2, all, everyN such as every2, or auto"
+# Selective plans, with the share of a block's activation memory each is expected to free (a prior for
+# the memory model and the plans' order; measured on TinyGPT, fp32, batch 16: README "Selective plans").
+SELECTIVE = {"sac-matmul": 0.15, "sac-lean": 0.2, "sac-linear": 0.75}
+SELECTIVE_POLICIES = {  # what each keeps (autotune.selective has the policies), for the JSON and the exports' notes
+    "sac-matmul": "keep matmul, convolution and attention outputs; recompute the rest",
+    "sac-linear": "keep the linear layers' outputs; recompute attention and the element-wise work",
+    "sac-lean": "keep attention, convolution and every other linear layer's outputs; recompute the rest",
+}
+_HINT = "0 (off), a segment count such as 2, all, everyN such as every2, sac-matmul, sac-linear, sac-lean, or auto"
 
 
 def canonical(name: str | int) -> str:
@@ -39,8 +51,8 @@ def canonical(name: str | int) -> str:
     text = str(name).strip().lower()
     if text.isdigit():
         return str(int(text))
-    if text == ALL:
-        return ALL
+    if text == ALL or text in SELECTIVE:
+        return text
     match = _EVERY.match(text)
     if match and int(match.group(1)) >= 1:
         return f"every{int(match.group(1))}"
@@ -57,6 +69,11 @@ def parse_plans(text: str) -> tuple[str, ...] | None:
     return names
 
 
+def is_selective(name: str) -> bool:
+    """True for the per-operation plans (``sac-*``)."""
+    return name in SELECTIVE
+
+
 def is_off(name: str) -> bool:
     """True for plans that recompute nothing whatever the model (``0`` and ``1``)."""
     return name in (NONE, "1")
@@ -65,7 +82,7 @@ def is_off(name: str) -> bool:
 def recomputed_blocks(name: str, length: int) -> tuple[int, ...]:
     """The indices (in forward order) of the blocks plan ``name`` recomputes, for a model of ``length`` blocks."""
     name = canonical(name)
-    if name == ALL:
+    if name == ALL or name in SELECTIVE:  # a selective plan wraps every block; its policy decides per operation
         return tuple(range(length))
     match = _EVERY.match(name)
     if match:
@@ -79,10 +96,16 @@ def recomputed_blocks(name: str, length: int) -> tuple[int, ...]:
 
 
 def recompute_fraction(name: str, length: int | None) -> float:
-    """The share of the blocks plan ``name`` recomputes (0 to 1); without ``length`` a guess from the name."""
+    """The share of the blocks plan ``name`` recomputes (0 to 1); without ``length`` a guess from the name.
+
+    For a selective plan: the share of activation memory it is expected to free, a prior (every
+    block is wrapped, but only part of each is recomputed).
+    """
+    name = canonical(name)
+    if name in SELECTIVE:
+        return SELECTIVE[name]
     if length:
         return len(recomputed_blocks(name, length)) / length
-    name = canonical(name)
     if name == ALL:
         return 1.0
     match = _EVERY.match(name)
@@ -111,7 +134,7 @@ def auto_plans(length: int) -> list[str]:
 
     ``0``, ``every4`` (a quarter of the blocks), the powers of two below ``length`` as segment
     counts (half, three quarters, ... of the blocks) and ``all``; plans that would recompute the
-    same blocks as an earlier one are left out.
+    same blocks as an earlier one are left out. Then the selective plans.
     """
     if length < 1:
         return [NONE]
@@ -121,4 +144,4 @@ def auto_plans(length: int) -> list[str]:
         if name.startswith("every") and int(name[5:]) > length:
             continue
         seen.setdefault(recomputed_blocks(name, length), name)
-    return plan_order(seen.values(), length)
+    return plan_order([*seen.values(), *SELECTIVE], length)

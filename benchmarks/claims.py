@@ -18,6 +18,16 @@ runs its own grids, budget 1GiB, fp32,bf16, segments auto, batch sizes 1..256, a
   segments; autotune recomputes each block on its own).
 
 Writes ``results/claims-<device>.json`` and ``.md``.
+
+    python benchmarks/claims.py --selective [--rounds 3]
+
+**Selective vs block plans**: per bundled model and zoo transformer (tests/zoo.py, tiny configs),
+every block plan and selective plan at one precision and batch size: each plan's check on the
+model (exact?), its peak, the activation memory it saves (peak less the fixed state, 4 x the
+parameter bytes: weights, gradients, AdamW's two moments) and its step time relative to no
+checkpointing, timed side by side in ``--rounds`` interleaved rounds (the median of the rounds'
+medians); and which block plans each selective plan dominates (no more memory, no more time).
+Writes ``results/selective-<device>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -125,6 +135,96 @@ def markdown(data) -> str:
     return "\n".join(lines)
 
 
+# (name, model spec, kwargs, precision, batch size): the bundled models at their defaults, the README's GPT-2, the zoo.
+SELECTIVE_MODELS = [
+    ("TinyGPT", "autotune.examples:TinyGPT", None, "fp32", 16),
+    ("ResNetish", "autotune.examples:ResNetish", None, "fp32", 32),
+    ("GPT-2 (6 x 128)", "autotune.thirdparty:gpt2",
+     {"n_layer": 6, "n_embd": 128, "n_head": 4, "n_positions": 128, "vocab_size": 2048}, "fp32", 16),
+    *[(f"zoo {n}", f"tests.zoo:{n}", None, "fp32", 32)
+      for n in ("gpt2", "llama", "gemma2", "mixtral", "gpt_neox", "opt", "bert", "t5", "bart")],
+]
+BLOCK_PLANS = ("every4", "2", "4", "all")
+
+
+def selective_rows(spec: str, kwargs: dict | None, precision: str, batch_size: int, rounds: int) -> dict:
+    """Every plan of one model side by side: check, peak, activations saved, step time vs none; dominance."""
+    from autotune.checkpointing import find_chain
+    from autotune.meters import TensorMeter
+    from autotune.plan_check import check_plans
+    from autotune.plans import SELECTIVE, check_plan_fits
+    from autotune.records import Config, TrialSettings
+    from autotune.trial import run_trial
+    from autotune.workload import Workload
+
+    w = Workload.from_specs(spec, model_kwargs=kwargs)
+    model = w.build_model()
+    w, params = w.with_chain(find_chain(model)), sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    plans = ["0"]
+    for name in (*BLOCK_PLANS, *SELECTIVE):
+        try:
+            check_plan_fits(name, w.chain.length, "the model")
+            plans.append(name)
+        except autotune.UsageError:
+            pass
+    checks = {c.plan: c.status for c in check_plans(w, plans, batch_size=2, device="cpu")}
+    settings = TrialSettings(measure_steps=5, timeout_s=None)
+    peaks, times = {}, {p: [] for p in plans}
+    for r in range(rounds):  # interleaved, each round in another order: drift spreads over every plan
+        for plan in plans[r % len(plans):] + plans[:r % len(plans)]:
+            m = run_trial(w, Config(precision, plan, batch_size), device="cpu", meter=TensorMeter(), settings=settings)
+            if m.status != "ok":
+                raise SystemExit(f"{spec} {plan}: {m.status} {m.error}")
+            peaks[plan] = m.peak_bytes
+            times[plan].append(m.step_s)
+    step = {p: sorted(v)[len(v) // 2] for p, v in times.items()}
+    fixed = 4 * params
+    rows = [{"plan": p, "check": checks.get(p, "-"), "peak_bytes": peaks[p], "peak_vs_none": peaks[p] / peaks["0"],
+             "activations_saved": 1 - (peaks[p] - fixed) / (peaks["0"] - fixed), "step_s": step[p],
+             "step_vs_none": step[p] / step["0"]} for p in plans]
+    by = {r["plan"]: r for r in rows}
+    for r in rows:
+        if r["plan"] in SELECTIVE:
+            r["dominates"] = [b for b in BLOCK_PLANS if b in by and r["peak_bytes"] <= by[b]["peak_bytes"]
+                              and r["step_s"] <= by[b]["step_s"]]
+    return {"model": spec, "model_kwargs": kwargs, "precision": precision, "batch_size": batch_size,
+            "parameter_bytes": params, "chain_length": w.chain.length, "rounds": rounds, "plans": rows}
+
+
+def selective_markdown(data: dict) -> str:
+    env = data["environment"]
+    lines = [f"# Selective vs block checkpoint plans, measured ({env['device_name']}, torch {env['torch_version']})", "",
+             f"Command: `{data['command']}`. Peak: tensor meter (deterministic). Step time: median of "
+             f"{data['models'][0]['rounds']} interleaved rounds' medians of 5 steps, relative to no checkpointing "
+             f"in the same run. Activations saved: (peak - 4 x parameter bytes) relative to no checkpointing's.", ""]
+    for name, c in zip(data["names"], data["models"]):
+        lines += [f"## {name}: {c['precision']}, batch {c['batch_size']}, {c['chain_length']} blocks", "",
+                  "| plan | check | peak | peak vs none | activations saved | step time vs none | dominates |",
+                  "|---|---|---:|---:|---:|---:|---|"]
+        for r in c["plans"]:
+            lines.append(f"| {r['plan']} | {r['check']} | {format_bytes(r['peak_bytes'])} | {r['peak_vs_none']:.2f} | "
+                         f"{r['activations_saved']:.0%} | {r['step_vs_none']:.2f} | {', '.join(r.get('dominates', [])) or ''} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_selective(args: argparse.Namespace) -> None:
+    wanted = [m for m in SELECTIVE_MODELS if not args.only or any(o in m[0] for o in args.only.split(","))]
+    data = {"benchmark": "selective", "command": "python benchmarks/claims.py " + " ".join(sys.argv[1:]),
+            "environment": backend_for(torch.device("cpu")).environment(), "names": [m[0] for m in wanted],
+            "models": []}
+    for name, spec, kwargs, precision, batch in wanted:
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        data["models"].append(selective_rows(spec, kwargs, precision, batch, args.rounds))
+    stem = os.path.join(args.out, "selective-cpu")
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=2, default=str)
+    with open(stem + ".md", "w") as f:
+        f.write(selective_markdown(data) + "\n")
+    print(selective_markdown(data))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reports", default="results/grid-TinyGPT-cpu.json,results/grid-ResNetish-cpu.json")
@@ -133,7 +233,13 @@ def main() -> None:
     parser.add_argument("--models", default="TinyGPT,ResNetish",
                         help="with --run, the bundled models to run grids for; the others' grid reports are read")
     parser.add_argument("--out", default="results")
+    parser.add_argument("--selective", action="store_true", help="the selective-vs-block table instead of the claims")
+    parser.add_argument("--rounds", type=int, default=3, help="with --selective: interleaved timing rounds")
+    parser.add_argument("--only", default="", help="with --selective: only models whose name contains one of these")
     args = parser.parse_args()
+    if args.selective:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.zoo
+        return run_selective(args)
     if args.run:
         reports = []
         store = tempfile.mkdtemp(prefix="autotune-claims-")  # a file: the trial heartbeat writes from a thread

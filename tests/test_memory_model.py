@@ -157,6 +157,18 @@ def test_an_unmeasured_plan_follows_its_precisions_recompute_share_line():
     assert all(model.lines[("fp32", s)].source == "predicted" for s in ("2", "every2", "every4"))
 
 
+def test_the_recompute_share_line_is_drawn_through_block_plans_and_places_selective_plans_by_their_prior():
+    from autotune.plans import SELECTIVE
+
+    # A measured selective plan (its share is only a prior) does not bend the block plans' line ...
+    trials = (line("fp32", "0", 1000, 100, (1, 2)) + line("fp32", "all", 1000, 20, (1, 2))
+              + line("fp32", "sac-matmul", 1000, 30, (1, 2)))
+    model = MemoryModel.fit(trials, [("fp32", "2"), ("fp32", "sac-linear")], blocks=4)
+    assert model.lines[("fp32", "2")].per_sample_bytes == pytest.approx(60)
+    # ... and an unmeasured selective plan sits on that line at its prior share.
+    assert model.lines[("fp32", "sac-linear")].per_sample_bytes == pytest.approx(100 - 80 * SELECTIVE["sac-linear"])
+
+
 def test_the_recompute_share_line_is_fitted_to_every_measured_plan():
     trials = (line("fp32", "0", 1000, 100, (1, 2)) + line("fp32", "2", 1000, 70, (1, 2))
               + line("fp32", "all", 1000, 10, (1, 2)))  # r = 0, 0.5, 1 with 4 blocks

@@ -1,8 +1,8 @@
 import pytest
 
 from autotune.errors import UsageError
-from autotune.plans import (auto_plans, canonical, check_plan_fits, parse_plans, plan_order, recompute_fraction,
-                            recomputed_blocks)
+from autotune.plans import (SELECTIVE, auto_plans, canonical, check_plan_fits, is_selective, parse_plans, plan_order,
+                            recompute_fraction, recomputed_blocks)
 
 
 def test_names():
@@ -28,14 +28,16 @@ def test_which_blocks_each_plan_recomputes():
 
 
 def test_auto_spreads_from_nothing_to_everything_without_repeats():
-    assert auto_plans(12) == ["0", "every4", "2", "4", "8", "all"]
-    assert auto_plans(2) == ["0", "all"]
+    # The block plans, then the selective plans placed by the share of activations they are expected to free.
+    assert auto_plans(12) == ["0", "sac-matmul", "sac-lean", "every4", "2", "4", "sac-linear", "8", "all"]
+    assert auto_plans(2) == ["0", "sac-matmul", "sac-lean", "sac-linear", "all"]
     assert auto_plans(0) == ["0"]
     for length in range(1, 40):
-        plans = auto_plans(length)
+        plans = [p for p in auto_plans(length) if not is_selective(p)]
         sets = [recomputed_blocks(p, length) for p in plans]
         assert len(set(sets)) == len(sets) and plans[0] == "0" and plans[-1] == "all"
         assert [len(s) for s in sets] == sorted(len(s) for s in sets)
+        assert set(SELECTIVE) <= set(auto_plans(length))
 
 
 def test_order_and_bounds():
