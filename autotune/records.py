@@ -81,7 +81,7 @@ class GuardRails:
 class TrialSettings:
     """How long each trial trains and how it is cut short."""
 
-    warmup_steps: int = 2  # untimed; on the tensor meter they are the metered steps (at least 2)
+    warmup_steps: int = 2  # untimed; on the tensor meter one metered step is the warm-up (the optimizer's state primed)
     measure_steps: int = 5  # timed with device synchronisation; the median is reported
     timeout_s: float | None = 300.0  # a trial running longer is stopped with status "timeout"
     lr: float = 1e-4  # AdamW learning rate; memory and step time do not depend on it

@@ -55,8 +55,12 @@ class Trainer:
         self.run: Applied | None = None
         self.plan: dict[str, Any] = {}
 
-    def build(self) -> None:
-        """Build the model (seeded), prepare it (fp32 modules, checkpoint plan), make the optimizer."""
+    def build(self, *, prime: bool = True) -> None:
+        """Build the model (seeded), prepare it (fp32 modules, checkpoint plan), make the optimizer and its state.
+
+        With ``prime`` the optimizer's state exists before the first step (:meth:`prime`), so that
+        step already holds what every later step holds: one metered step sees the steady peak.
+        """
         torch.manual_seed(self.seed)
         model = self.workload.build_model()
         self.run = prepare(model, precision=self.config.precision, segments=self.config.segments,
@@ -66,6 +70,35 @@ class Trainer:
         self.plan = self.run.plan
         model.to(self.device)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
+        if prime:
+            self.prime()
+
+    def prime(self) -> None:
+        """Create the optimizer's state with a step that changes nothing, then make it a fresh optimizer's again.
+
+        AdamW creates its moments in its first step, so without this the first step of a trial
+        peaks lower than every later one (and in fp16 a step the GradScaler skips creates none).
+        The step here runs on zero gradients at learning rate 0: parameters and moments stay
+        exactly as they were (zero), and the step counters go back to 0, so training goes on
+        bitwise as from a fresh optimizer.
+        """
+        groups = self.optimizer.param_groups
+        for group in groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        rates = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = 0.0
+        self.optimizer.step()
+        for group, lr in zip(groups, rates):
+            group["lr"] = lr
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"].zero_()
+            elif "step" in state:
+                state["step"] = 0
+        self.optimizer.zero_grad(set_to_none=True)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -164,10 +197,9 @@ def run_trial(
     status, error, handle = "ok", None, None
     try:
         with meter.measure(deadline=deadline) as handle:
-            run.build()
-            # The tensor meter slows every op down: timed steps run after it, and it gets two
-            # untimed steps (the optimizer creates its state in the first) to see the steady peak.
-            for _ in range(max(settings.warmup_steps, 2 if meter.slows_steps else 0)):
+            run.build()  # the optimizer's state primed: one step holds all a step holds
+            # The tensor meter slows every op down: it sees one untimed step, and the timed steps run after it.
+            for _ in range(1 if meter.slows_steps else settings.warmup_steps):
                 run.step(run.batch)
                 run._log_step("warm-up (metered)" if meter.slows_steps else "warm-up")
             if not meter.slows_steps:

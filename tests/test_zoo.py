@@ -321,3 +321,54 @@ def test_check_plans_refuses_a_block_reading_state_its_loop_changes(state):
     for check in checks:
         assert check.status in ("differs", "failed"), check.describe()
         assert not check.ok
+
+
+def _steady_peak(workload: Workload, precision: str, batch_size: int, *, prime: bool, steps: int) -> tuple[int, list]:
+    """The tensor meter's peak over ``steps`` steps of a fresh trainer, its state primed or not; and its losses."""
+    from autotune.records import Config
+    from autotune.trial import Trainer
+
+    trainer = Trainer(workload, Config(precision, "0", batch_size), torch.device("cpu"))
+    with TensorMeter().measure() as h:
+        trainer.build(prime=prime)
+        torch.manual_seed(FORWARD_SEED)
+        batch = workload.make_batch(trainer.model, batch_size)
+        for _ in range(steps):
+            trainer.step(batch)
+    return h.reading.peak_bytes, trainer.losses
+
+
+BUNDLED = [pytest.param("autotune.examples:TinyGPT", {"n_layer": 2, "block_size": 16, "n_embd": 16, "n_head": 2,
+                                                      "vocab_size": 32}, id="TinyGPT"),
+           pytest.param("autotune.examples:ResNetish", {"depth": 4, "channels": 8, "image_size": 16}, id="ResNetish")]
+
+
+# Models that keep something of every step (qwen2_hooked's forward hook records each output): their peak
+# grows with the steps metered, whatever the optimizer does.
+GROWS_PER_STEP = {"qwen2_hooked"}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("member", MEMBERS)
+def test_one_step_after_priming_the_optimizer_peaks_as_two_steps_did(member, precision):
+    # Trials meter one step, the optimizer's state created before it by a step that changes nothing; they
+    # metered two (the state is created in the first). The peaks must be equal, and training the same.
+    _require(member)
+    workload = Workload.from_specs(member.build)
+    two, two_losses = _steady_peak(workload, precision, member.batch_size, prime=False, steps=2)
+    one, _ = _steady_peak(workload, precision, member.batch_size, prime=True, steps=1)
+    primed_two, primed_losses = _steady_peak(workload, precision, member.batch_size, prime=True, steps=2)
+    assert primed_losses == two_losses  # bitwise: priming changes no weight and no moment
+    assert primed_two == two  # by the second step the state exists either way
+    if member.name in GROWS_PER_STEP:
+        assert one < primed_two
+    else:
+        assert one == two, f"{member.name}: one primed step peaks at {one}, two steps at {two}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("spec, kwargs", BUNDLED)
+def test_one_primed_step_peaks_as_two_steps_did_on_the_bundled_models(spec, kwargs, precision):
+    workload = Workload.from_specs(spec, model_kwargs=kwargs)
+    assert _steady_peak(workload, precision, 4, prime=True, steps=1)[0] == _steady_peak(workload, precision, 4, prime=False,
+                                                                                         steps=2)[0]
