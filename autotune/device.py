@@ -23,7 +23,7 @@ import torch
 
 from autotune._log import logger, notice_once
 from autotune.errors import UsageError, first_line
-from autotune.meters import Meter, make_meter
+from autotune.meters import Meter
 from autotune.precision import PRECISIONS
 
 __all__ = ["Backend", "CudaBackend", "backend_for", "resolve_device", "ram_bytes", "slowdown_vs_fp32", "SLOW_FACTOR"]
@@ -92,7 +92,6 @@ def _cpu_name() -> str:
 class Backend:
     """The CPU (and any non-CUDA device): tensor meter, no synchronisation, trials in this process."""
 
-    meter_name = "TensorMeter"
     default_isolation = "none"  # a trial cannot poison the process: no worker start-up to pay
 
     def __init__(self, device: torch.device) -> None:
@@ -122,9 +121,20 @@ class Backend:
         """Free what a finished trial left: reference cycles first (a model's weights may sit in one)."""
         gc.collect()
 
+    @property
+    def meter_class(self) -> type[Meter]:
+        """The meter this device is measured with (the tensor meter: any device, budget-enforcing)."""
+        from autotune.meters import TensorMeter
+
+        return TensorMeter
+
+    @property
+    def meter_name(self) -> str:
+        return self.meter_class.__name__
+
     def meter(self, budget_bytes: int | None = None) -> Meter:
         """Return the meter for this device; ``budget_bytes`` is enforced inside its ``measure()`` regions."""
-        return make_meter(self.device, budget_bytes=budget_bytes)
+        return self.meter_class(self.device, budget_bytes=budget_bytes)
 
     def budget(self, budget_bytes: int | None) -> contextlib.AbstractContextManager:
         """Hold the device to ``budget_bytes`` inside the block, and put the setting back after.
@@ -182,7 +192,6 @@ class Backend:
 class CudaBackend(Backend):
     """A CUDA GPU: caching-allocator and NVML meter, asynchronous kernels, one worker process per trial."""
 
-    meter_name = "CudaMeter"
     default_isolation = "process"  # a sticky CUDA error or a fragmented cache stays in the worker
 
     def __init__(self, device: torch.device) -> None:
@@ -193,6 +202,12 @@ class CudaBackend(Backend):
     @property
     def kind(self) -> str:
         return torch.cuda.get_device_name(self.device)
+
+    @property
+    def meter_class(self) -> type[Meter]:
+        from autotune.meters.cuda import CudaMeter
+
+        return CudaMeter
 
     def total_bytes(self) -> int | None:
         return torch.cuda.get_device_properties(self.device).total_memory

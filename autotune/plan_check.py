@@ -16,7 +16,6 @@ between those two plan-free runs. A plan that differs more, or whose step fails,
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Iterable
 

@@ -16,11 +16,10 @@ stability, and once timed.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -210,7 +209,7 @@ def probe_isolated(workload: Workload, trial: Measurement, *, device: torch.devi
 
     kwargs = {"trial": trial.to_dict(), "device": str(device), "budget_bytes": budget_bytes, "headroom": headroom,
               "settings": settings, "guard": guard}
-    passes = 2 if backend_for(device).meter().slows_steps else 1
+    passes = 2 if backend_for(device).meter_class.slows_steps else 1  # a slowing meter: metered, then timed
     limit = settings.timeout_s * passes if settings.timeout_s else None
     status, payload, seconds = run_isolated(workload, _probe_job, kwargs, name=f"autotune-probe-{trial.config.precision}"
                                             f"-{trial.config.segments}-b{trial.config.batch_size}", timeout_s=limit)

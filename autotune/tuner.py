@@ -29,6 +29,7 @@ from autotune.checkpointing import Chain, find_chain, order_chain
 from autotune.data import scan_items, worst_indices
 from autotune.device import Backend, backend_for, resolve_device
 from autotune.errors import Interrupted, UsageError, first_line
+from autotune.meters import Meter
 from autotune.options import Options
 from autotune.pareto import probe_candidates
 from autotune.plan_check import run_checks
@@ -108,6 +109,10 @@ class Target:
     @property
     def device(self) -> torch.device:
         return self.backend.device
+
+    def local_meter(self) -> Meter:
+        """The meter of trials run in this process; with process isolation each worker makes its own (this one stays unused)."""
+        return self.backend.meter(self.enforced_bytes if self.isolation == "none" else None)
 
 
 def resolve(options: Options) -> Target:
@@ -347,8 +352,7 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
     planned = {"grid": len(space), "optuna": min(len(space), options.n_trials or max(1, len(space) // 4))}.get(strategy.name)
     events.call("search_started", space_size=len(space), planned=planned, strategy=strategy.name,
                 budget_bytes=target.budget_bytes)
-    # With process isolation each worker makes its own meter; this one stays unused.
-    meter = target.backend.meter(target.enforced_bytes if target.isolation == "none" else None)
+    meter = target.local_meter()
     try:
         return run_search(study.workload, space, strategy, device=target.device, meter=meter,
                           budget_bytes=target.enforced_bytes, settings=options.trial_settings, study_name=study.name,
@@ -452,7 +456,7 @@ def compare_library(report: Report, target: Target, facts: ModelFacts, study: St
     measured = {m.config: m for m in report.trials}
     ours_config = Config(rec.precision, ALL, rec.batch_size)  # every block recomputed, as the library's switch does
     logger.info("comparing %s with plan %s at %s, batch %d", method, ALL, rec.precision, rec.batch_size)
-    meter = target.backend.meter(target.enforced_bytes if target.isolation == "none" else None)
+    meter = target.local_meter()
     run = functools.partial(run_one, device=target.device, meter=meter, budget_bytes=target.enforced_bytes,
                             settings=target.options.trial_settings, isolation=target.isolation)
     try:
