@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "grid: every point of the space; optuna: NSGA-II within --n-trials")
     r.add_argument("--n-trials", type=int, default=None, metavar="N",
                    help="trial budget of --strategy optuna (default: a quarter of the space)")
-    r.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per trial (at least 2 are metered on CPU)")
-    r.add_argument("--measure-steps", type=int, default=5, help="timed steps per trial; the median is reported")
+    r.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per trial on CUDA (on the CPU one metered step, the optimizer's "
+                   "state primed before it)")
+    r.add_argument("--measure-steps", type=int, default=5, help="at most this many timed steps per trial: timing stops once the last 3 lie within 2%% "
+                   "of their median; the median is reported with the spread")
     r.add_argument("--trial-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="stop a trial running longer than this (status timeout)")
     r.add_argument("--isolation", default="auto", choices=("auto", "process", "none"),

@@ -54,9 +54,10 @@ def _worker(conn: Any, spec: dict, job: Callable[..., Any], job_kwargs: dict, lo
 
 
 def _trial_job(workload: Workload, *, config: Config, device: str, budget_bytes: int | None,
-               settings: TrialSettings) -> dict:
+               settings: TrialSettings, timed: bool = True, metered: bool = True) -> dict:
     meter = backend_for(device).meter(budget_bytes)
-    return run_trial(workload, config, device=device, meter=meter, settings=settings).to_dict()
+    return run_trial(workload, config, device=device, meter=meter, settings=settings, timed=timed,
+                     metered=metered).to_dict()
 
 
 class _MainFinder(pickle.Pickler):
@@ -170,13 +171,16 @@ def run_trial_isolated(
     device: torch.device | str,
     budget_bytes: int | None,
     settings: TrialSettings,
+    timed: bool = True,
+    metered: bool = True,
 ) -> Measurement:
     """Run one trial in a fresh spawned process and return its measurement (see :func:`run_isolated`)."""
     outcome, payload, seconds = run_isolated(
-        workload, _trial_job, {"config": config, "device": str(device), "budget_bytes": budget_bytes, "settings": settings},
+        workload, _trial_job, {"config": config, "device": str(device), "budget_bytes": budget_bytes, "settings": settings,
+                               "timed": timed, "metered": metered},
         name=f"autotune-trial-{config.precision}-{config.segments}-b{config.batch_size}", timeout_s=settings.timeout_s)
     if outcome == "result":
         return Measurement.from_dict(payload)
     if outcome == "crashed":
         payload = f"the trial's {payload}"  # "the trial's worker process killed by SIGKILL"
-    return Measurement(config=config, status=outcome, wall_s=seconds, error=payload)
+    return Measurement(config=config, status=outcome, wall_s=seconds, error=payload, timed=timed)

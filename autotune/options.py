@@ -42,7 +42,7 @@ class Options:
     n_trials: int | None = None  # the optuna strategy's trial budget (default: a quarter of the space)
     budgets: str | Sequence[str | int] | None = None  # more budgets to recommend for, from the same trials
     warmup_steps: int = 2  # untimed steps per trial
-    measure_steps: int = 5  # timed steps per trial; the median is kept
+    measure_steps: int = 5  # at most this many timed steps per trial (fewer once they settle); the median is kept
     trial_timeout: float | None = 300.0  # seconds before a trial is cut (status timeout)
     storage: str | None = None  # an Optuna storage URL; default: results/<study>.db
     study: str | None = None  # the study's name; default: MODEL[-hash of options]-DEVICE

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
-from autotune.records import Measurement, ProbeResult, usable_bytes
+from autotune.plans import needs_no_more_memory
+from autotune.records import Config, Measurement, ProbeResult, usable_bytes
 
 if TYPE_CHECKING:
     from autotune.memory_model import MemoryModel
 
-__all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "bracket", "probe_candidates", "choose"]
+__all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "bracket", "implied_failures", "probe_candidates",
+           "choose"]
 
 
 def feasible(measurements: Iterable[Measurement], budget_bytes: int | None) -> list[Measurement]:
@@ -73,30 +75,73 @@ def bracket(sizes: Sequence[int], outcomes: Mapping[int, bool]) -> tuple[int, in
     return lo, hi
 
 
-def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, *,
-                 batch_sizes: Sequence[int] | None = None, model: "MemoryModel | None" = None) -> list[dict]:
-    """Per variant (precision, plan): the largest feasible batch size and the smallest infeasible one measured.
+def _too_big(m: Measurement, limit: float | None) -> bool:
+    """Whether the trial measured that its configuration does not fit ``limit`` (out of memory, or over it)."""
+    return m.status == "oom" or (m.status == "ok" and not m.fits(limit))
 
+
+def implied_failures(measurements: Iterable[Measurement], limit: float | None, plans: Iterable[str],
+                     blocks: int | None) -> dict[Config, Config]:
+    """Configurations not measured that are known not to fit ``limit``: {implied: the measured trial implying it}.
+
+    A plan that needs no more memory than another (:func:`autotune.plans.needs_no_more_memory`)
+    and ran out of memory at a batch size means the other does not fit there either. Only the
+    failing side of a bracket is ever implied; every largest fitting batch is a measured trial.
+    """
+    measured = {m.config: m for m in measurements}
+    implied: dict[Config, Config] = {}
+    for m in sorted(measured.values(), key=lambda m: m.config):
+        if not _too_big(m, limit):
+            continue
+        for plan in plans:
+            config = Config(m.precision, plan, m.batch_size)
+            if (config not in measured and config not in implied and plan != m.segments
+                    and needs_no_more_memory(m.segments, plan, blocks)):
+                implied[config] = m.config
+    return implied
+
+
+def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, *,
+                 batch_sizes: Sequence[int] | None = None, model: "MemoryModel | None" = None,
+                 plans: Iterable[str] = (), blocks: int | None = None) -> list[dict]:
+    """Per variant (precision, plan): the largest feasible batch size and the smallest infeasible one.
+
+    The infeasible one is measured, or implied (``plans`` and ``blocks`` given) by a measured
+    failure of a plan that needs no more memory: then ``min_oom_implied_by`` names that trial.
     With the space's ``batch_sizes``, each row also says whether the two are neighbours there
     (``bracketed``: the limit is exact), and with a fitted ``model`` it adds the model's
     ``predicted_max_batch_size`` for rows that are not.
     """
+    measurements = list(measurements)
     variants: dict[tuple[str, str], list[Measurement]] = {}
     for m in measurements:
         variants.setdefault(m.config.variant, []).append(m)
+    implied = implied_failures(measurements, budget_bytes, plans, blocks)
+    by_variant: dict[tuple[str, str], dict[int, Config]] = {}
+    for config, source in implied.items():
+        by_variant.setdefault(config.variant, {})[config.batch_size] = source
     rows = []
     for (precision, segments), trials in variants.items():  # in the order the trials came
         fitting = [m.batch_size for m in trials if m.fits(budget_bytes)]
-        too_big = [m.batch_size for m in trials if m.status == "oom" or (m.status == "ok" and not m.fits(budget_bytes))]
+        too_big = {m.batch_size: None for m in trials if _too_big(m, budget_bytes)}
+        above = max(fitting, default=0)
+        for b, source in by_variant.get((precision, segments), {}).items():
+            if b > above and all(b < t for t in too_big):
+                too_big[b] = source  # implied, and smaller than any measured failure
+        smallest = min(too_big) if too_big else None
         row = {
             "precision": precision,
             "segments": segments,
             "max_batch_size": max(fitting) if fitting else None,
-            "min_oom_batch_size": min(too_big) if too_big else None,
+            "min_oom_batch_size": smallest,
         }
+        if smallest is not None and too_big[smallest] is not None:
+            row["min_oom_implied_by"] = str(too_big[smallest])
         if batch_sizes is not None:
             sizes = sorted(batch_sizes)
-            lo, hi = bracket(sizes, {m.batch_size: m.fits(budget_bytes) for m in trials if m.batch_size in sizes})
+            outcomes = {b: False for b in too_big if b in sizes}
+            outcomes.update({m.batch_size: m.fits(budget_bytes) for m in trials if m.batch_size in sizes})
+            lo, hi = bracket(sizes, outcomes)
             row["bracketed"] = hi == lo + 1
             if not row["bracketed"] and model is not None and (precision, segments) in model.lines:
                 open_ = [b for b in sizes[lo + 1:hi] if budget_bytes is None or model.predict((precision, segments), b) <= budget_bytes]

@@ -27,7 +27,7 @@ import re
 from autotune.errors import UsageError
 
 __all__ = ["NONE", "ALL", "SELECTIVE", "SELECTIVE_POLICIES", "canonical", "parse_plans", "recomputed_blocks", "recompute_fraction",
-           "plan_order", "auto_plans", "check_plan_fits", "is_off", "is_selective"]
+           "needs_no_more_memory", "plan_order", "auto_plans", "check_plan_fits", "is_off", "is_selective"]
 
 NONE = "0"
 ALL = "all"
@@ -113,6 +113,27 @@ def recompute_fraction(name: str, length: int | None) -> float:
         return 1.0 / int(match.group(1))
     segments = int(name)
     return 0.0 if segments <= 1 else (segments - 1) / segments
+
+
+def needs_no_more_memory(a: str, b: str, length: int | None) -> bool:
+    """Whether plan ``a`` is known to need no more memory than plan ``b`` at any batch size (a partial order).
+
+    Block plans whose recomputed blocks are nested are ordered: recomputing a superset of ``b``'s
+    blocks keeps less. ``all`` recomputes every operation of every block, so it keeps less than any
+    selective plan; a selective plan that keeps a subset of another's outputs (``sac-linear`` and
+    ``sac-lean`` of ``sac-matmul``'s) keeps less. Selective plans and the other block plans are not
+    ordered (a kept matmul output may be one no block plan holds). Without ``length`` only ``a == b``.
+    """
+    a, b = canonical(a), canonical(b)
+    if a == b:
+        return True
+    if not length:
+        return False
+    if is_selective(a) or is_selective(b):
+        if is_selective(a) and is_selective(b):
+            return b == "sac-matmul" and a in ("sac-linear", "sac-lean")
+        return is_selective(b) and len(recomputed_blocks(a, length)) == length  # a recomputes every block
+    return set(recomputed_blocks(b, length)) <= set(recomputed_blocks(a, length))
 
 
 def plan_order(names, length: int | None) -> list[str]:

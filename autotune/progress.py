@@ -58,6 +58,10 @@ class Progress:
         if self.quiet:
             return
         detail = format_bytes(m.peak_bytes) + (f", {m.step_s:.4f} s/step" if m.step_s else "")
+        if m.status == "ok" and not m.timed:
+            detail += " (memory trial: not timed)"
+        elif m.memory_from is not None or m.timings > 1:
+            detail += f" (timed {'again' if m.timings > 1 else 'after its memory trial'})"
         if m.error and m.status != "ok":
             detail += f" ({m.error[:100]})"
         self._say(f"autotune: [{self._done}] {m.config}: {m.status} {detail}{' (from the store)' if reused else ''}")

@@ -18,7 +18,7 @@ from autotune.plans import canonical
 
 __all__ = [
     "PRECISION_NAMES", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "STATUSES", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
-    "ProbeResult", "PlanCheck", "quantile", "usable_bytes", "accumulation_plan",
+    "ProbeResult", "PlanCheck", "settled", "timing_fields", "completed", "retimed", "quantile", "usable_bytes", "accumulation_plan",
 ]
 
 PRECISION_NAMES = ("fp32", "fp16", "bf16")  # the modes of autotune.precision
@@ -45,6 +45,57 @@ class Config:
 
     def __str__(self) -> str:
         return f"{self.precision} segments={self.segments} batch={self.batch_size}"
+
+
+def settled(times: list[float] | tuple[float, ...], steps: int, share: float) -> bool:
+    """Whether the last ``steps`` step times lie within ``share`` of their median: timing can stop."""
+    if steps < 1 or len(times) < steps:
+        return False
+    last = sorted(times[-steps:])
+    middle = last[len(last) // 2] if len(last) % 2 else (last[len(last) // 2 - 1] + last[len(last) // 2]) / 2
+    return all(abs(t - middle) <= share * middle for t in last)
+
+
+def timing_fields(batch_size: int, step_times: tuple[float, ...], tokens: int | None, ok: bool) -> dict[str, Any]:
+    """A measurement's timing fields from its timed steps: the median step, samples/s, the spread, tokens/s.
+
+    ``tokens`` is the real tokens over all of ``step_times`` (None where unknown).
+    """
+    ordered = sorted(step_times)
+    n = len(ordered)
+    step_s = (ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2) if n else None
+    return {
+        "step_s": step_s,
+        "step_times_s": tuple(step_times),
+        "samples_per_s": batch_size / step_s if step_s and ok else None,
+        "step_s_spread": (ordered[-1] - ordered[0]) / step_s if step_s and n > 1 else None,
+        "tokens_per_s": tokens / sum(step_times) if ok and tokens is not None and n and sum(step_times) > 0 else None,
+    }
+
+
+def _tokens(m: "Measurement") -> int | None:
+    return None if m.tokens_per_s is None else round(m.tokens_per_s * sum(m.step_times_s))
+
+
+def completed(memory: "Measurement", timing: "Measurement", memory_trial: int | None) -> "Measurement":
+    """A memory trial completed by a later, unmetered timing run of the same configuration: one measurement
+    with the memory trial's peaks and the timing run's steps (``memory_from`` names the memory trial)."""
+    if timing.status != "ok":
+        return timing  # the timing run failed (a time-out, an error): that is the configuration's outcome
+    peaks = {f: getattr(memory, f) for f in ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+                                             "peak_nvml_bytes", "memory_source")}
+    return dataclasses.replace(timing, **peaks, memory_from=memory_trial, wall_s=memory.wall_s + timing.wall_s)
+
+
+def retimed(earlier: "Measurement", later: "Measurement") -> "Measurement":
+    """Two timings of one configuration as one measurement: the steps of both, the median over all of them."""
+    if later.status != "ok" or earlier.status != "ok" or not earlier.timed:
+        return later
+    times = earlier.step_times_s + later.step_times_s
+    a, b = _tokens(earlier), _tokens(later)
+    fields = timing_fields(later.batch_size, times, None if a is None or b is None else a + b, True)
+    return dataclasses.replace(earlier, **fields, timings=earlier.timings + later.timings,
+                               wall_s=earlier.wall_s + later.wall_s)
 
 
 def quantile(values: list[float] | list[int], q: float) -> Any:
@@ -82,7 +133,9 @@ class TrialSettings:
     """How long each trial trains and how it is cut short."""
 
     warmup_steps: int = 2  # untimed; on the tensor meter one metered step is the warm-up (the optimizer's state primed)
-    measure_steps: int = 5  # timed with device synchronisation; the median is reported
+    measure_steps: int = 5  # at most this many timed steps (device synchronised); the median is reported
+    settle_steps: int = 3  # timing stops early once this many last steps lie within settle_share of their median
+    settle_share: float = 0.02
     timeout_s: float | None = 300.0  # a trial running longer is stopped with status "timeout"
     lr: float = 1e-4  # AdamW learning rate; memory and step time do not depend on it
     seed: int = 0  # the same initial weights and dropout masks for every trial
@@ -116,10 +169,20 @@ class Measurement:
     plan: dict[str, Any] = dataclasses.field(default_factory=dict)  # the checkpoint plan applied (name, blocks)
     error: str | None = None
     wall_s: float = 0.0
+    timed: bool = True  # False: a memory trial, metered and not timed (no step time, no samples/s)
+    timings: int = 1  # timed runs whose steps step_times_s holds (a near tie is timed again: 2)
+    memory_from: int | None = None  # the memory trial (its Optuna number) whose peaks a later timing completed
 
     @property
     def precision(self) -> str:
         return self.config.precision
+
+    @property
+    def figures(self) -> str:
+        """What the trial measured: ``"memory+time"``, ``"memory"`` (a memory trial), or ``"none"`` (failed)."""
+        if self.status != "ok":
+            return "memory" if self.status == "oom" else "none"
+        return "memory+time" if self.timed else "memory"
 
     @property
     def segments(self) -> str:
@@ -135,6 +198,7 @@ class Measurement:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        data["figures"] = self.figures
         data["step_times_s"] = list(self.step_times_s)
         data["loss_scale_history"] = list(self.loss_scale_history)
         return _flatten_config(data, floats=("loss_first", "loss_final"))

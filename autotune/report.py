@@ -76,8 +76,7 @@ class Report:
         rec = recommend(self.trials, budget_bytes, self.headroom)
         return {
             "budget_bytes": budget_bytes,
-            "limits": batch_limits(self.trials, budget_bytes, batch_sizes=(self.search.get("space") or {}).get("batch_sizes"),
-                                   model=self.memory_model),
+            "limits": self._limits(budget_bytes, model=self.memory_model),
             "recommendation": self._trial_dict(rec) if rec else None,
         }
 
@@ -108,8 +107,14 @@ class Report:
 
     @property
     def limits(self) -> list[dict]:
-        """Per variant (precision, plan): ``max_batch_size`` that fits, and the smallest batch that did not."""
-        return batch_limits(self.trials, self.budget_bytes, batch_sizes=(self.search.get("space") or {}).get("batch_sizes"))
+        """Per variant (precision, plan): ``max_batch_size`` that fits, and the smallest batch that does not
+        (measured, or implied by a plan that needs no more memory: ``min_oom_implied_by``)."""
+        return self._limits(self.budget_bytes)
+
+    def _limits(self, budget_bytes: int | None, model: MemoryModel | None = None) -> list[dict]:
+        space = self.search.get("space") or {}
+        return batch_limits(self.trials, budget_bytes, batch_sizes=space.get("batch_sizes"), model=model,
+                            plans=space.get("segments", ()), blocks=space.get("blocks"))
 
     def to_dict(self) -> dict[str, Any]:
         recommendation = self.recommendation
@@ -213,6 +218,8 @@ class Report:
         rec = self.recommendation
         for m in self.trials:
             mark = "<- recommended" if rec is not None and m.config == rec.config else ("pareto" if m.config in pareto else "")
+            if m.status == "ok" and not m.timed:
+                mark = "memory trial (not timed)"
             step = f"{m.step_s:.4f}" if m.step_s is not None else "-"
             sps = f"{m.samples_per_s:.1f}" if m.samples_per_s is not None else "-"
             lines.append(
@@ -224,6 +231,11 @@ class Report:
             f"{row['precision']}/{row['segments']}: {row['max_batch_size'] if row['max_batch_size'] is not None else 'none'}"
             for row in self.limits
         ))
+        implied = [row for row in self.limits if "min_oom_implied_by" in row]
+        if implied:
+            lines.append(f"{len(implied)} of these limits end where a plan that needs no more memory ran out of it at the "
+                         f"next size (no trial of its own): " + ", ".join(
+                             f"{row['precision']}/{row['segments']} by {row['min_oom_implied_by']}" for row in implied))
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
         if self.data:
             d = self.data

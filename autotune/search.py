@@ -27,10 +27,10 @@ import torch
 from autotune._log import logger
 from autotune.errors import AutotuneError
 from autotune.meters import Meter
-from autotune.records import Config, Measurement, TrialSettings
+from autotune.records import Config, Measurement, TrialSettings, completed, retimed
 from autotune.space import SearchSpace
 from autotune.store import abandon, distributions, fingerprint, open_study, quiet_optuna, record
-from autotune.strategies import Strategy
+from autotune.strategies import Proposal, Strategy
 from autotune.trial import run_trial
 from autotune.workers import Heartbeat, claim, survey, worker_id
 from autotune.workload import Workload
@@ -62,13 +62,14 @@ class SearchInterrupted(AutotuneError):
 
 
 def run_one(workload: Workload, config: Config, *, device: torch.device, meter: Meter, budget_bytes: int | None,
-            settings: TrialSettings, isolation: str) -> Measurement:
+            settings: TrialSettings, isolation: str, timed: bool = True, metered: bool = True) -> Measurement:
     """Run one trial in this process with ``meter``, or (``isolation="process"``) in a fresh worker."""
     if isolation == "process":
         from autotune.isolation import run_trial_isolated
 
-        return run_trial_isolated(workload, config, device=device, budget_bytes=budget_bytes, settings=settings)
-    return run_trial(workload, config, device=device, meter=meter, settings=settings)
+        return run_trial_isolated(workload, config, device=device, budget_bytes=budget_bytes, settings=settings,
+                                  timed=timed, metered=metered)
+    return run_trial(workload, config, device=device, meter=meter, settings=settings, timed=timed, metered=metered)
 
 
 class _Loop:
@@ -84,8 +85,10 @@ class _Loop:
         self.distributions = distributions(space)
         self.configs = set(space.configs())
         self.stamps: dict[int, tuple[float, float]] = {}
+        self.numbers: dict[Config, int] = {}  # the store's trial number of each measurement
         self.mine: set[Config] = set()
-        self.reported: set[Config] = set()
+        self.runs = 0  # trials this worker ran (a configuration timed after its memory trial counts twice)
+        self.reported: dict[Config, tuple] = {}  # what on_trial last heard of each configuration
         self.measured: dict[Config, Measurement] = {}
         self.trial: optuna.Trial | None = None  # the trial this worker is running, if any
         self.finished: Measurement | None = None  # its measurement, once taken and until stored
@@ -93,19 +96,45 @@ class _Loop:
     def look(self) -> set[Config]:
         """Read the store; report measurements not seen before; return the configurations running elsewhere."""
         self.measured, in_flight = survey(self.study, self.configs, self.settings_key, self.budget_bytes,
-                                          self.settings.timeout_s, self.stamps)
+                                          self.settings.timeout_s, self.stamps, self.numbers)
         for config, m in self.measured.items():
-            if config not in self.reported:
-                self.reported.add(config)
+            seen = (m.status, m.timed, m.timings)  # a timing that completes a memory trial is news too
+            if self.reported.get(config) != seen:
+                self.reported[config] = seen
                 if self.on_trial:
                     self.on_trial(m, config not in self.mine)
         return in_flight
 
-    def claim(self, config: Config) -> Config | None:
-        """Start a trial of ``config``; return the configuration it runs (None: another worker has it)."""
-        self.trial = claim(self.study, config, self.distributions, settings_key=self.settings_key,
-                           budget_bytes=self.budget_bytes)
-        return None if self.trial is None else Config(**self.trial.params)
+    def claim(self, proposal: Proposal) -> Proposal | None:
+        """Start a trial of the proposal; return what it runs (None: another worker has it or has done it)."""
+        def enough(m: Measurement) -> bool:
+            """Whether a stored trial measured what a trial of its configuration would add now (a queued
+            configuration of another worker may come instead of ours: judged by its own measurement)."""
+            earlier = self.measured.get(m.config)
+            if earlier is None or earlier.status != "ok":
+                return True  # measured: nothing to add
+            return m.timed and m.timings > (earlier.timings if earlier.timed else 0)
+
+        self.trial = claim(self.study, proposal.config, self.distributions, settings_key=self.settings_key,
+                           budget_bytes=self.budget_bytes, enough=enough)
+        if self.trial is None:
+            return None
+        config = Config(**self.trial.params)  # another worker's queued configuration, if ours was taken
+        return proposal if config == proposal.config else Proposal(config)
+
+    def measure(self, proposal: Proposal, run: Callable[..., Measurement], slows_steps: bool) -> Measurement:
+        """Run the proposal (``run(timed=, metered=)``); a timing of a configuration measured before joins its figures.
+
+        With a meter that slows steps (the tensor meter) the timing runs unmetered and the peaks are
+        the memory trial's; with one that does not (CUDA) the timing trial measures both itself.
+        """
+        earlier = self.measured.get(proposal.config)
+        if earlier is None or earlier.status != "ok":
+            return run(timed=proposal.timed, metered=True)
+        timing = run(timed=True, metered=not slows_steps)
+        if earlier.timed:
+            return retimed(earlier, timing)  # a near tie timed again: the steps of both runs
+        return completed(earlier, timing, self.numbers.get(proposal.config)) if slows_steps else timing
 
     def keep(self, m: Measurement) -> None:
         """Store the running trial's measurement and count it as this worker's."""
@@ -113,6 +142,7 @@ class _Loop:
         record(self.study, self.trial, m, self.distributions, self.attrs, worker=worker_id())
         self.trial = self.finished = None
         self.mine.add(m.config)
+        self.runs += 1
         self.measured[m.config] = m  # in the report even if Ctrl-C comes before the next look at the store
 
     def interrupted(self) -> None:
@@ -124,7 +154,7 @@ class _Loop:
 
     def result(self, started: float, partial: bool) -> SearchResult:
         ordered = tuple(self.measured[c] for c in self.space.configs() if c in self.measured)
-        return SearchResult(ordered, len(self.mine), len(ordered) - len(self.mine & set(self.measured)),
+        return SearchResult(ordered, self.runs, len(ordered) - len(self.mine & set(self.measured)),
                             time.monotonic() - started, self.study.study_name, self.storage, partial)
 
 
@@ -158,21 +188,26 @@ def run_search(
         with quiet_optuna():
             while True:
                 in_flight = loop.look()
-                config = strategy.propose(space, loop.measured, budget_bytes, pending=frozenset(in_flight))
-                if config is None:
+                proposal = strategy.propose(space, loop.measured, budget_bytes, pending=frozenset(in_flight))
+                if proposal is None:
                     if not in_flight:
                         break
                     time.sleep(WAIT_S)  # others are measuring; their results belong in our report too
                     continue
-                config = loop.claim(config)
-                if config is None:
+                proposal = loop.claim(proposal)
+                if proposal is None:
                     continue
-                logger.debug("trial %d: %s", loop.trial.number, config)
+                config = proposal.config
+                logger.debug("trial %d: %s%s", loop.trial.number, config, "" if proposal.timed else " (memory)")
                 if on_trial_start:
                     on_trial_start(config)
+
+                def run(**kind: bool) -> Measurement:
+                    return run_one(workload, config, device=device, meter=meter, budget_bytes=budget_bytes,
+                                   settings=settings, isolation=isolation, **kind)
+
                 with Heartbeat(loop.study, loop.trial):
-                    loop.finished = run_one(workload, config, device=device, meter=meter, budget_bytes=budget_bytes,
-                                            settings=settings, isolation=isolation)
+                    loop.finished = loop.measure(proposal, run, meter.slows_steps)
                 loop.keep(loop.finished)
     except KeyboardInterrupt:
         loop.interrupted()

@@ -30,7 +30,7 @@ from autotune.space import SearchSpace
 
 __all__ = [
     "METRIC_NAMES", "STATE", "FINISHED", "fingerprint", "default_study_name", "default_storage", "make_storage",
-    "open_study", "distributions", "stored_plan_checks", "store_plan_checks", "reusable", "config_of", "record",
+    "open_study", "distributions", "stored_plan_checks", "store_plan_checks", "reusable", "config_of", "record", "state_of",
     "abandon", "stamp", "quiet_optuna",
 ]
 
@@ -188,13 +188,15 @@ def record(study: optuna.Study, trial: optuna.Trial, m: Measurement, distributio
     A write that fails while the trial is still running (a busy SQLite file, a dropped database
     connection) is tried again: storing it as a second trial would count the configuration twice.
     """
-    attrs = {"status": m.status, **attrs, "measurement": m.to_dict()}  # the measurement last: it marks a stored trial
-    values = [m.samples_per_s, m.peak_bytes] if m.status == "ok" else None
+    attrs = {"status": m.status, "figures": m.figures, **attrs, "measurement": m.to_dict()}  # the measurement last:
+    # it marks a stored trial
+    state = state_of(m)
+    values = [m.samples_per_s, m.peak_bytes] if state == TrialState.COMPLETE else None
     for attempt in range(_RECORD_ATTEMPTS):
         try:
             for key, value in attrs.items():
                 trial.set_user_attr(key, value)
-            study.tell(trial, values, state=STATE[m.status])
+            study.tell(trial, values, state=state)
             return
         except (RuntimeError, ValueError, optuna.exceptions.OptunaError) as exc:
             if _state_of(study, trial.number) in FINISHED:
@@ -207,8 +209,24 @@ def record(study: optuna.Study, trial: optuna.Trial, m: Measurement, distributio
     # The measurement still counts.
     logger.info("trial %d was closed by another worker; its measurement is stored as a new trial", trial.number)
     study.add_trial(optuna.trial.create_trial(
-        params=dataclasses.asdict(m.config), distributions=distributions, state=STATE[m.status], values=values,
+        params=dataclasses.asdict(m.config), distributions=distributions, state=state, values=values,
         user_attrs={**attrs, "worker": worker}))
+
+
+def state_of(m: Measurement) -> TrialState:
+    """The Optuna state a measurement is stored in.
+
+    A trial with both figures is COMPLETE with its two objectives (samples/s, peak bytes). A memory
+    trial that fit has no samples/s: it is PRUNED (Optuna's state for a trial stopped before its
+    objectives were all evaluated) with ``figures: "memory"``, so Optuna's own tools (best trials,
+    the dashboard's front) leave it out; its peak is in the measurement. A later timing of the same
+    configuration is a new COMPLETE trial whose measurement carries both (``memory_from`` names the
+    memory trial), and replaces it wherever the store is read. Out-of-memory and time-outs are
+    PRUNED, failures FAIL.
+    """
+    if m.status == "ok" and not m.timed:
+        return TrialState.PRUNED
+    return STATE[m.status]
 
 
 def _state_of(study: optuna.Study, number: int) -> TrialState | None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import statistics
 import time
 from typing import Any
 
@@ -16,7 +16,7 @@ from autotune.data import real_tokens
 from autotune.device import Backend, backend_for
 from autotune.errors import TrialTimeoutError, UsageError, first_line, is_device_crash, is_oom
 from autotune.meters import Meter
-from autotune.records import Config, GuardRails, Measurement, TrialSettings
+from autotune.records import Config, GuardRails, Measurement, TrialSettings, settled, timing_fields
 from autotune.workload import Workload, to_device
 
 __all__ = ["Trainer", "run_trial", "outcome"]
@@ -156,8 +156,14 @@ class _Run(Trainer):
         self.batch = to_device(self.workload.make_batch(self.model, self.config.batch_size), self.device)
 
     def timed_steps(self, deadline: float | None) -> None:
-        """Time steps on random batches of the data (the same draws for every configuration of this batch size)."""
+        """Time steps on random batches of the data (the same draws for every configuration of this batch size).
+
+        At most ``measure_steps``; fewer once the last ``settle_steps`` lie within ``settle_share`` of
+        their median (the time has settled: more steps would not move the median).
+        """
         for draw in range(self.settings.measure_steps):
+            if settled(self.step_times, self.settings.settle_steps, self.settings.settle_share):
+                break
             projected = self.step_times[-1] if self.step_times else 0.0
             if deadline is not None and time.monotonic() + projected > deadline:
                 raise TrialTimeoutError(f"the trial would run past its {self.settings.timeout_s:g} s limit (--trial-timeout)")
@@ -183,9 +189,14 @@ def run_trial(
     device: torch.device | str,
     meter: Meter,
     settings: TrialSettings = TrialSettings(),
+    timed: bool = True,
+    metered: bool = True,
 ) -> Measurement:
     """Train ``config`` for a few steps on a fresh model and optimizer; return what was measured.
 
+    ``timed=False`` makes a memory trial: the metered steps only, no timed steps (no samples/s).
+    ``metered=False`` (for a meter that slows steps, the tensor meter) times without the meter: the
+    timing that completes an earlier memory trial of the configuration (:func:`records.completed`).
     Out-of-memory, time-outs, a crashed device and errors in the user's model are outcomes (status
     ``oom``, ``timeout``, ``crashed``, ``failed``), not exceptions; bad input (:class:`UsageError`)
     and ``KeyboardInterrupt`` propagate. Memory is released before returning.
@@ -195,16 +206,24 @@ def run_trial(
     deadline = started + settings.timeout_s if settings.timeout_s else None
     run = _Run(workload, config, device, settings)
     status, error, handle = "ok", None, None
+    # The tensor meter slows every op down: it sees one step (the optimizer's state primed: one step
+    # holds all a step holds), and the timed steps run after it without the meter.
+    warmup = 1 if meter.slows_steps else settings.warmup_steps
     try:
-        with meter.measure(deadline=deadline) as handle:
-            run.build()  # the optimizer's state primed: one step holds all a step holds
-            # The tensor meter slows every op down: it sees one untimed step, and the timed steps run after it.
-            for _ in range(1 if meter.slows_steps else settings.warmup_steps):
+        if metered:
+            with meter.measure(deadline=deadline) as handle:
+                run.build()
+                for _ in range(warmup):
+                    run.step(run.batch)
+                    run._log_step("warm-up (metered)" if meter.slows_steps else "warm-up")
+                if timed and not meter.slows_steps:
+                    run.timed_steps(deadline)
+        else:
+            run.build()
+            for _ in range(warmup):
                 run.step(run.batch)
-                run._log_step("warm-up (metered)" if meter.slows_steps else "warm-up")
-            if not meter.slows_steps:
-                run.timed_steps(deadline)
-        if meter.slows_steps:
+                run._log_step("warm-up")
+        if timed and (meter.slows_steps or not metered):
             run.timed_steps(deadline)
     except Exception as exc:  # noqa: BLE001 - every failure of the user's code is an outcome
         status, error = outcome(exc)
@@ -213,15 +232,16 @@ def run_trial(
         run.release()
         del run  # model, optimizer, batch and activations go with it
         backend_for(device).release()
-    return _measurement(config, status, error, records, handle.reading if handle is not None else None, started)
+    m = _measurement(config, status, error, records, handle.reading if handle is not None else None, started)
+    return dataclasses.replace(m, timed=timed)
 
 
 def _measurement(config: Config, status: str, error: str | None, records: tuple, reading: Any,
                  started: float) -> Measurement:
     """The trial's :class:`Measurement` from its records and the meter's reading."""
     plan, losses, scales, skipped, step_times, tokens = records
-    step_s = statistics.median(step_times) if step_times else None
     ok = status == "ok"
+    real = sum(tokens) if tokens and None not in tokens else None
     return Measurement(
         config=config,
         status=status,
@@ -232,12 +252,7 @@ def _measurement(config: Config, status: str, error: str | None, records: tuple,
         oom_held_bytes=getattr(reading, "oom_held_bytes", None),
         oom_needed_bytes=getattr(reading, "oom_needed_bytes", None),
         memory_source=reading.source if reading else "",
-        step_s=step_s,
-        step_times_s=tuple(step_times),
-        samples_per_s=config.batch_size / step_s if step_s and ok else None,
-        step_s_spread=(max(step_times) - min(step_times)) / step_s if step_s and len(step_times) > 1 else None,
-        tokens_per_s=(sum(tokens) / sum(step_times) if ok and tokens and None not in tokens and sum(step_times) > 0
-                      else None),
+        **timing_fields(config.batch_size, tuple(step_times), real, ok),
         loss_first=losses[0] if losses else None,
         loss_final=losses[-1] if losses else None,
         nonfinite_losses=sum(not math.isfinite(v) for v in losses),

@@ -392,6 +392,9 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "warmup_steps": options.warmup_steps, "measure_steps": options.measure_steps,
             "trial_timeout_s": options.trial_timeout, "memory_meter": target.backend.meter_name,
             "isolation": target.isolation, "partial": result.partial,
+            # configurations by what their trials measured; those timed after a memory trial of their own
+            "figures": {f: sum(m.figures == f for m in result.measurements) for f in ("memory+time", "memory", "none")},
+            "timed_after_memory_trial": sum(m.memory_from is not None for m in result.measurements),
         },
         trials=result.measurements,
         notices=target.notices + study.notices,

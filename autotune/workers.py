@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from typing import Callable
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -93,11 +94,14 @@ class Heartbeat:
 
 
 def survey(study: optuna.Study, configs: set[Config], settings_key: str, budget_bytes: int | None,
-            timeout_s: float | None, stamps: dict[int, tuple[float, float]]) -> tuple[dict[Config, Measurement], set[Config]]:
+            timeout_s: float | None, stamps: dict[int, tuple[float, float]],
+            numbers: dict[Config, int] | None = None) -> tuple[dict[Config, Measurement], set[Config]]:
     """Read the store: reusable measurements, and configurations other workers are running now.
 
     Trials left RUNNING by a worker that is gone are marked failed, so they are measured again;
-    so are trials a worker took from the queue but never stamped (it died in between).
+    so are trials a worker took from the queue but never stamped (it died in between). A
+    configuration measured so far only for memory can be running too (its timing). ``numbers``,
+    when given, receives the trial number of each measurement.
     """
     measured: dict[Config, Measurement] = {}
     in_flight: set[Config] = set()
@@ -107,6 +111,8 @@ def survey(study: optuna.Study, configs: set[Config], settings_key: str, budget_
             m = reusable(t.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes, timeout_s=timeout_s)
             if m is not None and m.config in configs:
                 measured[m.config] = m  # later trials of the same configuration win
+                if numbers is not None:
+                    numbers[m.config] = t.number
         elif t.state == TrialState.RUNNING and "worker" not in t.user_attrs:
             if not is_alive(t, now, stamps):  # keyed on its (absent) stamp: abandoned after STALE_S unstamped
                 logger.info("trial %d was taken from the queue but never started: it will be measured again", t.number)
@@ -120,12 +126,17 @@ def survey(study: optuna.Study, configs: set[Config], settings_key: str, budget_
                 logger.info("trial %d (%s) was left running by %s, which is gone: it will be measured again",
                             t.number, t.params, t.user_attrs["worker"])
                 abandon(study, t, "abandoned")
-    return measured, in_flight - set(measured)
+    return measured, {c for c in in_flight if c not in measured or measured[c].figures == "memory"
+                      and measured[c].status == "ok"}
 
 
 def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_key: str,
-           budget_bytes: int | None) -> optuna.Trial | None:
-    """Start a trial of ``config`` (or of another worker's queued configuration); None if already taken."""
+           budget_bytes: int | None, enough: Callable[[Measurement], bool] = lambda m: True) -> optuna.Trial | None:
+    """Start a trial of ``config`` (or of another worker's queued configuration); None if already taken.
+
+    A finished trial of the configuration takes it when ``enough`` says its measurement has what
+    this trial would measure (a memory trial does not take a timing that completes it).
+    """
     study.enqueue_trial(dataclasses.asdict(config))
     trial = study.ask(distributions)
     try:
@@ -135,10 +146,10 @@ def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_
         for other in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, *FINISHED)):
             if other.number == trial.number or config_of(other) != config:
                 continue
+            stored = reusable(other.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes,
+                              timeout_s=None) if other.state in FINISHED else None
             taken = (other.state == TrialState.RUNNING and other.number < trial.number) or (
-                other.state in FINISHED
-                and reusable(other.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes, timeout_s=None)
-            )
+                stored is not None and enough(stored))
             if taken:  # another worker claimed or finished the same configuration first
                 abandon(study, trial, "duplicate")
                 return None

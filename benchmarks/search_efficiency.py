@@ -23,6 +23,11 @@ seconds for those trials. Their recommendation is the fastest of the largest bat
   bf16, inside autotune's tensor meter with the same budget: its error is a
   ``torch.OutOfMemoryError`` both recognise. They search every integer, not the space's sizes.
 
+Then, unless ``--no-default-run``: ``python -m autotune --model autotune.examples:TinyGPT --data
+autotune.examples:token_dataset --device cpu --budget 1GiB`` with every other flag at its default
+(all precisions, ``--segments auto``, 1..512, the probe, the library comparison), from an empty
+store, timed end to end.
+
 ``--real-finders-only`` reruns just the real finders into an existing results JSON.
 
 Writes ``results/search_efficiency-<device>.json`` and ``.md`` (with the environment) and each
@@ -35,6 +40,7 @@ import argparse
 import json
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +53,7 @@ from autotune.device import backend_for
 from autotune.meters import TensorMeter
 from autotune.pareto import recommend
 from autotune.records import Config
+from autotune.space import SearchSpace
 from autotune.units import format_bytes, parse_size
 from autotune.workload import Workload
 
@@ -230,18 +237,25 @@ def run_model(name, args, folder):
     best = grid.recommendation
     rows = []
 
-    def row(method, trials, seconds, limits, rec, wall_kind):
+    def row(method, trials, seconds, limits, rec, wall_kind, **more):
         exact = sum(limits.get(plan) == grid_limits[plan] for plan in grid_limits)
         rows.append({
-            "method": method, "trials": trials, "trials_share_of_grid": round(trials / len(grid.trials), 3),
+            "method": method, "trials": trials, "trials_share_of_grid": round(trials / grid.search["n_run"], 3),
             "seconds": seconds, "seconds_kind": wall_kind, "plans_exact": exact, "plans": len(grid_limits),
             "recommendation": None if rec is None else str(rec.config),
             "throughput_vs_grid_best": None if rec is None or best is None else round(speed[rec.config] / speed[best.config], 3),
+            **more,
         })
 
-    row("grid", len(grid.trials), round(grid.search["wall_s"], 1), grid_limits, best, "wall")
-    row("auto", len(auto.trials), round(auto.search["wall_s"], 1),
-        {(r["precision"], r["segments"]): r["max_batch_size"] for r in auto.limits}, auto.recommendation, "wall")
+    row("grid", grid.search["n_run"], round(grid.search["wall_s"], 1), grid_limits, best, "wall")
+    # auto's limit counts only where it is exact: the largest fit measured, the next size measured or implied
+    auto_limits = {(r["precision"], r["segments"]): r["max_batch_size"] if r.get("bracketed") else None for r in auto.limits}
+    row("auto", auto.search["n_run"], round(auto.search["wall_s"], 1), auto_limits, auto.recommendation, "wall",
+        memory_trials=sum(m.figures == "memory" and m.status == "ok" for m in auto.trials) + sum(
+            m.memory_from is not None for m in auto.trials),
+        timed_after_memory_trial=sum(m.memory_from is not None for m in auto.trials),
+        timed_again=sum(m.timings > 1 for m in auto.trials),
+        failures_implied=sum("min_oom_implied_by" in r for r in auto.limits))
     for method, found in finder_rows(grid, budget, grid.headroom).items():
         row(method, found["trials"], found["trial_seconds"], found["limits"], found["recommendation"], "grid trial seconds")
     memory_model = auto.to_dict()["memory_model"]
@@ -256,12 +270,38 @@ def run_model(name, args, folder):
         "budget_bytes": budget,
         "grid_limits": [{"precision": p, "segments": s, "max_batch_size": b} for (p, s), b in grid_limits.items()],
         "auto_limits": auto.limits,
+        "auto_trials": [{"config": str(m.config), "status": m.status, "figures": m.figures, "memory_from": m.memory_from,
+                         "timings": m.timings, "samples_per_s": m.samples_per_s} for m in auto.trials],
         "grid_recommendation": None if best is None else str(best.config),
         "auto_recommendation": None if auto.recommendation is None else str(auto.recommendation.config),
         "memory_model": memory_model,
         "methods": rows,
         "real_finders": real,
     }
+
+
+DEFAULT_RUN = ["--model", "autotune.examples:TinyGPT", "--data", "autotune.examples:token_dataset"]
+
+
+def default_run(args, folder):
+    """The default space on TinyGPT with data, end to end (search, probe, library comparison) from an empty store."""
+    flags = [*DEFAULT_RUN, "--device", args.device, "--budget", args.budget]
+    out = os.path.join(folder, "default.json")
+    print(f"default run: python -m autotune {' '.join(flags)} ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "autotune", *flags, "--storage", f"sqlite:///{folder}/default.db",
+                           "--out", out], capture_output=True, text=True)
+    result = {"command": "python -m autotune " + " ".join(flags), "returncode": proc.returncode,
+              "wall_s": round(time.monotonic() - started, 1)}
+    if proc.returncode != 0:
+        return {**result, "error": proc.stderr.strip().splitlines()[-1:]}
+    report = autotune.load(out)
+    rec = report.recommendation
+    return {**result, "trials": report.search["n_run"], "configurations": len(report.trials),
+            "search_wall_s": report.search["wall_s"], "space_size": len(SearchSpace(**report.search["space"])),
+            "recommendation": None if rec is None else str(rec.config),
+            "probe": [{"config": str(p.config), "accepted": p.accepted, "wall_s": round(p.wall_s, 1)}
+                      for p in report.probe or ()]}
 
 
 def markdown(data) -> str:
@@ -278,6 +318,13 @@ def markdown(data) -> str:
             secs = f"{r['seconds']}" + (" (grid's trials)" if r["seconds_kind"] != "wall" else "")
             lines.append(f"| {r['method']} | {r['trials']} | {r['trials_share_of_grid']:.0%} | {secs} | "
                          f"{r['plans_exact']}/{r['plans']} | {r['recommendation']} | {r['throughput_vs_grid_best']} |")
+        auto = next((r for r in model["methods"] if r["method"] == "auto"), None)
+        if auto and "memory_trials" in auto:
+            grid = model["methods"][0]
+            lines += ["", f"auto: {auto['memory_trials']} of its {auto['trials']} trials were memory trials (metered, not "
+                      f"timed), {auto['timed_after_memory_trial']} of them timed later; {auto['timed_again']} near ties "
+                      f"timed again; {auto['failures_implied']} limits' failing side implied by a plan that needs no "
+                      f"more memory. Wall time {auto['seconds'] / grid['seconds']:.0%} of the grid's."]
         if model["real_finders"]:
             if data.get("real_finders_command"):
                 lines += ["", f"Real finders rerun with `{data['real_finders_command']}`."]
@@ -287,6 +334,15 @@ def markdown(data) -> str:
                 tries = r.get("trials") if r.get("trials") is not None else r.get("steps", "-")
                 lines.append(f"| {r['method']} | {r['precision']} | {r.get('found', r.get('error'))} | {r['grid_max_batch_size']} | "
                              f"{r.get('model_max_batch_size', '-')} | {tries} | {r.get('wall_s', '-')} |")
+        lines.append("")
+    run = data.get("default_run")
+    if run:
+        lines += ["## The default space with data, end to end", "", f"`{run['command']}` (every other flag at its default), "
+                  f"from an empty store: exit {run['returncode']} after {run['wall_s']} s"]
+        if run["returncode"] == 0:
+            lines[-1] += (f"; {run['trials']} trials ({run['configurations']} configurations of {run['space_size']}) in "
+                          f"{run['search_wall_s']:.0f} s of search, then the probe of {len(run['probe'])} candidates "
+                          f"and the library comparison; recommendation {run['recommendation']}.")
         lines.append("")
     return "\n".join(lines)
 
@@ -304,6 +360,8 @@ def main() -> None:
                         help="models to run the real lightning and accelerate finders on ('' for none)")
     parser.add_argument("--real-finders-only", action="store_true",
                         help="rerun only the real finders, into the existing results JSON (its grid limits and memory lines)")
+    parser.add_argument("--no-default-run", dest="default_run", action="store_false",
+                        help="skip the default-space TinyGPT run with --data, timed end to end")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -322,10 +380,11 @@ def main() -> None:
         data["real_finders_command"], data["real_finders_wall_s"] = command, round(time.monotonic() - started, 1)
     else:
         with tempfile.TemporaryDirectory() as folder:
-            models = [run_model(name, args, folder) for name in args.models.split(",")]
+            models = [run_model(name, args, folder) for name in args.models.split(",") if name]
+            run = default_run(args, folder) if args.default_run else None
         data = {"benchmark": "search_efficiency", "command": command,
                 "environment": backend_for(torch.device(args.device)).environment(), "wall_s": round(time.monotonic() - started, 1),
-                "models": models}
+                "models": models, "default_run": run}
     with open(stem + ".json", "w") as f:
         json.dump(data, f, indent=2, default=str)
     with open(stem + ".md", "w") as f:

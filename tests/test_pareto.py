@@ -1,4 +1,4 @@
-from autotune.pareto import batch_limits, pareto_front, recommend
+from autotune.pareto import batch_limits, implied_failures, pareto_front, recommend
 from autotune.records import Config, Measurement
 
 MiB = 2**20
@@ -41,3 +41,25 @@ def test_limits_per_precision_and_plan():
     assert limits[("fp16", "0")]["max_batch_size"] is None
     # under a smaller budget, a trial that ran but peaked above it counts as too big
     assert {(r["precision"], r["segments"]): r for r in batch_limits(TRIALS, 500 * MiB)}[("bf16", "0")]["min_oom_batch_size"] == 32
+
+
+def test_a_failure_implies_the_failures_of_plans_that_need_more_memory_and_the_limits_say_which_trial():
+    trials = [m("fp32", "all", 64, peak=500 * MiB, sps=10.0), m("fp32", "all", 128, status="oom", peak=1100 * MiB),
+              m("fp32", "4", 64, peak=900 * MiB), m("fp32", "sac-linear", 64, peak=950 * MiB),
+              m("fp32", "2", 32, peak=600 * MiB), m("fp32", "2", 64, status="oom", peak=1100 * MiB),
+              m("bf16", "4", 64, peak=400 * MiB)]
+    plans = ("0", "every4", "2", "4", "all", "sac-linear")
+    implied = implied_failures(trials, 1000 * MiB, plans, 12)
+    by_all, by_2 = Config("fp32", "all", 128), Config("fp32", "2", 64)
+    # all's failure at 128: every other plan of that precision (0 and 2 need more at any batch); 2's at 64: plan 0
+    assert implied == {Config("fp32", p, 128): by_all for p in ("0", "every4", "2", "4", "sac-linear")} | {
+        Config("fp32", "0", 64): by_2}
+    assert not any(c.precision == "bf16" for c in implied)  # never across precisions
+    rows = {r["segments"]: r for r in batch_limits(trials, 1000 * MiB, batch_sizes=(32, 64, 128), plans=plans, blocks=12)
+            if r["precision"] == "fp32"}
+    assert rows["4"] == {"precision": "fp32", "segments": "4", "max_batch_size": 64, "min_oom_batch_size": 128,
+                         "min_oom_implied_by": "fp32 segments=all batch=128", "bracketed": True}
+    assert rows["2"]["min_oom_batch_size"] == 64 and "min_oom_implied_by" not in rows["2"]  # its own trial
+    assert rows["all"]["bracketed"] and "min_oom_implied_by" not in rows["all"]
+    # without the plans (an old report), nothing is implied: the limit is open
+    assert not {r["segments"]: r for r in batch_limits(trials, 1000 * MiB, batch_sizes=(32, 64, 128))}["4"]["bracketed"]

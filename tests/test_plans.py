@@ -1,8 +1,8 @@
 import pytest
 
 from autotune.errors import UsageError
-from autotune.plans import (SELECTIVE, auto_plans, canonical, check_plan_fits, is_selective, parse_plans, plan_order,
-                            recompute_fraction, recomputed_blocks)
+from autotune.plans import (SELECTIVE, auto_plans, canonical, check_plan_fits, is_selective, needs_no_more_memory,
+                            parse_plans, plan_order, recompute_fraction, recomputed_blocks)
 
 
 def test_names():
@@ -45,3 +45,18 @@ def test_order_and_bounds():
     check_plan_fits("every4", 4, "blocks")
     with pytest.raises(UsageError, match="at most 3"):
         check_plan_fits("4", 3, "transformer.h")
+
+
+@pytest.mark.parametrize("a, b, ordered", [
+    ("all", "0", True), ("0", "all", False), ("4", "2", True), ("2", "4", False), ("4", "every4", True),
+    ("2", "every4", False), ("every4", "2", False), ("8", "4", True), ("all", "8", True),
+    ("all", "sac-matmul", True), ("all", "sac-linear", True), ("8", "sac-lean", False),
+    ("sac-linear", "sac-matmul", True), ("sac-lean", "sac-matmul", True), ("sac-lean", "sac-linear", False),
+    ("sac-matmul", "0", False), ("0", "sac-matmul", False), ("2", "2", True),
+])
+def test_plans_are_partly_ordered_by_the_memory_they_need(a, b, ordered):
+    assert needs_no_more_memory(a, b, 12) is ordered
+
+
+def test_without_the_block_count_no_two_plans_are_ordered():
+    assert not needs_no_more_memory("all", "0", None) and needs_no_more_memory("all", "all", None)

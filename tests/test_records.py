@@ -17,7 +17,11 @@ from autotune.records import (
     ProbeResult,
     ProbeSettings,
     accumulation_plan,
+    completed,
     quantile,
+    retimed,
+    settled,
+    timing_fields,
     usable_bytes,
 )
 
@@ -278,3 +282,46 @@ def test_importing_records_does_not_import_torch():
             "assert 'torch' not in sys.modules, 'reading a measurement imported torch'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("times, steps, share, done", [
+    ([1.0, 1.01, 0.99], 3, 0.02, True),
+    ([1.0, 1.03, 0.99], 3, 0.02, False),  # 1.03 is 3% above the median
+    ([5.0, 1.0, 1.01, 0.99], 3, 0.02, True),  # only the last three count
+    ([1.0, 1.0], 3, 0.02, False),  # not three yet
+    ([1.0, 1.0, 1.0], 0, 0.02, False),  # settle_steps 0: never early
+])
+def test_timing_settles_when_the_last_steps_lie_within_a_share_of_their_median(times, steps, share, done):
+    assert settled(times, steps, share) is done
+
+
+def test_timing_fields_come_from_the_median_step():
+    fields = timing_fields(8, (0.5, 0.3, 0.4), 240, True)
+    assert fields["step_s"] == 0.4 and fields["samples_per_s"] == 20.0
+    assert fields["step_s_spread"] == pytest.approx(0.5) and fields["tokens_per_s"] == pytest.approx(200.0)
+    assert timing_fields(8, (0.5,), None, False)["samples_per_s"] is None
+
+
+def test_a_memory_trial_has_memory_figures_only_and_a_timing_completes_it():
+    config = Config("bf16", "all", 8)
+    memory = Measurement(config, "ok", peak_bytes=1000, peak_allocated_bytes=1000, memory_source="tensor", timed=False,
+                         wall_s=2.0)
+    assert memory.figures == "memory" and memory.to_dict()["figures"] == "memory"
+    timing = Measurement(config, "ok", memory_source="", **timing_fields(8, (0.2, 0.2, 0.2), None, True), wall_s=1.0)
+    both = completed(memory, timing, memory_trial=7)
+    assert both.figures == "memory+time" and both.memory_from == 7
+    assert both.peak_bytes == 1000 and both.memory_source == "tensor" and both.samples_per_s == 40.0 and both.wall_s == 3.0
+    assert Measurement.from_dict(both.to_dict()) == both
+    cut = Measurement(config, "timeout", error="too slow")
+    assert completed(memory, cut, memory_trial=7) == cut  # the timing's failure is the configuration's outcome
+    assert Measurement(config, "oom", peak_bytes=2000).figures == "memory"
+    assert Measurement(config, "failed").figures == "none"
+
+
+def test_a_near_tie_timed_again_is_judged_on_the_steps_of_both_runs():
+    config = Config("fp32", "0", 4)
+    first = Measurement(config, "ok", peak_bytes=10, **timing_fields(4, (1.0, 1.0, 1.0), 30, True))
+    second = Measurement(config, "ok", **timing_fields(4, (0.5, 0.5, 0.5), 30, True))
+    both = retimed(first, second)
+    assert both.step_times_s == (1.0, 1.0, 1.0, 0.5, 0.5, 0.5) and both.timings == 2
+    assert both.step_s == 0.75 and both.peak_bytes == 10 and both.tokens_per_s == pytest.approx(60 / 4.5)

@@ -4,6 +4,7 @@ import torch
 
 from autotune.errors import UsageError
 from autotune.meters import TensorMeter
+from autotune.pareto import pareto_front, recommend
 from autotune.records import Config, TrialSettings
 from autotune.search import run_search
 from autotune.space import SearchSpace
@@ -86,3 +87,29 @@ def test_a_new_study_names_its_objectives_for_optunas_own_tools(tmp_path):
     open_study("named", f"sqlite:///{tmp_path}/n.db", workload_key="k")
     assert optuna.load_study(study_name="named", storage=f"sqlite:///{tmp_path}/n.db").metric_names == [
         "samples_per_s", "peak_bytes"]
+
+
+def test_auto_meters_the_bracket_and_times_only_the_envelope_completing_memory_trials(gpt, storage):
+    # Tiny GPT, 10 MiB: plan 0 fits batch 16, not 64; plan 2 neither at 64; "all" fits 64.
+    space = SearchSpace(("fp32",), ("0", "2", "all"), (1, 4, 16, 64), blocks=4)
+    budget = 10 * 2**20
+    result = run_search(gpt, space, make_strategy("auto", budgets=()), device=torch.device("cpu"),
+                        meter=TensorMeter(budget_bytes=budget), budget_bytes=budget, settings=QUICK, study_name="a",
+                        storage=storage, workload_key="k")
+    trials = optuna.load_study(study_name="a", storage=storage).get_trials()
+    assert result.n_run == len(trials)
+    measured = {m.config: m for m in result.measurements}
+    # 0 at 64 is never run: plan 2, which recomputes more, ran out of memory there
+    assert Config("fp32", "0", 64) not in measured and measured[Config("fp32", "2", 64)].status == "oom"
+    memory = [t for t in trials if t.user_attrs.get("figures") == "memory" and t.user_attrs["status"] == "ok"]
+    assert memory and all(t.state == optuna.trial.TrialState.PRUNED and t.values is None for t in memory)
+    completions = [m for m in result.measurements if m.memory_from is not None]
+    assert completions  # the climb reached a point first measured for its memory only
+    for m in completions:
+        source = trials[m.memory_from]
+        assert source.user_attrs["figures"] == "memory" and Config(**source.params) == m.config
+        assert m.peak_bytes == source.user_attrs["measurement"]["peak_bytes"] and m.samples_per_s > 0
+    # what the front and the recommendation read has both figures; a configuration with memory only is not on it
+    rec = recommend(result.measurements, budget)
+    assert rec is not None and rec.figures == "memory+time"
+    assert all(m.figures == "memory+time" for m in pareto_front(result.measurements, budget))

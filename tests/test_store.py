@@ -13,6 +13,7 @@ from autotune.errors import UsageError
 from autotune.records import Config, GuardRails, Measurement
 from autotune.space import SearchSpace
 from autotune.store import (
+    state_of,
     FINISHED,
     STATE,
     abandon,
@@ -299,6 +300,21 @@ def test_record_stores_the_measurement_on_its_trial(study, status, state):
     assert Measurement.from_dict(stored.user_attrs["measurement"]) == m
     assert config_of(stored) == config
     assert reusable(stored.user_attrs, settings_key="s", budget_bytes=2000, timeout_s=None) == m
+
+
+def test_a_memory_trial_is_stored_pruned_with_its_figures_and_a_timing_completes_it(study):
+    config = Config("bf16", "all", 2)
+    keys = {"settings_key": "s", "budget_bytes": 2000, "timeout_s": None}
+    memory = Measurement(config, "ok", peak_bytes=1234, timed=False)
+    record(study, ask(study, config), memory, distributions(SPACE), keys, worker="host:ns:1")
+    timing = dataclasses.replace(memory, timed=True, step_s=0.5, samples_per_s=4.0, memory_from=0)
+    record(study, ask(study, config), timing, distributions(SPACE), keys, worker="host:ns:1")
+    first, second = study.get_trials(deepcopy=False)
+    assert state_of(memory) == first.state == TrialState.PRUNED and first.values is None  # no samples/s objective
+    assert first.user_attrs["figures"] == "memory" and first.user_attrs["status"] == "ok"
+    assert second.state == TrialState.COMPLETE and second.values == [4.0, 1234.0]
+    assert second.user_attrs["figures"] == "memory+time" and second.user_attrs["measurement"]["memory_from"] == 0
+    assert [t.number for t in study.best_trials] == [second.number]  # Optuna's front leaves the memory trial out
 
 
 def test_record_of_a_trial_another_worker_closed_adds_a_new_trial(study):

@@ -4,6 +4,7 @@ Each curve maps a configuration to its peak bytes and speed; a trial "runs out o
 the budget, as the tensor meter makes it. The grid of the same curve is the reference.
 """
 
+import dataclasses
 import math
 import random
 
@@ -12,7 +13,7 @@ import pytest
 from autotune.errors import UsageError
 from autotune.memory_model import MemoryModel
 from autotune.pareto import batch_limits, recommend
-from autotune.plans import recompute_fraction
+from autotune.plans import needs_no_more_memory, recompute_fraction
 from autotune.records import Config, Measurement
 from autotune.space import SearchSpace
 from autotune.strategies import AutoStrategy, GridStrategy, OptunaStrategy, make_strategy
@@ -50,22 +51,41 @@ def measure(curve, budget=BUDGET):
     return trial
 
 
+class Runs(dict):
+    """Measurements by configuration, and how many trials made them (a timing after a memory trial is one more)."""
+
+    trials = 0
+    memory_trials = 0
+
+
 def run(strategy, trial, space=SPACE, budget=BUDGET):
-    measured = {}
-    while (config := strategy.propose(space, measured, budget)) is not None:
-        assert config not in measured, f"{config} proposed twice"
+    measured = Runs()
+    while (proposal := strategy.propose(space, measured, budget)) is not None:
+        config, earlier = proposal.config, measured.get(config := proposal.config)
         assert config in space.configs()
-        measured[config] = trial(config)
+        if earlier is not None:  # only a timing that completes a memory trial, or a near tie timed once more
+            assert proposal.timed and earlier.status == "ok" and (not earlier.timed or earlier.timings < 2), \
+                f"{proposal} proposed again after {earlier}"
+        m = trial(config)
+        if not proposal.timed:
+            m = dataclasses.replace(m, timed=False, step_s=None, samples_per_s=None)
+            measured.memory_trials += 1
+        elif earlier is not None and earlier.timed:
+            m = dataclasses.replace(m, timings=earlier.timings + 1)
+        measured[config] = m
+        measured.trials += 1
     return measured
 
 
-def limits(measured, budget=BUDGET, sizes=SPACE.batch_sizes):
+def limits(measured, budget=BUDGET, sizes=SPACE.batch_sizes, space=SPACE):
+    """Each variant's largest fitting batch, and whether the next size up is known not to fit (measured or implied)."""
     return {(r["precision"], r["segments"]): (r["max_batch_size"], r["bracketed"])
-            for r in batch_limits(measured.values(), budget, batch_sizes=sizes)}
+            for r in batch_limits(measured.values(), budget, batch_sizes=sizes, plans=space.segments, blocks=space.blocks)}
 
 
 def grid_limits(trial, space=SPACE, budget=BUDGET):
-    return {plan: (b, True) for plan, (b, _) in limits(run(GridStrategy(), trial, space, budget), budget, space.batch_sizes).items()}
+    return {plan: (b, True) for plan, (b, _) in limits(run(GridStrategy(), trial, space, budget), budget, space.batch_sizes,
+                                                         space).items()}
 
 
 def stepwise(config):  # an allocator that hands out memory in 64 MiB blocks
@@ -88,18 +108,30 @@ def test_auto_finds_every_plans_exact_limit_with_a_fraction_of_the_grid(curve, s
     assert recommend(auto.values(), BUDGET).config == grid.config
 
 
-def test_bracketing_measures_both_sides_of_the_boundary():
+def test_bracketing_measures_the_largest_fit_and_measures_or_implies_the_next_size():
     auto = run(AutoStrategy(), measure(linear))
-    for (precision, segments), (largest, _) in limits(auto).items():
-        i = SPACE.batch_sizes.index(largest)
-        assert auto[Config(precision, segments, largest)].status == "ok"
-        if i + 1 < len(SPACE.batch_sizes):
-            assert auto[Config(precision, segments, SPACE.batch_sizes[i + 1])].status == "oom"
+    implied = 0
+    for row in batch_limits(auto.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.segments, blocks=BLOCKS):
+        largest, i = row["max_batch_size"], SPACE.batch_sizes.index(row["max_batch_size"])
+        assert auto[Config(row["precision"], row["segments"], largest)].status == "ok"
+        if i + 1 == len(SPACE.batch_sizes):
+            continue
+        above = Config(row["precision"], row["segments"], SPACE.batch_sizes[i + 1])
+        if "min_oom_implied_by" in row:  # a measured failure of a plan that needs no more memory, at that size
+            implied += 1
+            assert above not in auto and row["min_oom_batch_size"] == above.batch_size
+            source = next(c for c in auto if str(c) == row["min_oom_implied_by"])
+            assert auto[source].status == "oom" and source.batch_size == above.batch_size
+            assert needs_no_more_memory(source.segments, above.segments, BLOCKS)
+        else:
+            assert auto[above].status == "oom"
+    assert implied >= 1  # nested plans with the same limit
 
 
-def test_everything_infeasible_costs_one_trial_per_plan():
+def test_a_failure_implies_the_failures_of_plans_that_need_more_memory():
+    # Nothing fits: the plan that recomputes every block fails at batch 1, and so does every other plan.
     auto = run(AutoStrategy(), measure(lambda c: 2 * BUDGET))
-    assert sorted(auto) == sorted(Config(p, s, 1) for p in SPACE.precisions for s in SPACE.segments)
+    assert sorted(auto) == sorted(Config(p, "all", 1) for p in SPACE.precisions)
     assert all(largest is None for largest, _ in limits(auto).values())
     assert recommend(auto.values(), BUDGET) is None
 
@@ -145,8 +177,8 @@ def test_timeouts_stop_the_bracket_like_out_of_memory():
 def test_a_plan_another_worker_is_measuring_is_left_to_it():
     strategy = AutoStrategy(fixed_bytes_hint=8 * MiB)
     first = strategy.propose(SPACE, {}, BUDGET)
-    second = strategy.propose(SPACE, {}, BUDGET, pending=frozenset({first}))
-    assert second is not None and second.variant != first.variant
+    second = strategy.propose(SPACE, {}, BUDGET, pending=frozenset({first.config}))
+    assert second is not None and second.config.variant != first.config.variant
 
 
 def test_smaller_budgets_come_from_the_same_trials_where_the_model_is_sure():
@@ -230,5 +262,32 @@ def test_auto_brackets_selective_plans_like_any_plan():
     space = SearchSpace(("fp32", "bf16"), ("0", "sac-matmul", "sac-lean", "every4", "2", "sac-linear", "all"),
                         SPACE.batch_sizes, blocks=BLOCKS)
     measured = run(AutoStrategy(fixed_bytes_hint=8 * MiB), measure(curve), space)
-    assert limits(measured, sizes=space.batch_sizes) == grid_limits(measure(curve), space)
+    assert limits(measured, sizes=space.batch_sizes, space=space) == grid_limits(measure(curve), space)
     assert {c.segments for c in measured} >= set(freed)
+
+
+def test_a_near_tie_for_the_recommendation_is_timed_again_alternately_and_only_once():
+    def trial(config):  # two points within 1% of each other, each timed with a 4% spread; the rest well apart
+        m = measure(linear)(config)
+        if m.status != "ok":
+            return m
+        sps = {16: 100.0, 32: 99.0}.get(config.batch_size, 50.0) if config.segments == "0" else 10.0
+        return dataclasses.replace(m, samples_per_s=sps, step_s=config.batch_size / sps, step_s_spread=0.04)
+
+    space = SearchSpace(("fp32",), ("0", "all"), SPACE.batch_sizes, blocks=BLOCKS)
+    proposals = []
+    strategy = AutoStrategy(fixed_bytes_hint=8 * MiB)
+    measured = Runs()
+    while (proposal := strategy.propose(space, measured, BUDGET)) is not None:
+        proposals.append(proposal)
+        earlier, m = measured.get(proposal.config), trial(proposal.config)
+        if not proposal.timed:
+            m = dataclasses.replace(m, timed=False, samples_per_s=None, step_s=None)
+        elif earlier is not None and earlier.timed:
+            m = dataclasses.replace(m, timings=earlier.timings + 1)
+        measured[proposal.config] = m
+    tied = {Config("fp32", "0", 16), Config("fp32", "0", 32)}
+    again = [p.config for i, p in enumerate(proposals) if p.timed and any(q.config == p.config and q.timed
+                                                                          for q in proposals[:i])]
+    assert sorted(again) == sorted(tied)  # each once more, and nothing else
+    assert {c for c in tied if measured[c].timings == 2} == tied

@@ -1,3 +1,4 @@
+import dataclasses
 import gc
 import weakref
 
@@ -27,6 +28,29 @@ def test_ok_trial_measures_memory_time_and_loss(gpt):
     assert m.memory_source == "tensor"
     assert m.loss_final < m.loss_first  # it really trains
     assert m.plan == {"name": "0", "recomputed_blocks": [], "chain_length": None}
+
+
+def test_a_memory_trial_meters_the_same_peak_without_timing(gpt):
+    full = run_trial(gpt, Config("bf16", "2", 4), device="cpu", meter=TensorMeter(), settings=QUICK)
+    memory = run_trial(gpt, Config("bf16", "2", 4), device="cpu", meter=TensorMeter(), settings=QUICK, timed=False)
+    assert memory.status == "ok" and memory.figures == "memory" and not memory.timed
+    assert memory.peak_bytes == full.peak_bytes and memory.peak_allocated_bytes == full.peak_allocated_bytes
+    assert memory.step_times_s == () and memory.step_s is None and memory.samples_per_s is None
+    assert len(memory.loss_scale_history) == 0 and memory.loss_first == full.loss_first  # the one metered step
+
+
+def test_an_unmetered_timing_run_times_without_the_meter(gpt):
+    timing = run_trial(gpt, Config("fp32", "0", 4), device="cpu", meter=TensorMeter(budget_bytes=1), settings=QUICK,
+                       metered=False)  # a budget of one byte: the meter, had it run, would have stopped it
+    assert timing.status == "ok" and timing.peak_bytes is None and timing.memory_source == ""
+    assert len(timing.step_times_s) == 3 and timing.samples_per_s == pytest.approx(4 / timing.step_s)
+
+
+def test_timing_stops_once_the_last_steps_settle_and_runs_to_the_maximum_otherwise(gpt):
+    lax = dataclasses.replace(QUICK, measure_steps=8, settle_steps=3, settle_share=10.0)  # any three steps agree
+    strict = dataclasses.replace(QUICK, measure_steps=5, settle_steps=3, settle_share=0.0)  # none do
+    assert len(run_trial(gpt, Config("fp32", "0", 2), device="cpu", meter=TensorMeter(), settings=lax).step_times_s) == 3
+    assert len(run_trial(gpt, Config("fp32", "0", 2), device="cpu", meter=TensorMeter(), settings=strict).step_times_s) == 5
 
 
 def test_every_trial_starts_from_a_fresh_model(gpt):

@@ -164,6 +164,19 @@ def test_a_configuration_finished_in_a_reusable_way_is_not_claimed(study):
     assert claim(study, A, DIST, settings_key="other settings", budget_bytes=None) is not None  # measured another way
 
 
+def test_a_memory_trial_does_not_take_the_timing_that_completes_it_but_a_timed_trial_does(study):
+    finished(study, dataclasses.replace(ok(A), timed=False, samples_per_s=None))
+
+    def timed(m):
+        return m.timed
+
+    first = claim(study, A, DIST, settings_key="s", budget_bytes=None, enough=timed)
+    assert first is not None  # the memory trial has no time: the timing is free to run
+    study.tell(first, state=TrialState.FAIL)
+    finished(study, ok(A))
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, enough=timed) is None  # timed by someone
+
+
 def test_an_oom_under_a_smaller_budget_is_claimed_again(study):
     finished(study, Measurement(A, "oom", peak_bytes=2000), budget=1000)
     assert claim(study, A, DIST, settings_key="s", budget_bytes=4000) is not None
@@ -233,6 +246,16 @@ def test_a_configuration_both_measured_and_running_is_not_in_flight(study, live_
     running(study, A, worker=here(live_pid), heartbeat=time.time())
     measured, in_flight = survey(study, set(SPACE.configs()), "s", None, None, {})
     assert A in measured and in_flight == set()
+
+
+def test_a_memory_trial_being_timed_elsewhere_is_in_flight(study, live_pid):
+    memory = dataclasses.replace(ok(A), timed=False, samples_per_s=None)
+    finished(study, memory)
+    running(study, A, worker=here(live_pid), heartbeat=time.time())
+    numbers = {}
+    measured, in_flight = survey(study, set(SPACE.configs()), "s", None, None, {}, numbers)
+    assert measured == {A: memory} and in_flight == {A}  # its timing runs: wait for it rather than time it twice
+    assert numbers == {A: 0}
 
 
 # --- Heartbeat -----------------------------------------------------------------------------------

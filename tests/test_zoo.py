@@ -18,7 +18,7 @@ from torch import nn
 from autotune.checkpointing import apply_plan, find_chain, iter_wrapped, order_chain, remove_plan
 from autotune.meters import TensorMeter
 from autotune.plan_check import check_plans
-from autotune.plans import auto_plans, recomputed_blocks
+from autotune.plans import auto_plans, needs_no_more_memory, recomputed_blocks
 from autotune.thirdparty import library_checkpointing
 from autotune.workload import Workload
 
@@ -323,12 +323,13 @@ def test_check_plans_refuses_a_block_reading_state_its_loop_changes(state):
         assert not check.ok
 
 
-def _steady_peak(workload: Workload, precision: str, batch_size: int, *, prime: bool, steps: int) -> tuple[int, list]:
+def _steady_peak(workload: Workload, precision: str, batch_size: int, *, prime: bool, steps: int,
+                 plan: str = "0") -> tuple[int, list]:
     """The tensor meter's peak over ``steps`` steps of a fresh trainer, its state primed or not; and its losses."""
     from autotune.records import Config
     from autotune.trial import Trainer
 
-    trainer = Trainer(workload, Config(precision, "0", batch_size), torch.device("cpu"))
+    trainer = Trainer(workload, Config(precision, plan, batch_size), torch.device("cpu"))
     with TensorMeter().measure() as h:
         trainer.build(prime=prime)
         torch.manual_seed(FORWARD_SEED)
@@ -372,3 +373,31 @@ def test_one_primed_step_peaks_as_two_steps_did_on_the_bundled_models(spec, kwar
     workload = Workload.from_specs(spec, model_kwargs=kwargs)
     assert _steady_peak(workload, precision, 4, prime=True, steps=1)[0] == _steady_peak(workload, precision, 4, prime=False,
                                                                                          steps=2)[0]
+
+
+def _order_violations(workload: Workload, precision: str, batch_size: int, length: int) -> tuple[list, list]:
+    """The pairs of plans known to need no more memory one than the other, and those whose peaks say otherwise."""
+    plans = auto_plans(length)
+    peaks = {plan: _steady_peak(workload, precision, batch_size, prime=True, steps=1, plan=plan)[0] for plan in plans}
+    pairs = [(a, b) for a in plans for b in plans if a != b and needs_no_more_memory(a, b, length)]
+    return pairs, [f"{a} {peaks[a]} > {b} {peaks[b]}" for a, b in pairs if peaks[a] > peaks[b]]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("spec, kwargs", BUNDLED)
+def test_the_plan_order_holds_on_the_bundled_models(spec, kwargs, precision):
+    workload = Workload.from_specs(spec, model_kwargs=kwargs)
+    pairs, wrong = _order_violations(workload, precision, 4, find_chain(workload.build_model()).length)
+    assert pairs and not wrong, wrong
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("member", MEMBERS)
+def test_plans_known_to_need_no_more_memory_do_not(member, precision):
+    # The search takes a plan's out-of-memory at a batch size as the failure of every plan that needs at least
+    # as much (plans.needs_no_more_memory): nested recomputed blocks, all below the selective plans, sac-linear
+    # and sac-lean below sac-matmul. Every such pair, measured: one primed step, the trial's peak.
+    _require(member)
+    pairs, wrong = _order_violations(Workload.from_specs(member.build), precision, member.batch_size, member.length)
+    assert pairs
+    assert not wrong, f"{member.name}: " + "; ".join(wrong)

@@ -16,11 +16,11 @@ from typing import Any
 
 from autotune.errors import UsageError
 from autotune.strategies.auto import AutoStrategy
-from autotune.strategies.base import Strategy
+from autotune.strategies.base import Proposal, Strategy
 from autotune.strategies.grid import GridStrategy
 from autotune.strategies.sampler import OptunaStrategy
 
-__all__ = ["Strategy", "AutoStrategy", "GridStrategy", "OptunaStrategy", "STRATEGIES", "make_strategy"]
+__all__ = ["Strategy", "Proposal", "AutoStrategy", "GridStrategy", "OptunaStrategy", "STRATEGIES", "make_strategy"]
 
 STRATEGIES = {"auto": AutoStrategy, "grid": GridStrategy, "optuna": OptunaStrategy}
 

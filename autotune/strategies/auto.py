@@ -1,22 +1,30 @@
 """Auto: bracket each plan's largest batch with the memory model, then climb throughput.
 
 For a fixed precision and checkpoint plan, peak memory is monotone and close to linear in the
-batch size (:mod:`autotune.memory_model`). The strategy works in three phases, each a function of
+batch size (:mod:`autotune.memory_model`). The strategy works in four phases, each a function of
 the measurements alone, so a resumed search or a second worker picks up where the store stands:
 
 1. **Bracket** every plan's boundary under the budget, exactly at the resolution of the batch
-   sizes: the largest size that fits and the next size up (which does not) are both measured. The
-   next trial of a plan is the size the model predicts to be the largest that fits, inside the
-   bracket still open; after three trials of a plan without closing it, plain bisection.
+   sizes: the largest size that fits is a measured trial, and so is the next size up (which does
+   not fit) unless a plan that needs no more memory failed at that size
+   (:func:`autotune.plans.needs_no_more_memory`; the limits name the trial that implies it). Plans
+   go from the most recompute to the least, so such failures come first. The next trial of a plan
+   is the size the model predicts to be the largest that fits, inside the bracket still open;
+   after three trials of a plan without closing it, plain bisection. These trials are memory
+   trials (metered, not timed), except where the climb (3.) starts.
 2. **Other budgets** (``--budgets``): a plan's boundary under a smaller budget comes from the
    measured peaks where they bracket it, from the model where its prediction is clear of the
-   budget by more than its error, and from one more trial where it is not.
+   budget by more than its error, and from one more memory trial where it is not.
 3. **Throughput.** At each batch size the fastest plan is the one that recomputes the fewest
    blocks and fits within the budget less headroom (checkpointing only adds recompute), so
-   the other plans cannot enter the front there and are not measured further. Along that
-   envelope, per precision, the strategy climbs from the fastest measured point to a local
-   maximum of samples/s: both neighbours measured and slower. A precision that is slower in
-   every configuration measured in both and needs more memory in every plan is not climbed.
+   the other plans cannot enter the front there and are not timed. Along that envelope, per
+   precision, the strategy climbs from the fastest timed point (at first: the largest batch of
+   the plan with the least recompute) to a local maximum of samples/s: both neighbours timed and
+   slower. A point measured only for memory is completed by
+   a timing. A precision that is slower in every configuration timed in both and needs more
+   memory in every plan is not climbed.
+4. **Near ties.** Where the fastest trial under a budget and the next lie within their spreads of
+   each other, each is timed once more, alternately, and judged on the steps of both runs.
 """
 
 from __future__ import annotations
@@ -24,10 +32,10 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from autotune.memory_model import MemoryModel
-from autotune.pareto import bracket
+from autotune.pareto import bracket, implied_failures
 from autotune.records import Config, Measurement, usable_bytes
 from autotune.space import SearchSpace
-from autotune.strategies.base import Strategy
+from autotune.strategies.base import Proposal, Strategy
 
 __all__ = ["AutoStrategy", "next_in_bracket"]
 
@@ -69,6 +77,63 @@ def _dominates(fast: str, slow: str, measured: Mapping[Config, Measurement], mod
     return True
 
 
+_WAIT = object()  # a phase that must wait for other workers' trials before the next phase may start
+
+
+class _View:
+    """What the measurements say, as the phases read it: the memory model, each variant's trials, implied failures."""
+
+    def __init__(self, space: SearchSpace, measured: Mapping[Config, Measurement], fixed_bytes_hint: float | None,
+                 pending: frozenset[Config]) -> None:
+        self.space, self.measured, self.pending = space, measured, pending
+        self.sizes = sorted(space.batch_sizes)
+        self.ordered = space.ordered_plans()  # least recompute first
+        # Bracketed from the most recompute down: a plan's failure implies the failures of the plans that
+        # recompute a subset of its blocks. Precisions alternate, so a precision's ratio is learnt early.
+        self.variants = [(p, s) for s in reversed(self.ordered) for p in space.precisions]
+        self.model = MemoryModel.fit(measured.values(), self.variants, fixed_bytes_hint=fixed_bytes_hint,
+                                     blocks=space.blocks)
+        self.busy = {c.variant for c in pending}
+        self.by_variant: dict[tuple[str, str], dict[int, Measurement]] = {}
+        for c, m in measured.items():
+            self.by_variant.setdefault(c.variant, {})[c.batch_size] = m
+        self._implied: dict[float | None, dict[Config, Config]] = {}
+
+    def outcomes(self, variant: tuple[str, str], limit: float | None) -> dict[int, bool]:
+        """Batch size -> fits ``limit``: measured, or implied not to by a plan that needs no more memory."""
+        if limit not in self._implied:
+            self._implied[limit] = implied_failures(self.measured.values(), limit, self.space.segments, self.space.blocks)
+        known = {c.batch_size: False for c in self._implied[limit] if c.variant == variant}
+        known.update({b: m.fits(limit) for b, m in self.by_variant.get(variant, {}).items()})
+        return known
+
+    def predicted(self, variant: tuple[str, str]) -> dict[int, float] | None:
+        return None if variant not in self.model.lines else {b: self.model.predict(variant, b) for b in self.sizes}
+
+    def timed(self, config: Config) -> bool:
+        """Whether ``config`` has a step time."""
+        m = self.measured.get(config)
+        return m is not None and m.samples_per_s is not None
+
+    def envelope(self, precision: str, limit: float | None) -> list[Config]:
+        """Per batch size, the plan with the least recompute that fits ``limit`` (measured, implied or predicted):
+        the fastest plan there, since checkpointing only adds recompute."""
+        envelope: list[Config] = []
+        for b in self.sizes:
+            for s in self.ordered:
+                known = self.outcomes((precision, s), limit)
+                if b in known:
+                    fits = known[b]
+                else:  # not measured: not if a smaller size of the plan failed the limit, else as predicted
+                    guess = self.model.predict((precision, s), b)
+                    fits = (guess is not None and (limit is None or guess <= limit)
+                            and all(ok for size, ok in known.items() if size < b))
+                if fits:
+                    envelope.append(Config(precision, s, b))
+                    break
+        return envelope
+
+
 class AutoStrategy(Strategy):
     """Model-guided bracketing of each plan's batch limit, then a throughput climb (module docstring)."""
 
@@ -80,52 +145,77 @@ class AutoStrategy(Strategy):
         self.fixed_bytes_hint = fixed_bytes_hint
 
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
-                *, pending: frozenset[Config] = frozenset()) -> Config | None:
-        sizes = sorted(space.batch_sizes)
-        ordered = space.ordered_plans()  # least recompute first
-        variants = [(p, s) for s in ordered for p in space.precisions]  # a precision's ratio early
-        model = MemoryModel.fit(measured.values(), variants, fixed_bytes_hint=self.fixed_bytes_hint, blocks=space.blocks)
-        busy = {c.variant for c in pending}
-        by_variant: dict[tuple[str, str], dict[int, Measurement]] = {}
-        for c, m in measured.items():
-            by_variant.setdefault(c.variant, {})[c.batch_size] = m
+                *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
+        view = _View(space, measured, self.fixed_bytes_hint, pending)
+        for phase in (self._bracket, self._other_budgets, self._throughput, self._near_ties):
+            proposal = phase(view, budget_bytes)
+            if proposal is _WAIT:
+                return None  # the rest depends on trials other workers are running
+            if proposal is not None:
+                return proposal
+        return None
 
-        def outcomes(variant, limit):
-            return {b: m.fits(limit) for b, m in by_variant.get(variant, {}).items()}
+    def _limits(self, budget_bytes: int | None) -> list[float | None]:
+        """The usable share of every budget, the largest first: where a recommendation may be."""
+        return [usable_bytes(b, self.headroom) for b in dict.fromkeys([budget_bytes, *reversed(self.budgets)])]
 
-        def predicted(variant):
-            return None if variant not in model.lines else {b: model.predict(variant, b) for b in sizes}
-
-        # 1. The budget's boundary of every plan, measured on both sides.
+    def _bracket(self, view: _View, budget_bytes: int | None):
+        """1. The budget's boundary of every plan: its largest fitting size measured, the next size up measured
+        or implied. A trial is timed only where it can be on a precision's throughput envelope."""
         waiting = False
-        for variant in variants:
-            b = next_in_bracket(sizes, outcomes(variant, budget_bytes), predicted(variant), budget_bytes,
-                                len(by_variant.get(variant, {})))
-            if b is not None:
-                if variant in busy:
-                    waiting = True
-                    continue
-                return Config(*variant, b)
-        if waiting:
-            return None  # the rest depends on trials other workers are running
-        # 2. Smaller budgets: measure a boundary only where the model is not clear of it.
-        margin = max(0.05, model.relative_error())
+        for variant in view.variants:
+            b = next_in_bracket(view.sizes, view.outcomes(variant, budget_bytes), view.predicted(variant),
+                                budget_bytes, len(view.by_variant.get(variant, {})))
+            if b is None:
+                continue
+            if variant in view.busy:
+                waiting = True
+                continue
+            config = Config(*variant, b)
+            # Timed at once only where the climb (3.) starts: the largest batch of the plan without recompute.
+            wanted = variant[1] == view.ordered[0] and any(config in view.envelope(config.precision, limit)
+                                                           for limit in self._limits(budget_bytes))
+            return Proposal(config, timed=wanted)
+        return _WAIT if waiting else None
+
+    def _other_budgets(self, view: _View, budget_bytes: int | None) -> Proposal | None:
+        """2. Smaller budgets: a memory trial only where neither the measurements nor the model settle a boundary."""
+        margin = max(0.05, view.model.relative_error())
         for limit in (b for b in self.budgets if budget_bytes is None or b < budget_bytes):
-            for variant in variants:
-                b = self._uncertain(sizes, outcomes(variant, limit), predicted(variant), limit, margin)
-                if b is not None and Config(*variant, b) not in pending:
-                    return Config(*variant, b)
-        # 3. Throughput along each precision's envelope, for every budget less headroom; a precision
-        # slower wherever both were measured, and needing more memory in every plan, is skipped.
-        for budget in dict.fromkeys([budget_bytes, *self.budgets]):
-            limit = usable_bytes(budget, self.headroom)
-            for precision in space.precisions:
-                if any(_dominates(other, precision, measured, model, variants, sizes[0], sizes[-1])
-                       for other in space.precisions if other != precision):
+            for variant in view.variants:
+                b = self._uncertain(view.sizes, view.outcomes(variant, limit), view.predicted(variant), limit, margin)
+                if b is not None and Config(*variant, b) not in view.pending:
+                    return Proposal(Config(*variant, b), timed=False)
+        return None
+
+    def _throughput(self, view: _View, budget_bytes: int | None) -> Proposal | None:
+        """3. Throughput along each precision's envelope, for every budget less headroom; a precision slower
+        wherever both were measured, and needing more memory in every plan, is skipped."""
+        for limit in self._limits(budget_bytes):
+            for precision in view.space.precisions:
+                if any(_dominates(other, precision, view.measured, view.model, view.variants, view.sizes[0], view.sizes[-1])
+                       for other in view.space.precisions if other != precision):
                     continue
-                config = self._climb(precision, ordered, sizes, by_variant, model, limit)
-                if config is not None and config not in pending:
-                    return config
+                config = self._climb(view.envelope(precision, limit), view)
+                if config is not None and config not in view.pending:
+                    return Proposal(config)  # a memory trial of it is completed by this timing
+        return None
+
+    def _near_ties(self, view: _View, budget_bytes: int | None) -> Proposal | None:
+        """4. Where the fastest trial under a budget and another lie within their spreads of each other, time
+        each once more, alternately, in fresh trials: one run's noise does not pick the recommendation."""
+        for limit in self._limits(budget_bytes):
+            ranked = sorted((m for m in view.measured.values() if m.fits(limit) and m.samples_per_s is not None),
+                            key=lambda m: (-m.samples_per_s, m.peak_bytes or 0))
+            if len(ranked) < 2:
+                continue
+            best = ranked[0]
+            for other in ranked[1:3]:
+                if not _overlap(best, other):
+                    break
+                for m in sorted((best, other), key=lambda m: m.timings):  # the fewer timings first: alternating
+                    if m.timings < 2 and m.config not in view.pending:
+                        return Proposal(m.config)
         return None
 
     @staticmethod
@@ -139,27 +229,14 @@ class AutoStrategy(Strategy):
         return None
 
     @staticmethod
-    def _climb(precision, segments, sizes, by_variant, model, limit) -> Config | None:
-        """The next point of the precision's throughput climb under ``limit``, or None at a local maximum."""
-        envelope: list[Config] = []
-        for b in sizes:
-            for s in segments:  # least recompute first
-                trials = by_variant.get((precision, s), {})
-                if b in trials:
-                    fits = trials[b].fits(limit)
-                else:  # not measured: not if a smaller size of the plan failed the limit, else as predicted
-                    guess = model.predict((precision, s), b)
-                    fits = (guess is not None and (limit is None or guess <= limit)
-                            and all(m.fits(limit) for c, m in trials.items() if c < b))
-                if fits:
-                    envelope.append(Config(precision, s, b))
-                    break
-        speeds = {i: by_variant[c.variant][c.batch_size].samples_per_s for i, c in enumerate(envelope)
-                  if c.batch_size in by_variant.get(c.variant, {})}
+    def _climb(envelope: list[Config], view: _View) -> Config | None:
+        """The next point of a throughput climb along ``envelope``, or None at a local maximum."""
+        speeds = {i: view.measured[c].samples_per_s for i, c in enumerate(envelope) if view.timed(c)}
         if not envelope:
             return None
-        if not speeds:
-            return envelope[-1]
+        if not speeds:  # start at the largest batch of the plan with the least recompute, where training usually starts
+            first = view.ordered[0]
+            return next((c for c in reversed(envelope) if c.segments == first), envelope[-1])
         # Hill climbing: measure the neighbours of the fastest point until both are measured and slower.
         # (A step to the neighbour costs one trial; a bisection would cost more where the maximum sits
         # near the largest batch, as it does on GPUs.) The larger neighbour first.
@@ -168,3 +245,9 @@ class AutoStrategy(Strategy):
             if 0 <= i < len(envelope) and i not in speeds:
                 return envelope[i]
         return None
+
+
+def _overlap(a: Measurement, b: Measurement) -> bool:
+    """Whether two trials' samples/s lie within their spreads of each other (the spread of each one's step times)."""
+    return abs(a.samples_per_s - b.samples_per_s) <= (
+        a.samples_per_s * (a.step_s_spread or 0.0) + b.samples_per_s * (b.step_s_spread or 0.0)) / 2

@@ -6,7 +6,7 @@ from typing import Mapping
 
 from autotune.records import Config, Measurement
 from autotune.space import SearchSpace
-from autotune.strategies.base import Strategy
+from autotune.strategies.base import Proposal, Strategy
 
 __all__ = ["GridStrategy"]
 
@@ -17,5 +17,6 @@ class GridStrategy(Strategy):
     name = "grid"
 
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
-                *, pending: frozenset[Config] = frozenset()) -> Config | None:
-        return next((c for c in space.configs() if c not in measured and c not in pending), None)
+                *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
+        config = next((c for c in space.configs() if c not in measured and c not in pending), None)
+        return None if config is None else Proposal(config)

@@ -17,7 +17,7 @@ import optuna
 from autotune.records import Config, Measurement
 from autotune.space import SearchSpace
 from autotune.store import distributions as space_distributions
-from autotune.strategies.base import Strategy
+from autotune.strategies.base import Proposal, Strategy
 
 __all__ = ["OptunaStrategy"]
 
@@ -40,7 +40,7 @@ class OptunaStrategy(Strategy):
         return [0.0, 2.0 * float(budget_bytes or m.peak_bytes or 1)]
 
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
-                *, pending: frozenset[Config] = frozenset()) -> Config | None:
+                *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
         limit = self.n_trials if self.n_trials is not None else max(1, len(space) // 4)
         distributions = space_distributions(space)  # as the store declares them
         if self._shadow is None:
@@ -68,6 +68,7 @@ class OptunaStrategy(Strategy):
                 self._shadow.tell(trial, state=optuna.trial.TrialState.FAIL)
             else:
                 self._asked[config] = trial
-                return config
+                return Proposal(config)
         # The sampler keeps asking for what is known: take the next configuration nobody has.
-        return next((c for c in space.configs() if c not in measured and c not in pending and c not in self._asked), None)
+        config = next((c for c in space.configs() if c not in measured and c not in pending and c not in self._asked), None)
+        return None if config is None else Proposal(config)
