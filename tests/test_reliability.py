@@ -57,7 +57,7 @@ SEARCH = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--dev
 
 def test_isolated_trial_killed_by_sigkill_is_recorded_and_the_search_finishes(tmp_path):
     report = autotune.tune("tests.models:SelfKill", device="cpu", budget="8MiB", precisions="fp32", segments="0",
-                           batch_sizes="2,4,8", measure_steps=2, isolation="process",
+                           batch_sizes="2,4,8", measure_steps=2, isolation="process", strategy="grid",
                            storage=f"sqlite:///{tmp_path}/k.db", study="k")
     status = {m.batch_size: m for m in report.trials}
     assert status[4].status == "crashed" and "SIGKILL" in status[4].error

@@ -129,9 +129,10 @@ def test_bracketing_measures_the_largest_fit_and_measures_or_implies_the_next_si
 
 
 def test_a_failure_implies_the_failures_of_plans_that_need_more_memory():
-    # Nothing fits: the plan that recomputes every block fails at batch 1, and so does every other plan.
+    # Nothing fits: the plan that recomputes every block fails at the middle size and at batch 1, and so does
+    # every other plan, without a trial of its own.
     auto = run(AutoStrategy(), measure(lambda c: 2 * BUDGET))
-    assert sorted(auto) == sorted(Config(p, "all", 1) for p in SPACE.precisions)
+    assert sorted(auto) == sorted(Config(p, "all", b) for p in SPACE.precisions for b in (1, 16))
     assert all(largest is None for largest, _ in limits(auto).values())
     assert recommend(auto.values(), BUDGET) is None
 
@@ -229,7 +230,8 @@ def test_next_in_bracket_jumps_to_the_predicted_boundary_then_bisects():
     assert next_in_bracket(sizes, {}, predicted, 64, tries=0) == 16
     assert next_in_bracket(sizes, {16: True}, predicted, 64, tries=1) == 32  # the next size up, to close it
     assert next_in_bracket(sizes, {16: True, 32: False}, predicted, 64, tries=2) is None
-    assert next_in_bracket(sizes, {}, None, 64, tries=0) == 1  # nothing known: the smallest first
+    assert next_in_bracket(sizes, {}, None, 64, tries=0) == 8  # nothing known: the middle size draws a line
+    assert next_in_bracket(sizes, {8: False}, None, 64, tries=1) == 1  # it did not fit: does anything?
     assert next_in_bracket(sizes, {1: True, 2: True, 64: False}, predicted, 64, tries=3) == 8  # bisection of 2..64
 
 

@@ -9,8 +9,9 @@ the measurements alone, so a resumed search or a second worker picks up where th
    not fit) unless a plan that needs no more memory failed at that size
    (:func:`autotune.plans.needs_no_more_memory`; the limits name the trial that implies it). Plans
    go from the most recompute to the least, so such failures come first. The next trial of a plan
-   is the size the model predicts to be the largest that fits, inside the bracket still open;
-   after three trials of a plan without closing it, plain bisection. These trials are memory
+   is the size the model predicts to be the largest that fits, inside the bracket still open
+   (before any peak is known: the middle size, whose activations outweigh the fixed part, then
+   the smallest); after three trials of a plan without closing it, plain bisection. These trials are memory
    trials (metered, not timed), except where the climb (3.) starts.
 2. **Other budgets** (``--budgets``): a plan's boundary under a smaller budget comes from the
    measured peaks where they bracket it, from the model where its prediction is clear of the
@@ -55,8 +56,8 @@ def next_in_bracket(sizes: list[int], outcomes: Mapping[int, bool], predicted: M
     open_ = list(range(lo + 1, hi))
     if tries >= _BISECT_AFTER:
         return sizes[(lo + hi) // 2]
-    if not predicted:
-        return sizes[open_[0]]
+    if not predicted:  # nothing to go by: first the middle size (its peak draws a line), then the smallest
+        return sizes[open_[len(open_) // 2]] if tries == 0 else sizes[open_[0]]
     fitting = [i for i in open_ if limit is None or predicted[sizes[i]] <= limit]
     return sizes[fitting[-1] if fitting else open_[0]]
 
