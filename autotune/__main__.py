@@ -1,16 +1,20 @@
 """Command line: ``python -m autotune --model MODULE:ATTR [options]``, and ``python -m autotune show X.json``.
 
 Exit codes: 0 with a recommendation, 3 when nothing fits the budget (the JSON is still written),
-2 for bad input (one line on stderr), 130 when interrupted, 1 for an unexpected failure (one line).
+2 for bad input (one line on stderr), 130 when interrupted (Ctrl-C), 143 when stopped by SIGTERM (as
+schedulers stop a job: the same partial report as Ctrl-C), 1 for an unexpected failure (one line).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
-from typing import TYPE_CHECKING, Sequence
+import threading
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from autotune.errors import AutotuneError, UsageError, first_line
 
@@ -19,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main", "build_parser"]
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130  # SIGTERM: 143
 
 
 class _Parser(argparse.ArgumentParser):
@@ -209,11 +213,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
     logging.getLogger("autotune").setLevel(level)  # only ours: libraries keep their own levels
 
-    import autotune
     from autotune.progress import Progress
-    from autotune.tuner import run
 
     progress = Progress(quiet=args.quiet)
+    with _sigterm_as_interrupt() as stopped:
+        return _main(args, progress, stopped)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what torchrun, SLURM, Kubernetes and systemd send, then wait a grace period): handled as Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[list[int]]:
+    """Inside the block, SIGTERM raises :class:`Terminated` (a KeyboardInterrupt): the running trial is
+    discarded, the partial report written, and the exit code is 128 + 15. Yields the signals received."""
+    received: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+        if len(received) == 1:  # a second SIGTERM must not cut the partial report short
+            raise Terminated()
+
+    if threading.current_thread() is not threading.main_thread():  # signals are only for the main thread
+        yield received
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
+    import autotune
+    from autotune.tuner import run
+
+    def how() -> str:
+        return "stopped by SIGTERM" if stopped else "interrupted"
+
     try:
         frameworks, plot = _outputs(args)
         _check_writable(args.out or os.path.join("results", "report.json"), create_folder=not args.out)
@@ -223,9 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             wrote = f"wrote the partial report to {_write(exc.report, args.out)}"
         except (OSError, ValueError) as write_exc:
             wrote = f"could not write the partial report ({write_exc})"
-        print(f"autotune: interrupted after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
+        print(f"autotune: {how()} after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
               f"{exc.report.search['storage']}: run the same command to continue", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return 128 + stopped[0] if stopped else EXIT_INTERRUPTED
     except UsageError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -241,8 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"--verbose shows the traceback)", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:  # before the search started: nothing measured
-        print("autotune: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        print(f"autotune: {how()}", file=sys.stderr)
+        return 128 + stopped[0] if stopped else EXIT_INTERRUPTED
     try:
         out = _write(report, args.out)
     except (OSError, ValueError) as exc:

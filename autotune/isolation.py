@@ -37,8 +37,10 @@ _EXIT_GRACE_S = 30.0
 
 
 def _worker(conn: Any, spec: dict, job: Callable[..., Any], job_kwargs: dict, log_level: int = logging.WARNING) -> None:
-    # Ctrl-C reaches the whole process group: the parent decides, and kills this worker.
+    # Ctrl-C reaches the whole process group, and a scheduler's SIGTERM often does (systemd's control group,
+    # torchrun's children): the parent decides, and kills this worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if log_level < logging.WARNING:  # --verbose: the trial's per-step lines, on the stderr the worker shares
         logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
         logger.setLevel(log_level)

@@ -90,6 +90,13 @@ def main() -> int:
           "the memory fraction is back to what it was outside the measured regions")
     check(ok.status == "ok" and ok.peak_bytes <= budget, "a small trial after the OOMs runs and fits")
     check(torch.cuda.memory_allocated(dev) == base, "allocated memory back to where it started")
+    memory = run_trial(workload, Config("fp32", 0, 8), device=dev, meter=meter, settings=settings, timed=False)
+    print(f"  a memory trial of batch 8: allocated {format_bytes(memory.peak_allocated_bytes)}, reserved "
+          f"{format_bytes(memory.peak_reserved_bytes)}, {len(memory.step_times_s)} timed steps")
+    check(memory.status == "ok" and memory.samples_per_s is None and memory.step_times_s == (),
+          "a memory trial (the search's bracket) is metered and not timed")
+    check(memory.peak_allocated_bytes == ok.peak_allocated_bytes,
+          "its warm-up steps reach the timed trial's allocated peak (CUDA meters the warm-up, then times)")
 
     print("3. A device-side assert in a worker is a crashed trial; the next trial runs")
     crash_w = Workload.from_specs("tests.models:DeviceAssert")

@@ -102,7 +102,8 @@ def test_memory_figure_has_a_panel_per_precision_and_a_line_per_plan(grid):
         assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "8", "16", "32", "64", "128", "256"]
         plans = sorted(s for q, s in model.lines if q == p)
         fits = by_gid(ax, "fit:")
-        assert sorted(g.split(":")[2] for g in fits) == plans == sorted(["0", "every4", "2", "4", "8", "all"])
+        assert sorted(g.split(":")[2] for g in fits) == plans == sorted(
+            ["0", "every4", "2", "4", "8", "all", "sac-matmul", "sac-lean", "sac-linear"])  # --segments auto, L = 12
         for s in plans:
             fit, measured = fits[f"fit:{p}:{s}"], by_gid(ax, f"measured:{p}:{s}")[f"measured:{p}:{s}"]
             assert fit.get_linestyle() == "--" and fit.get_color() == measured.get_color()

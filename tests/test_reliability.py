@@ -25,10 +25,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = '{"n_layer": 2, "block_size": 16, "n_embd": 16, "n_head": 2, "vocab_size": 32}'
 
 
+def _default_sigint() -> None:
+    # A background job of a non-interactive shell ignores SIGINT and its children inherit that: then Python
+    # installs no KeyboardInterrupt handler and a Ctrl-C test could not pass. The children start with the default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cli(*args, **popen):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "autotune", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, **popen)
+                            text=True, env=env, preexec_fn=_default_sigint, **popen)
 
 
 def measured_trials(storage, study):
@@ -150,6 +156,24 @@ def test_ctrl_c_writes_a_partial_report_and_exits_130(tmp_path):
                             precisions="fp32,bf16", segments="0,2", batch_sizes="1..8", measure_steps=40,
                             storage=storage, study="i", isolation="none", strategy="grid")
     assert resumed.search["n_reused"] == data["search"]["n_trials"] and not resumed.search["partial"]
+
+
+@pytest.mark.parametrize("isolation", ["none", "process"])
+def test_sigterm_is_handled_as_ctrl_c_and_exits_143(tmp_path, isolation):
+    # torchrun, SLURM, Kubernetes and systemd stop a job with SIGTERM and a grace period.
+    storage, out = f"sqlite:///{tmp_path}/t.db", tmp_path / "t.json"
+    search = [a if a != "none" else isolation for a in SEARCH]
+    proc = cli(*search, "--storage", storage, "--study", "t", "--out", str(out), start_new_session=True)
+    wait_for_trials(storage, "t", 2, timeout=300)
+    os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as systemd and torchrun do: isolated workers too
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    data = json.loads(out.read_text())
+    assert data["search"]["partial"] is True and 2 <= data["search"]["n_trials"] < 16
+    assert all(m["status"] != "crashed" for m in data["trials"])  # a worker's SIGTERM is not a crash of the trial
+    study = optuna.load_study(study_name="t", storage=storage)
+    assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
 
 
 POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
