@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "state primed before it)")
     r.add_argument("--measure-steps", type=int, default=5, help="at most this many timed steps per trial: timing stops once the last 3 lie within 2%% "
                    "of their median; the median is reported with the spread")
+    r.add_argument("--settle-steps", type=int, default=3, metavar="N",
+                   help="timing stops early once the last N steps lie within 2%% of their median; 0 times all "
+                   "--measure-steps steps")
     r.add_argument("--trial-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="stop a trial running longer than this (status timeout)")
     r.add_argument("--isolation", default="auto", choices=("auto", "process", "none"),
@@ -129,7 +132,8 @@ def options_from(args: argparse.Namespace) -> "Options":
         model=args.model, model_kwargs=args.model_kwargs, data=args.data, loss=args.loss, device=args.device,
         budget=args.budget, headroom=args.headroom, precisions=args.precisions, segments=args.segments,
         batch_sizes=args.batch_sizes, strategy=args.strategy, n_trials=args.n_trials, budgets=args.budgets,
-        warmup_steps=args.warmup_steps, measure_steps=args.measure_steps, trial_timeout=args.trial_timeout,
+        warmup_steps=args.warmup_steps, measure_steps=args.measure_steps, settle_steps=args.settle_steps,
+        trial_timeout=args.trial_timeout,
         storage=args.storage, study=args.study, isolation=args.isolation, probe=not args.no_probe,
         probe_top=args.probe_top, probe_epochs=args.probe_epochs, probe_fraction=args.probe_fraction,
         num_workers=args.num_workers, target_batch_size=args.target_batch_size, clip_grad_norm=args.clip_grad_norm,

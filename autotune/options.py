@@ -43,6 +43,7 @@ class Options:
     budgets: str | Sequence[str | int] | None = None  # more budgets to recommend for, from the same trials
     warmup_steps: int = 2  # untimed steps per trial
     measure_steps: int = 5  # at most this many timed steps per trial (fewer once they settle); the median is kept
+    settle_steps: int = 3  # timing stops once this many last steps lie within 2% of their median (0: never early)
     trial_timeout: float | None = 300.0  # seconds before a trial is cut (status timeout)
     storage: str | None = None  # an Optuna storage URL; default: results/<study>.db
     study: str | None = None  # the study's name; default: MODEL[-hash of options]-DEVICE
@@ -82,8 +83,8 @@ class Options:
                 raise UsageError(f"{flag} {value} must be a finite number")
         if not 0.0 <= self.headroom < 1.0:
             raise UsageError(f"--headroom {self.headroom} must be at least 0 and below 1, e.g. 0.1 for 10%")
-        if self.warmup_steps < 0 or self.measure_steps < 1:
-            raise UsageError("--warmup-steps must be 0 or more and --measure-steps 1 or more")
+        if self.warmup_steps < 0 or self.measure_steps < 1 or self.settle_steps < 0:
+            raise UsageError("--warmup-steps and --settle-steps must be 0 or more and --measure-steps 1 or more")
         if self.trial_timeout is not None and self.trial_timeout <= 0:
             raise UsageError(f"--trial-timeout {self.trial_timeout} must be a positive number of seconds")
         if self.probe_top < 1 or self.probe_epochs < 1 or not 0.0 < self.probe_fraction <= 1.0 or self.num_workers < 0:
@@ -101,7 +102,7 @@ class Options:
     @property
     def trial_settings(self) -> TrialSettings:
         return TrialSettings(warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
-                             timeout_s=self.trial_timeout, guard=self.guard)
+                             settle_steps=self.settle_steps, timeout_s=self.trial_timeout, guard=self.guard)
 
     @property
     def probe_settings(self) -> ProbeSettings:

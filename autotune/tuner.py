@@ -390,6 +390,7 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "n_run": result.n_run, "n_reused": result.n_reused, "wall_s": round(result.wall_s, 3),
             "study": result.study_name, "storage": result.storage, "space": study.space.to_dict(),
             "warmup_steps": options.warmup_steps, "measure_steps": options.measure_steps,
+            "settle_steps": options.settle_steps,
             "trial_timeout_s": options.trial_timeout, "memory_meter": target.backend.meter_name,
             "isolation": target.isolation, "partial": result.partial,
             # configurations by what their trials measured; those timed after a memory trial of their own

@@ -145,7 +145,8 @@ def test_a_study_made_for_another_search_space_is_bad_input(tmp_path, capsys):
 def test_help_documents_every_flag_with_its_default():
     text = build_parser().format_help()
     for flag in ["--model", "--model-kwargs", "--data", "--loss", "--device", "--budget", "--headroom", "--precisions",
-                 "--segments", "--batch-sizes", "--strategy", "--warmup-steps", "--measure-steps", "--trial-timeout",
+                 "--segments", "--batch-sizes", "--strategy", "--warmup-steps", "--measure-steps", "--settle-steps",
+                 "--trial-timeout",
                  "--isolation", "--storage", "--study", "--out", "--quiet", "--verbose", "--no-probe", "--probe-top",
                  "--probe-epochs", "--probe-fraction", "--num-workers", "--target-batch-size", "--clip-grad-norm",
                  "--fp32-modules", "--budgets", "--n-trials", "--export", "--plot", "--no-library-compare"]:

@@ -39,6 +39,7 @@ def test_auto_and_lists_are_read_the_same_from_text_and_from_python():
     ({"headroom": 1.0}, "--headroom"),
     ({"headroom": float("nan")}, "finite"),
     ({"measure_steps": 0}, "--measure-steps"),
+    ({"settle_steps": -1}, "--settle-steps"),
     ({"trial_timeout": -1}, "--trial-timeout"),
     ({"probe_fraction": 0}, "--probe-fraction"),
     ({"clip_grad_norm": 0}, "--clip-grad-norm"),

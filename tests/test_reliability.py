@@ -58,7 +58,7 @@ def wait_for_trials(storage, study, n, timeout=120):
 # fp32 and bf16 without checkpointing run out of memory at batch 8, with 2 segments they fit.
 SEARCH = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--device", "cpu", "--budget", "320000",
           "--precisions", "fp32,bf16", "--segments", "0,2", "--batch-sizes", "1..8", "--warmup-steps", "2",
-          "--measure-steps", "40", "--isolation", "none", "--strategy", "grid"]
+          "--measure-steps", "40", "--settle-steps", "0", "--isolation", "none", "--strategy", "grid"]
 
 
 def test_isolated_trial_killed_by_sigkill_is_recorded_and_the_search_finishes(tmp_path):
@@ -153,7 +153,7 @@ def test_ctrl_c_writes_a_partial_report_and_exits_130(tmp_path):
     study = optuna.load_study(study_name="i", storage=storage)
     assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
     resumed = autotune.tune("autotune.examples:TinyGPT", model_kwargs=TINY, device="cpu", budget=320000,
-                            precisions="fp32,bf16", segments="0,2", batch_sizes="1..8", measure_steps=40,
+                            precisions="fp32,bf16", segments="0,2", batch_sizes="1..8", measure_steps=40, settle_steps=0,
                             storage=storage, study="i", isolation="none", strategy="grid")
     assert resumed.search["n_reused"] == data["search"]["n_trials"] and not resumed.search["partial"]
 
