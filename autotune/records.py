@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from typing import Any
 
 from autotune.errors import UsageError
@@ -51,8 +52,8 @@ def settled(times: list[float] | tuple[float, ...], steps: int, share: float) ->
     """Whether the last ``steps`` step times lie within ``share`` of their median: timing can stop."""
     if steps < 1 or len(times) < steps:
         return False
-    last = sorted(times[-steps:])
-    middle = last[len(last) // 2] if len(last) % 2 else (last[len(last) // 2 - 1] + last[len(last) // 2]) / 2
+    last = times[-steps:]
+    middle = statistics.median(last)
     return all(abs(t - middle) <= share * middle for t in last)
 
 
@@ -61,14 +62,13 @@ def timing_fields(batch_size: int, step_times: tuple[float, ...], tokens: int | 
 
     ``tokens`` is the real tokens over all of ``step_times`` (None where unknown).
     """
-    ordered = sorted(step_times)
-    n = len(ordered)
-    step_s = (ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2) if n else None
+    n = len(step_times)
+    step_s = statistics.median(step_times) if n else None
     return {
         "step_s": step_s,
         "step_times_s": tuple(step_times),
         "samples_per_s": batch_size / step_s if step_s and ok else None,
-        "step_s_spread": (ordered[-1] - ordered[0]) / step_s if step_s and n > 1 else None,
+        "step_s_spread": (max(step_times) - min(step_times)) / step_s if step_s and n > 1 else None,
         "tokens_per_s": tokens / sum(step_times) if ok and tokens is not None and n and sum(step_times) > 0 else None,
     }
 
@@ -176,6 +176,11 @@ class Measurement:
     @property
     def precision(self) -> str:
         return self.config.precision
+
+    @property
+    def memory_only(self) -> bool:
+        """A memory trial that fit: its peak is known, its speed is not (a timing may complete it)."""
+        return self.status == "ok" and not self.timed
 
     @property
     def figures(self) -> str:

@@ -218,7 +218,7 @@ class Report:
         rec = self.recommendation
         for m in self.trials:
             mark = "<- recommended" if rec is not None and m.config == rec.config else ("pareto" if m.config in pareto else "")
-            if m.status == "ok" and not m.timed:
+            if m.memory_only:
                 mark = "memory trial (not timed)"
             step = f"{m.step_s:.4f}" if m.step_s is not None else "-"
             sps = f"{m.samples_per_s:.1f}" if m.samples_per_s is not None else "-"

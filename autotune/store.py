@@ -224,7 +224,7 @@ def state_of(m: Measurement) -> TrialState:
     memory trial), and replaces it wherever the store is read. Out-of-memory and time-outs are
     PRUNED, failures FAIL.
     """
-    if m.status == "ok" and not m.timed:
+    if m.memory_only:
         return TrialState.PRUNED
     return STATE[m.status]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
 import math
 import time
@@ -209,21 +209,16 @@ def run_trial(
     # The tensor meter slows every op down: it sees one step (the optimizer's state primed: one step
     # holds all a step holds), and the timed steps run after it without the meter.
     warmup = 1 if meter.slows_steps else settings.warmup_steps
+    timed_inside = timed and metered and not meter.slows_steps  # a meter that costs nothing times in its region
     try:
-        if metered:
-            with meter.measure(deadline=deadline) as handle:
-                run.build()
-                for _ in range(warmup):
-                    run.step(run.batch)
-                    run._log_step("warm-up (metered)" if meter.slows_steps else "warm-up")
-                if timed and not meter.slows_steps:
-                    run.timed_steps(deadline)
-        else:
+        with meter.measure(deadline=deadline) if metered else contextlib.nullcontext() as handle:
             run.build()
             for _ in range(warmup):
                 run.step(run.batch)
-                run._log_step("warm-up")
-        if timed and (meter.slows_steps or not metered):
+                run._log_step("warm-up (metered)" if metered and meter.slows_steps else "warm-up")
+            if timed_inside:
+                run.timed_steps(deadline)
+        if timed and not timed_inside:
             run.timed_steps(deadline)
     except Exception as exc:  # noqa: BLE001 - every failure of the user's code is an outcome
         status, error = outcome(exc)
@@ -232,12 +227,11 @@ def run_trial(
         run.release()
         del run  # model, optimizer, batch and activations go with it
         backend_for(device).release()
-    m = _measurement(config, status, error, records, handle.reading if handle is not None else None, started)
-    return dataclasses.replace(m, timed=timed)
+    return _measurement(config, status, error, records, handle.reading if handle is not None else None, started, timed)
 
 
 def _measurement(config: Config, status: str, error: str | None, records: tuple, reading: Any,
-                 started: float) -> Measurement:
+                 started: float, timed: bool) -> Measurement:
     """The trial's :class:`Measurement` from its records and the meter's reading."""
     plan, losses, scales, skipped, step_times, tokens = records
     ok = status == "ok"
@@ -261,4 +255,5 @@ def _measurement(config: Config, status: str, error: str | None, records: tuple,
         plan=plan,
         error=error,
         wall_s=time.monotonic() - started,
+        timed=timed,
     )

@@ -126,8 +126,7 @@ def survey(study: optuna.Study, configs: set[Config], settings_key: str, budget_
                 logger.info("trial %d (%s) was left running by %s, which is gone: it will be measured again",
                             t.number, t.params, t.user_attrs["worker"])
                 abandon(study, t, "abandoned")
-    return measured, {c for c in in_flight if c not in measured or measured[c].figures == "memory"
-                      and measured[c].status == "ok"}
+    return measured, {c for c in in_flight if c not in measured or measured[c].memory_only}
 
 
 def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_key: str,

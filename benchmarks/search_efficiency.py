@@ -251,7 +251,7 @@ def run_model(name, args, folder):
     # auto's limit counts only where it is exact: the largest fit measured, the next size measured or implied
     auto_limits = {(r["precision"], r["segments"]): r["max_batch_size"] if r.get("bracketed") else None for r in auto.limits}
     row("auto", auto.search["n_run"], round(auto.search["wall_s"], 1), auto_limits, auto.recommendation, "wall",
-        memory_trials=sum(m.figures == "memory" and m.status == "ok" for m in auto.trials) + sum(
+        memory_trials=sum(m.memory_only for m in auto.trials) + sum(
             m.memory_from is not None for m in auto.trials),
         timed_after_memory_trial=sum(m.memory_from is not None for m in auto.trials),
         timed_again=sum(m.timings > 1 for m in auto.trials),

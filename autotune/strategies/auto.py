@@ -120,9 +120,10 @@ class _View:
         """Per batch size, the plan with the least recompute that fits ``limit`` (measured, implied or predicted):
         the fastest plan there, since checkpointing only adds recompute."""
         envelope: list[Config] = []
+        outcomes = {s: self.outcomes((precision, s), limit) for s in self.ordered}
         for b in self.sizes:
             for s in self.ordered:
-                known = self.outcomes((precision, s), limit)
+                known = outcomes[s]
                 if b in known:
                     fits = known[b]
                 else:  # not measured: not if a smaller size of the plan failed the limit, else as predicted
