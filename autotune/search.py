@@ -29,7 +29,7 @@ from autotune.errors import AutotuneError
 from autotune.meters import Meter
 from autotune.records import Config, Measurement, TrialSettings, completed, retimed
 from autotune.space import SearchSpace
-from autotune.store import abandon, distributions, fingerprint, open_study, quiet_optuna, record
+from autotune.store import abandon, distributions, fingerprint, open_study, quiet_optuna, record, shielded
 from autotune.strategies import Proposal, Strategy
 from autotune.trial import run_trial
 from autotune.workers import Heartbeat, claim, survey, worker_id
@@ -115,8 +115,9 @@ class _Loop:
                 return True  # measured: nothing to add
             return m.timed and m.timings > (earlier.timings if earlier.timed else 0)
 
-        self.trial = claim(self.study, proposal.config, self.distributions, settings_key=self.settings_key,
-                           budget_bytes=self.budget_bytes, enough=enough)
+        with shielded():  # a Ctrl-C inside ask() would leave a RUNNING trial that nobody closes
+            self.trial = claim(self.study, proposal.config, self.distributions, settings_key=self.settings_key,
+                               budget_bytes=self.budget_bytes, enough=enough)
         if self.trial is None:
             return None
         config = Config(**self.trial.params)  # another worker's queued configuration, if ours was taken
@@ -139,11 +140,12 @@ class _Loop:
     def keep(self, m: Measurement) -> None:
         """Store the running trial's measurement and count it as this worker's."""
         self.finished = m
-        record(self.study, self.trial, m, self.distributions, self.attrs, worker=worker_id())
-        self.trial = self.finished = None
-        self.mine.add(m.config)
-        self.runs += 1
-        self.measured[m.config] = m  # in the report even if Ctrl-C comes before the next look at the store
+        with shielded():  # stored and counted whole: a Ctrl-C half-way would store it twice or leave it RUNNING
+            record(self.study, self.trial, m, self.distributions, self.attrs, worker=worker_id())
+            self.trial = self.finished = None
+            self.mine.add(m.config)
+            self.runs += 1
+            self.measured[m.config] = m  # in the report even if Ctrl-C comes before the next look at the store
 
     def interrupted(self) -> None:
         """Ctrl-C: store a measurement already taken; otherwise close the running trial so it is run again."""

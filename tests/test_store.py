@@ -375,3 +375,23 @@ def test_config_of_a_queued_trial_reads_its_queued_parameters(study):
     assert running.params == {} and config_of(running) == Config("bf16", "all", 4)
     study.ask()  # a trial with nothing queued says nothing
     assert config_of(study.get_trials(deepcopy=False)[1]) is None
+
+
+def test_a_signal_inside_a_shielded_store_write_waits_for_its_end():
+    # A Ctrl-C inside study.ask() once left a RUNNING trial nobody closed (test_reliability's SIGTERM test).
+    import os
+    import signal
+
+    from autotune.store import shielded
+
+    done = []
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job's SIGINT may be ignored
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with shielded():
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append("the write went on")
+        assert done == ["the write went on"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler before the block is back
+    finally:
+        signal.signal(signal.SIGINT, before)
