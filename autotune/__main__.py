@@ -3,6 +3,8 @@
 Exit codes: 0 with a recommendation, 3 when nothing fits the budget (the JSON is still written),
 2 for bad input (one line on stderr), 130 when interrupted (Ctrl-C), 143 when stopped by SIGTERM (as
 schedulers stop a job: the same partial report as Ctrl-C), 1 for an unexpected failure (one line).
+Under torchrun with ``--parallel ddp|fsdp`` every rank exits with these codes; rank 0 alone prints
+and writes the JSON.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line and exit code 2, like our own usage errors
-        self.exit(EXIT_USAGE, f"autotune: error: {message} (see --help)\n")
+        self.exit(EXIT_USAGE, None if _follower() else f"autotune: error: {message} (see --help)\n")
+
+
+def _follower() -> bool:
+    """A torchrun rank other than 0: rank 0 alone speaks (one line of bad input, the table) and writes the JSON."""
+    return os.environ.get("RANK", "0") != "0"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--isolation", default="auto", choices=("auto", "process", "none"),
                    help="process: each trial in a fresh worker process (a crash or a sticky CUDA error stays there); "
                    "none: in this process; auto: process on CUDA, none on CPU")
+    r.add_argument("--parallel", default="none", choices=("none", "ddp", "fsdp"),
+                   help="under torchrun: ddp or fsdp runs every trial on every rank under DistributedDataParallel or "
+                   "FSDP2 (fully_shard on each repeated block), batch sizes per rank; none: the ranks are independent "
+                   "workers sharing the study")
     r.add_argument("--storage", default=None, metavar="URL",
                    help="Optuna storage URL for the trial store (default: sqlite:///results/<study>.db)")
     r.add_argument("--study", default=None, help="study name (default: derived from the model and device)")
@@ -137,7 +148,7 @@ def options_from(args: argparse.Namespace) -> "Options":
         storage=args.storage, study=args.study, isolation=args.isolation, probe=not args.no_probe,
         probe_top=args.probe_top, probe_epochs=args.probe_epochs, probe_fraction=args.probe_fraction,
         num_workers=args.num_workers, target_batch_size=args.target_batch_size, clip_grad_norm=args.clip_grad_norm,
-        fp32_modules=args.fp32_modules, compare_library=not args.no_library_compare,
+        fp32_modules=args.fp32_modules, compare_library=not args.no_library_compare, parallel=args.parallel,
     )
 
 
@@ -219,9 +230,33 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from autotune.progress import Progress
 
+    if args.parallel != "none" and _follower():
+        logging.getLogger("autotune").setLevel(logging.ERROR)  # rank 0 speaks for the job
+        with _sigterm_as_interrupt() as stopped:
+            return _follow(args, stopped)
     progress = Progress(quiet=args.quiet)
     with _sigterm_as_interrupt() as stopped:
         return _main(args, progress, stopped)
+
+
+def _follow(args: argparse.Namespace, stopped: list[int]) -> int:
+    """A follower rank of ``--parallel``: it trains rank 0's trials and exits as rank 0 does, saying nothing
+    (rank 0 writes the JSON and the one line of bad input); its own Ctrl-C or SIGTERM sets its own code."""
+    import autotune
+    from autotune.tuner import run
+
+    try:
+        report = run(options_from(args))
+    except (autotune.Interrupted, KeyboardInterrupt):
+        return 128 + stopped[0] if stopped else EXIT_INTERRUPTED
+    except UsageError:
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - one line, as rank 0 says its own
+        print(f"autotune: rank {os.environ.get('RANK')}: error: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+    if stopped:
+        return 128 + stopped[0]
+    return EXIT_OK if report.recommendation is not None else EXIT_NOTHING_FITS
 
 
 class Terminated(KeyboardInterrupt):
@@ -270,6 +305,12 @@ def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
         return 128 + stopped[0] if stopped else EXIT_INTERRUPTED
     except UsageError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
+        if args.parallel != "none":  # the other ranks wait for rank 0 to say how it ended
+            with contextlib.suppress(Exception):
+                from autotune.distributed import end_early
+                from autotune.device import resolve_device
+
+                end_early(args.parallel, resolve_device(args.device), str(exc))
         return EXIT_USAGE
     except AutotuneError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)

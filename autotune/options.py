@@ -19,9 +19,10 @@ from autotune.space import parse_batch_sizes, parse_precisions
 from autotune.strategies import make_strategy
 from autotune.units import parse_size
 
-__all__ = ["Options", "ISOLATION_MODES"]
+__all__ = ["Options", "ISOLATION_MODES", "PARALLEL_MODES"]
 
 ISOLATION_MODES = ("auto", "process", "none")
+PARALLEL_MODES = ("none", "ddp", "fsdp")  # autotune.distributed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +59,18 @@ class Options:
     clip_grad_norm: float | None = None  # guard rail: clip the global gradient norm (after unscaling fp16)
     fp32_modules: str | Sequence[str] = ()  # guard rail: module class names kept outside autocast
     compare_library: bool = True  # measure the library's own checkpointing switch beside autotune's plan
+    parallel: str = "none"  # ddp or fsdp: every trial on every torchrun rank under that wrapper; none: independent
 
     def __post_init__(self) -> None:
         self._check_numbers()
         make_strategy(self.strategy, n_trials=self.n_trials)  # an unknown name or a misplaced --n-trials fails here
         if self.isolation not in ISOLATION_MODES:
             raise UsageError(f"unknown --isolation {self.isolation!r}: choose auto, process or none")
+        if self.parallel not in PARALLEL_MODES:
+            raise UsageError(f"unknown --parallel {self.parallel!r}: choose none, ddp or fsdp")
+        if self.parallel != "none" and self.isolation == "process":
+            raise UsageError(f"--parallel {self.parallel} runs each trial in every rank's own process (a worker per "
+                             f"trial would have to join the job's process group): leave --isolation at auto or none")
         modules = self.fp32_modules
         if isinstance(modules, str):
             modules = [name.strip() for name in modules.split(",") if name.strip()]

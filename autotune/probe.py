@@ -86,7 +86,7 @@ class _Candidate:
             for batch in _epochs(self.loader, self.settings.epochs, self.device, deadline):
                 self._metered(lambda b=batch: self.step_times.append(self.trainer.timed_step(b)))
                 self.samples += _batch_len(batch)
-            worst = to_device(self.workload.make_batch(self.trainer.model, self.config.batch_size), self.device)
+            worst = to_device(self.workload.make_batch(self.trainer.module, self.config.batch_size), self.device)
             self._metered(lambda: self.trainer.step(worst))
             self.worst_peak = self.step_peaks[-1]
         if meter.slows_steps:  # time the same batches again, unmetered, on a fresh model

@@ -84,7 +84,12 @@ def completed(memory: "Measurement", timing: "Measurement", memory_trial: int | 
         return timing  # the timing run failed (a time-out, an error): that is the configuration's outcome
     peaks = {f: getattr(memory, f) for f in ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
                                              "peak_nvml_bytes", "memory_source")}
-    return dataclasses.replace(timing, **peaks, memory_from=memory_trial, wall_s=memory.wall_s + timing.wall_s)
+    distributed = timing.distributed
+    if distributed and memory.distributed:  # each rank's peak from the memory trial, its step from the timing
+        distributed = {**distributed, "ranks": [{**t, "peak_bytes": m["peak_bytes"]} for m, t in
+                                                zip(memory.distributed["ranks"], distributed["ranks"])]}
+    return dataclasses.replace(timing, **peaks, distributed=distributed, memory_from=memory_trial,
+                               wall_s=memory.wall_s + timing.wall_s)
 
 
 def retimed(earlier: "Measurement", later: "Measurement") -> "Measurement":
@@ -93,7 +98,7 @@ def retimed(earlier: "Measurement", later: "Measurement") -> "Measurement":
         return later
     times = earlier.step_times_s + later.step_times_s
     a, b = _tokens(earlier), _tokens(later)
-    fields = timing_fields(later.batch_size, times, None if a is None or b is None else a + b, True)
+    fields = timing_fields(later.batch_size * later.world_size, times, None if a is None or b is None else a + b, True)
     return dataclasses.replace(earlier, **fields, timings=earlier.timings + later.timings,
                                wall_s=earlier.wall_s + later.wall_s)
 
@@ -172,6 +177,13 @@ class Measurement:
     timed: bool = True  # False: a memory trial, metered and not timed (no step time, no samples/s)
     timings: int = 1  # timed runs whose steps step_times_s holds (a near tie is timed again: 2)
     memory_from: int | None = None  # the memory trial (its Optuna number) whose peaks a later timing completed
+    # --parallel: backend, world_size, wrapper, mixed_precision, the rank whose outcome it is, each rank's figures
+    distributed: dict[str, Any] | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that trained the trial together (1 for a single process): samples/s counts all their micro-batches."""
+        return int(self.distributed["world_size"]) if self.distributed else 1
 
     @property
     def precision(self) -> str:
@@ -312,30 +324,38 @@ class PlanCheck:
         return cls(**kwargs)
 
 
-def accumulation_plan(micro_batch_size: int, target_batch_size: int | None) -> dict[str, Any]:
-    """Return gradient-accumulation steps so that micro x steps reaches ``target_batch_size``."""
+def accumulation_plan(micro_batch_size: int, target_batch_size: int | None, *, world_size: int = 1) -> dict[str, Any]:
+    """Return gradient-accumulation steps so that micro x steps (x ranks) reaches ``target_batch_size``.
+
+    ``micro_batch_size`` is per rank; with ``world_size`` ranks each optimizer step sees
+    ``micro x world_size x steps`` samples.
+    """
+    per_step = micro_batch_size * world_size
+    ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
+    base = {"world_size": world_size} if world_size > 1 else {}
     if target_batch_size is None:
-        return {"target_batch_size": None, "micro_batch_size": micro_batch_size, "accumulation_steps": 1,
-                "effective_batch_size": micro_batch_size, "lr_note": None}
+        return {"target_batch_size": None, "micro_batch_size": micro_batch_size, **base, "accumulation_steps": 1,
+                "effective_batch_size": per_step, "lr_note": None}
     if target_batch_size < 1:
         raise UsageError(f"--target-batch-size {target_batch_size} must be at least 1")
-    steps = max(1, math.ceil(target_batch_size / micro_batch_size))
-    effective = micro_batch_size * steps
+    steps = max(1, math.ceil(target_batch_size / per_step))
+    effective = per_step * steps
     if effective == target_batch_size:
         note = (f"keep the learning rate you tuned for batch {target_batch_size}: {steps} micro-batches of "
-                f"{micro_batch_size} make one optimizer step of exactly that batch")
+                f"{micro_batch_size}{ranks} make one optimizer step of exactly that batch")
     else:
         note = (f"the effective batch is {effective}, not {target_batch_size}: keep the learning rate of batch "
                 f"{target_batch_size} scaled linearly by {effective}/{target_batch_size} = "
                 f"{effective / target_batch_size:.3f}, or train with micro-batches of "
-                f"{math.ceil(target_batch_size / steps)} to hit the target")
-    if micro_batch_size > target_batch_size:
-        note = (f"the recommended micro-batch ({micro_batch_size}) is larger than the target: train with batch "
-                f"{target_batch_size} at your tuned learning rate, or with batch {micro_batch_size} and the learning "
-                f"rate scaled linearly by {micro_batch_size / target_batch_size:.3f}")
-        steps, effective = 1, micro_batch_size
-    return {"target_batch_size": target_batch_size, "micro_batch_size": micro_batch_size, "accumulation_steps": steps,
-            "effective_batch_size": effective, "lr_note": note}
+                f"{math.ceil(target_batch_size / (steps * world_size))}{ranks} to hit the target")
+    if per_step > target_batch_size:
+        note = (f"the recommended micro-batch ({micro_batch_size}{ranks}) is larger than the target: train with "
+                f"{'a global batch of' if world_size > 1 else 'batch'} {target_batch_size} at your tuned learning rate, or "
+                f"with {'a global batch of ' if world_size > 1 else 'batch '}{per_step} and the learning "
+                f"rate scaled linearly by {per_step / target_batch_size:.3f}")
+        steps, effective = 1, per_step
+    return {"target_batch_size": target_batch_size, "micro_batch_size": micro_batch_size, **base,
+            "accumulation_steps": steps, "effective_batch_size": effective, "lr_note": note}
 
 
 def _flatten_config(data: dict[str, Any], *, floats: tuple[str, ...]) -> dict[str, Any]:

@@ -62,6 +62,7 @@ class Report:
     library_checkpointing: dict[str, Any] | None = None  # the library's own per-layer checkpointing, measured beside ours
     plan_checks: tuple[PlanCheck, ...] = ()  # each plan's step compared with the plan-free step, before the search
     data: dict[str, Any] | None = None  # with --data: the item sizes, how they were found, which batches were used
+    distributed: dict[str, Any] | None = None  # --parallel: backend, world_size, wrapper, mixed precision, isolation
 
     @property
     def memory_model(self) -> MemoryModel:
@@ -103,7 +104,7 @@ class Report:
         rec = self.recommendation
         if rec is None or self.target_batch_size is None:
             return None
-        return accumulation_plan(rec.batch_size, self.target_batch_size)
+        return accumulation_plan(rec.batch_size, self.target_batch_size, world_size=rec.world_size)
 
     @property
     def limits(self) -> list[dict]:
@@ -141,6 +142,12 @@ class Report:
             "library_checkpointing": self.library_checkpointing,
             "plan_checks": [c.to_dict() for c in self.plan_checks],
             "data": self.data,
+            "distributed": None if self.distributed is None else {
+                **self.distributed,
+                # the recommendation's peak on each rank (the budget holds on every one)
+                "rank_peak_bytes": None if recommendation is None or not recommendation.distributed else
+                [r["peak_bytes"] for r in recommendation.distributed["ranks"]],
+            },
             "notices": list(self.notices),
         }
 
@@ -194,6 +201,8 @@ class Report:
             library_checkpointing=data.get("library_checkpointing"),
             plan_checks=tuple(PlanCheck.from_dict(c) for c in data.get("plan_checks", ())),
             data=data.get("data"),
+            distributed={k: v for k, v in data["distributed"].items() if k != "rank_peak_bytes"}
+            if data.get("distributed") else None,
         )
 
     def to_dataframe(self):
@@ -227,6 +236,10 @@ class Report:
                 f"{step:>8} {sps:>10}  {mark}".rstrip()
             )
         lines.append("")
+        if self.distributed:
+            d = self.distributed
+            lines.append(f"distributed: {d['wrapper']}, world size {d['world_size']} ({d['backend']}); batch sizes and "
+                         f"peaks are per rank (the largest rank's), samples/s are the whole job's")
         lines.append("largest batch that fits, per precision and segments: " + ", ".join(
             f"{row['precision']}/{row['segments']}: {row['max_batch_size'] if row['max_batch_size'] is not None else 'none'}"
             for row in self.limits
@@ -266,8 +279,9 @@ class Report:
             )
             accumulation = self.accumulation
             if accumulation and accumulation["target_batch_size"]:
-                lines.append(f"accumulation: {accumulation['accumulation_steps']} x {accumulation['micro_batch_size']} "
-                             f"= effective batch {accumulation['effective_batch_size']}; {accumulation['lr_note']}")
+                ranks = f" x {accumulation['world_size']} ranks" if accumulation.get("world_size", 1) > 1 else ""
+                lines.append(f"accumulation: {accumulation['accumulation_steps']} x {accumulation['micro_batch_size']}"
+                             f"{ranks} = effective batch {accumulation['effective_batch_size']}; {accumulation['lr_note']}")
         if self.library_checkpointing:
             lines.append(_library_line(self.library_checkpointing))
         for budget in self.budgets:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import optuna
 import torch
@@ -34,6 +34,9 @@ from autotune.strategies import Proposal, Strategy
 from autotune.trial import run_trial
 from autotune.workers import Heartbeat, claim, survey, worker_id
 from autotune.workload import Workload
+
+if TYPE_CHECKING:
+    from autotune.distributed import Job
 
 __all__ = ["SearchResult", "SearchInterrupted", "run_search", "run_one", "WAIT_S"]
 
@@ -62,8 +65,15 @@ class SearchInterrupted(AutotuneError):
 
 
 def run_one(workload: Workload, config: Config, *, device: torch.device, meter: Meter, budget_bytes: int | None,
-            settings: TrialSettings, isolation: str, timed: bool = True, metered: bool = True) -> Measurement:
-    """Run one trial in this process with ``meter``, or (``isolation="process"``) in a fresh worker."""
+            settings: TrialSettings, isolation: str, timed: bool = True, metered: bool = True,
+            job: "Job | None" = None) -> Measurement:
+    """Run one trial in this process with ``meter``, or (``isolation="process"``) in a fresh worker, or
+    (``job``, on rank 0 of a ``--parallel`` job) on every rank of the job."""
+    if job is not None:
+        from autotune.distributed import run_everywhere
+
+        return run_everywhere(job, workload, config, device=device, budget_bytes=budget_bytes, settings=settings,
+                              timed=timed, metered=metered)
     if isolation == "process":
         from autotune.isolation import run_trial_isolated
 
@@ -175,12 +185,14 @@ def run_search(
     isolation: str = "none",
     on_trial: Callable[[Measurement, bool], None] | None = None,
     on_trial_start: Callable[[Config], None] | None = None,
+    job: "Job | None" = None,
 ) -> SearchResult:
     """Run the strategy's proposals as trials in the study until it is done; return every measurement.
 
     ``isolation`` is ``"none"`` (trials run in this process with ``meter``) or ``"process"``
     (each trial in a fresh worker process). ``on_trial(measurement, reused)`` is called once for
-    each measurement as it becomes known, ``reused`` when it comes from the store;
+    each measurement as it becomes known, ``reused`` when it comes from the store; ``job`` (rank 0 of a
+    ``--parallel`` job) runs each trial on every rank;
     ``on_trial_start(config)`` when this worker starts measuring one.
     """
     started = time.monotonic()
@@ -206,7 +218,7 @@ def run_search(
 
                 def run(**kind: bool) -> Measurement:
                     return run_one(workload, config, device=device, meter=meter, budget_bytes=budget_bytes,
-                                   settings=settings, isolation=isolation, **kind)
+                                   settings=settings, isolation=isolation, job=job, **kind)
 
                 with Heartbeat(loop.study, loop.trial):
                     loop.finished = loop.measure(proposal, run, meter.slows_steps)

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from autotune.errors import TrialTimeoutError, UsageError, first_line, is_device
 from autotune.meters import Meter
 from autotune.records import Config, GuardRails, Measurement, TrialSettings, settled, timing_fields
 from autotune.workload import Workload, to_device
+
+if TYPE_CHECKING:
+    from autotune.distributed import Wrapping
 
 __all__ = ["Trainer", "run_trial", "outcome"]
 
@@ -47,8 +50,10 @@ class Trainer:
     """
 
     def __init__(self, workload: Workload, config: Config, device: torch.device, *, lr: float = 1e-4, seed: int = 0,
-                 guard: GuardRails = GuardRails(), record_grad_norm: bool = False) -> None:
+                 guard: GuardRails = GuardRails(), record_grad_norm: bool = False,
+                 parallel: "Wrapping | None" = None) -> None:
         self.workload, self.config, self.device, self.guard = workload, config, device, guard
+        self.parallel = parallel  # --parallel: the trial's process group and wrapper
         self.backend: Backend = backend_for(device)
         self.lr, self.seed, self.record_grad_norm = lr, seed, record_grad_norm
         self.losses: list[float] = []
@@ -69,7 +74,10 @@ class Trainer:
                            record_grad_norm=self.record_grad_norm)
         self.plan = self.run.plan
         model.to(self.device)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
+        self.module = model  # the user's module (batches come from its example_batch), under any wrapper
+        if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
+            self.run.model = self.parallel.wrap(model, self.workload.chain.blocks if self.workload.chain else ())
+        self.optimizer = torch.optim.AdamW(self.run.model.parameters(), lr=self.lr)  # FSDP2's: the shards
         if prime:
             self.prime()
 
@@ -126,7 +134,7 @@ class Trainer:
         """Drop the model, optimizer, scaler and batch; keep the records."""
         if self.run is not None:
             self.run.model = self.run.scaler = None
-        for name in ("optimizer", "batch"):
+        for name in ("optimizer", "batch", "module"):
             self.__dict__.pop(name, None)
 
     def step(self, batch: Any) -> None:
@@ -145,15 +153,17 @@ class Trainer:
 class _Run(Trainer):
     """A trial: the trainer, its worst batch (memory) and its random batches (timed steps)."""
 
-    def __init__(self, workload: Workload, config: Config, device: torch.device, settings: TrialSettings) -> None:
-        super().__init__(workload, config, device, lr=settings.lr, seed=settings.seed, guard=settings.guard)
+    def __init__(self, workload: Workload, config: Config, device: torch.device, settings: TrialSettings,
+                 parallel: "Wrapping | None" = None) -> None:
+        super().__init__(workload, config, device, lr=settings.lr, seed=settings.seed, guard=settings.guard,
+                         parallel=parallel)
         self.settings = settings
         self.step_times: list[float] = []
         self.tokens: list[int | None] = []  # real tokens of each timed step's batch
 
     def build(self) -> None:
         super().build()
-        self.batch = to_device(self.workload.make_batch(self.model, self.config.batch_size), self.device)
+        self.batch = to_device(self.workload.make_batch(self.module, self.config.batch_size), self.device)
 
     def timed_steps(self, deadline: float | None) -> None:
         """Time steps on random batches of the data (the same draws for every configuration of this batch size).
@@ -161,16 +171,21 @@ class _Run(Trainer):
         At most ``measure_steps``; fewer once the last ``settle_steps`` lie within ``settle_share`` of
         their median (the time has settled: more steps would not move the median).
         """
+        late = False  # with --parallel, whether any rank would run past its time limit (agreed after each step)
         for draw in range(self.settings.measure_steps):
             if settled(self.step_times, self.settings.settle_steps, self.settings.settle_share):
                 break
             projected = self.step_times[-1] if self.step_times else 0.0
-            if deadline is not None and time.monotonic() + projected > deadline:
+            if late or (deadline is not None and time.monotonic() + projected > deadline):
                 raise TrialTimeoutError(f"the trial would run past its {self.settings.timeout_s:g} s limit (--trial-timeout)")
             batch = self.batch if self.workload.dataset is None else to_device(
-                self.workload.sample_batch(self.model, self.config.batch_size, draw, seed=self.seed), self.device)
+                self.workload.sample_batch(self.module, self.config.batch_size, draw, seed=self.seed), self.device)
             self.tokens.append(real_tokens(batch))
-            self.step_times.append(self.timed_step(batch))
+            seconds = self.timed_step(batch)
+            if self.parallel is not None:  # every rank keeps the slowest rank's time, and stops where the others do
+                seconds, late = self.parallel.slowest(
+                    seconds, deadline is not None and time.monotonic() + seconds > deadline)
+            self.step_times.append(seconds)
             self._log_step("timed", self.step_times[-1])
 
     def _log_step(self, kind: str, seconds: float | None = None) -> None:
@@ -191,12 +206,14 @@ def run_trial(
     settings: TrialSettings = TrialSettings(),
     timed: bool = True,
     metered: bool = True,
+    parallel: "Wrapping | None" = None,
 ) -> Measurement:
     """Train ``config`` for a few steps on a fresh model and optimizer; return what was measured.
 
     ``timed=False`` makes a memory trial: the metered steps only, no timed steps (no samples/s).
     ``metered=False`` (for a meter that slows steps, the tensor meter) times without the meter: the
     timing that completes an earlier memory trial of the configuration (:func:`records.completed`).
+    ``parallel`` (:mod:`autotune.distributed`) trains this rank's part of a distributed trial.
     Out-of-memory, time-outs, a crashed device and errors in the user's model are outcomes (status
     ``oom``, ``timeout``, ``crashed``, ``failed``), not exceptions; bad input (:class:`UsageError`)
     and ``KeyboardInterrupt`` propagate. Memory is released before returning.
@@ -204,7 +221,7 @@ def run_trial(
     device = torch.device(device)
     started = time.monotonic()
     deadline = started + settings.timeout_s if settings.timeout_s else None
-    run = _Run(workload, config, device, settings)
+    run = _Run(workload, config, device, settings, parallel)
     status, error, handle = "ok", None, None
     # The tensor meter slows every op down: it sees one step (the optimizer's state primed: one step
     # holds all a step holds), and the timed steps run after it without the meter.

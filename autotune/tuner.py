@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -46,6 +46,9 @@ from autotune.thirdparty import library_checkpointing
 from autotune.units import format_bytes
 from autotune.workload import Workload, parse_model_kwargs, to_device
 
+if TYPE_CHECKING:
+    from autotune.distributed import Job
+
 __all__ = ["tune", "run", "Target", "ModelFacts", "Study", "resolve", "preflight", "plan_study", "search", "analyse",
            "probe", "compare_library"]
 
@@ -68,9 +71,26 @@ def tune(model: str | type | Callable[[], nn.Module], *, progress: Any = None,
 
 def run(options: Options, *, progress: Any = None, on_trial: Callable[[Measurement, bool], None] | None = None,
         on_probe: Callable[[ProbeResult], None] | None = None) -> Report:
-    """Run every stage for ``options``; return the report (see the module docstring)."""
+    """Run every stage for ``options``; return the report (see the module docstring).
+
+    With ``options.parallel`` (``ddp``, ``fsdp``) under torchrun, rank 0 runs the stages and every
+    rank trains each trial (:mod:`autotune.distributed`); every rank returns rank 0's report, or
+    raises what rank 0 raised.
+    """
+    if options.parallel != "none":
+        from autotune import distributed
+
+        job = distributed.join(options.parallel, resolve_device(options.device))
+        if not job.leader:
+            return distributed.follow(job, job.device(resolve_device(options.device)))
+        return distributed.lead(job, lambda: _stages(options, progress, on_trial, on_probe, job))
+    return _stages(options, progress, on_trial, on_probe, None)
+
+
+def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bool], None] | None,
+            on_probe: Callable[[ProbeResult], None] | None, job: "Job | None") -> Report:
     events = _Events(progress, on_trial, on_probe)
-    target = resolve(options)
+    target = resolve(options, job)
     facts = preflight(target)
     study = plan_study(target, facts)
     result = search(target, facts, study, events)
@@ -100,6 +120,7 @@ class Target:
     isolation: str  # "process" or "none"
     data_profile: dict[str, Any] | None  # the item sizes and how batches were chosen (with data)
     notices: tuple[str, ...]
+    job: "Job | None" = None  # --parallel: this rank's place in the job (rank 0: the leader)
 
     @property
     def enforced_bytes(self) -> int | None:
@@ -115,12 +136,15 @@ class Target:
         return self.backend.meter(self.enforced_bytes if self.isolation == "none" else None)
 
 
-def resolve(options: Options) -> Target:
+def resolve(options: Options, job: "Job | None" = None) -> Target:
     """Stage 1: the device, the workload (with the data's worst batch of every size), budgets and precisions."""
-    backend = backend_for(resolve_device(options.device))
+    device = resolve_device(options.device)
+    backend = backend_for(job.device(device) if job else device)
     workload = Workload.from_specs(options.model, model_kwargs=options.model_kwargs, data=options.data, loss=options.loss)
     budget = options.budget if options.budget is not None else backend.total_bytes()
     isolation = backend.default_isolation if options.isolation == "auto" else options.isolation
+    if job is not None:
+        isolation = "none"  # each rank runs its part of a trial in its own process (options refuse "process")
     if isolation == "process":
         from autotune.isolation import check_picklable
 
@@ -134,7 +158,7 @@ def resolve(options: Options) -> Target:
                        "that hold over your dataset's batches")
         logger.info(notices[-1])
     return Target(options, backend, workload, budget, tuple(b for b in options.budgets if b != budget),
-                  _precisions(options.precisions, backend), isolation, profile, tuple(notices))
+                  _precisions(options.precisions, backend), isolation, profile, tuple(notices), job)
 
 
 def _with_data(workload: Workload, batch_sizes: Sequence[int]) -> tuple[Workload, dict[str, Any] | None]:
@@ -263,9 +287,14 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
     kwargs = parse_model_kwargs(options.model_kwargs)  # the same kwargs as text or dict make the same study
     described = {"model_kwargs": kwargs, "data": _describe(options.data), "loss": _describe(options.loss)}
     # Workers on several GPUs of one kind share a study: the key names the kind of device, not its index.
-    workload_key = fingerprint(model=workload.name, **described, device=target.backend.kind)
+    # A distributed job's trials are another job's: the wrapper and world size are part of what they measure.
+    job = target.job
+    parallel = {"parallel": f"{job.wrapper}x{job.world_size}"} if job else {}
+    workload_key = fingerprint(model=workload.name, **described, device=target.backend.kind, **parallel)
     options_key = fingerprint(**described) if (kwargs or options.data or options.loss) else None
     name = options.study or default_study_name(workload.name, target.device.type, options_key)
+    if job and not options.study:
+        name = f"{name}-{job.wrapper}{job.world_size}"
     storage = options.storage or default_storage(name, options.results_dir)
     notices: list[str] = []
     plans = _plans(options.segments, facts.chain, facts.model_class, notices)
@@ -357,7 +386,7 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
         return run_search(study.workload, space, strategy, device=target.device, meter=meter,
                           budget_bytes=target.enforced_bytes, settings=options.trial_settings, study_name=study.name,
                           storage=study.storage, workload_key=study.workload_key, isolation=target.isolation,
-                          on_trial=events.trial_done, on_trial_start=events.trial_started)
+                          on_trial=events.trial_done, on_trial_start=events.trial_started, job=target.job)
     except SearchInterrupted as exc:
         return exc.result
     finally:
@@ -404,6 +433,9 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
         guard=options.guard,
         target_batch_size=options.target_batch_size,
         budgets=tuple(sorted(target.budgets)),
+        distributed=None if target.job is None else {
+            **target.job.describe(), "isolation": "each rank's trial in its own process (--isolation none)",
+            "batch_size": "per rank (micro-batch); samples/s count every rank's"},
     )
 
 
@@ -415,6 +447,11 @@ def probe(report: Report, target: Target, study: Study, events: "_Events") -> Re
     options, settings = target.options, target.options.probe_settings
     if not options.probe:
         return report
+    if target.job is not None:
+        notice = (f"--parallel {target.job.wrapper}: the probe (an epoch over a slice of the data) runs in a single "
+                  f"process and was skipped; the recommendation comes from the distributed trials alone")
+        logger.warning(notice)
+        return dataclasses.replace(report, notices=report.notices + (notice,))
     if study.workload.dataset is None:
         notice = ("no --data: the probe (an epoch over a slice of your data) was skipped; the recommendation comes from "
                   "the short trials alone")
@@ -462,7 +499,7 @@ def compare_library(report: Report, target: Target, facts: ModelFacts, study: St
     logger.info("comparing %s with plan %s at %s, batch %d", method, ALL, rec.precision, rec.batch_size)
     meter = target.local_meter()
     run = functools.partial(run_one, device=target.device, meter=meter, budget_bytes=target.enforced_bytes,
-                            settings=target.options.trial_settings, isolation=target.isolation)
+                            settings=target.options.trial_settings, isolation=target.isolation, job=target.job)
     try:
         lib = Workload.from_specs(**{**study.workload.spec, "library_checkpointing": True})  # rebuilt so in a worker
         library = run(lib, Config(rec.precision, 0, rec.batch_size))

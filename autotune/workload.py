@@ -231,6 +231,8 @@ class Workload:
             loss = output.get("loss")
         if loss is None and self.loss_fn is not None:
             loss = self.loss_fn(output, target)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module  # the model's own loss method, under --parallel ddp
         if loss is None and callable(getattr(model, "loss", None)) and target is not None:
             loss = model.loss(output, target)
         if loss is None:

@@ -1,0 +1,360 @@
+"""Tune a distributed training job: every trial on every rank under DDP or FSDP2, the ranks agreeing.
+
+``torchrun --nproc-per-node N -m autotune ... --parallel ddp|fsdp`` (``none``, the default, keeps
+torchrun's ranks independent workers sharing one study). Here:
+
+* **One writer.** Rank 0 (the leader) runs the tuner: it owns the Optuna study and the JSON, and
+  sends each trial to the other ranks (the followers) as a command on a gloo control group.
+  Followers only train. When the leader ends, it sends its outcome (the report, bad input, an
+  interruption, an error), so every rank returns or raises the same thing.
+* **A trial per process group.** Each trial trains on a process group of its own, with a short
+  timeout. A rank that fails mid-step (out of memory, a time-out, an error in the model) leaves
+  the others inside the wrapper's collectives: it destroys the trial's group at once, which ends
+  theirs with an error on gloo (and at the group's timeout at worst). Only then do the ranks agree
+  on the outcome, on the control group, which no trial ever uses, so it is never left mid-collective.
+* **Agreement.** An outcome on any rank is the trial's on every rank, in the order oom > crashed >
+  timeout > failed; a rank's error caused only by another rank leaving the group counts last. The
+  peak is the largest rank's (each rank's is kept); throughput is global: world size x micro-batch
+  over the slowest rank's step, each step's time taken as the slowest rank's (the ranks agree after
+  every timed step, so they also stop timing at the same step).
+
+Mixed precision is autocast under both wrappers, as in a single process: FSDP2's
+``MixedPrecisionPolicy`` (parameters cast for the all-gather) is not searched, and each trial's
+``distributed.mixed_precision`` says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune._log import logger
+from autotune.errors import AutotuneError, UsageError
+from autotune.records import Config, Measurement, timing_fields
+
+__all__ = ["PARALLEL_MODES", "RANK_BUDGETS_ENV", "Job", "Wrapping", "join", "run_everywhere", "follow", "lead",
+           "combine", "rank_budget", "under_torchrun"]
+
+PARALLEL_MODES = ("none", "ddp", "fsdp")
+# "1=40MiB,3=20GiB": a smaller budget on some ranks (GPUs with less free memory; the tests' one-rank OOM).
+RANK_BUDGETS_ENV = "AUTOTUNE_RANK_BUDGETS"
+_ORDER = ("oom", "crashed", "timeout", "failed")  # which rank's outcome is the trial's
+_CONTROL_TIMEOUT = datetime.timedelta(hours=24)  # followers wait here while the leader checks plans and writes
+_PEER_GONE = ("connection closed by peer", "connection reset", "broken pipe", "dist", "gloo", "nccl", "timed out",
+              "process group")
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or with its environment variables)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def rank_budget(budget_bytes: int | None, rank: int, env: str | None = None) -> int | None:
+    """This rank's budget: ``budget_bytes``, or the smaller one :data:`RANK_BUDGETS_ENV` gives it."""
+    from autotune.units import parse_size
+
+    text = os.environ.get(RANK_BUDGETS_ENV, "") if env is None else env
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        who, sep, size = part.partition("=")
+        if not sep or not who.strip().isdigit():
+            raise UsageError(f"{RANK_BUDGETS_ENV}={text!r}: write RANK=SIZE pairs such as 1=40MiB,3=20GiB")
+        if int(who) == rank:
+            own = parse_size(size.strip())
+            return own if budget_bytes is None else min(own, budget_bytes)
+    return budget_bytes
+
+
+@dataclasses.dataclass
+class Job:
+    """This process's place in a ``--parallel`` job."""
+
+    wrapper: str  # "ddp" or "fsdp"
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str  # the trials' backend: gloo on the CPU, nccl on CUDA
+    control: Any = dataclasses.field(repr=False, default=None)  # the gloo group of commands and agreement
+    ended: bool = False  # rank 0 has told the others how it ended
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def device(self, device: torch.device) -> torch.device:
+        """The device this rank trains on: its local GPU on CUDA (``--device cuda`` means each rank's own)."""
+        if device.type != "cuda":
+            return device
+        torch.cuda.set_device(self.local_rank)
+        return torch.device("cuda", self.local_rank)
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.backend, "world_size": self.world_size, "wrapper": self.wrapper,
+                "mixed_precision": "autocast"}
+
+    def send(self, command: tuple) -> None:
+        torch.distributed.broadcast_object_list([command], src=0, group=self.control)
+
+    def receive(self) -> tuple:
+        box: list[Any] = [None]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        parts: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(parts, obj, group=self.control)
+        return parts
+
+
+_JOB: Job | None = None  # this process's job: joined once
+
+
+def join(wrapper: str, device: torch.device) -> Job:
+    """Join the torchrun job (the default process group, once per process) as a ``wrapper`` rank."""
+    import torch.distributed as dist
+
+    global _JOB
+    if _JOB is not None:
+        return dataclasses.replace(_JOB, wrapper=wrapper) if _JOB.wrapper != wrapper else _JOB
+
+    if not under_torchrun():
+        raise UsageError(f"--parallel {wrapper} runs under torchrun, one process per GPU: torchrun --nproc-per-node N "
+                         f"-m autotune ... --parallel {wrapper} (--parallel none tunes in this process)")
+    if not dist.is_available():
+        raise UsageError(f"--parallel {wrapper}: this build of torch has no torch.distributed")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo", timeout=_CONTROL_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    _JOB = Job(wrapper, dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), backend, control)
+    return _JOB
+
+
+def end_early(wrapper: str, device: torch.device, message: str) -> None:
+    """Rank 0 met bad input before the tuner ran (an unwritable --out): tell the followers, who wait for it."""
+    if not under_torchrun() or os.environ.get("RANK") != "0":
+        return
+    job = join(wrapper, device)
+    if not job.ended:
+        job.send(("end", _Outcome("usage", message=message)))
+        job.ended = True
+
+
+class Wrapping:
+    """One trial's process group, and how a model trains on it: the wrapper, and agreed step times."""
+
+    def __init__(self, job: Job, group: Any, device: torch.device) -> None:
+        self.job, self.group, self.device = job, group, device
+
+    def wrap(self, model: nn.Module, blocks: tuple[str, ...]) -> nn.Module:
+        """``model`` (on its device, plan applied) under DDP, or FSDP2 on each of ``blocks`` and the root."""
+        if self.job.wrapper == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            return DistributedDataParallel(model, device_ids=ids, process_group=self.group)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+        mesh = DeviceMesh.from_group(self.group, self.device.type)
+        for path in blocks:
+            fully_shard(model.get_submodule(path), mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def slowest(self, seconds: float, late: bool) -> tuple[float, bool]:
+        """The slowest rank's time of this step, and whether any rank would run past its time limit next."""
+        on = self.device if self.job.backend == "nccl" else torch.device("cpu")
+        both = torch.tensor([seconds, float(late)], dtype=torch.float64, device=on)
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return float(both[0]), bool(both[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Interrupted:
+    """A rank's report that Ctrl-C (or SIGTERM) stopped its part of the trial."""
+
+    rank: int
+
+
+def _group_timeout(timeout_s: float | None) -> datetime.timedelta:
+    """A trial's group gives up on a silent rank a minute after the trial's own limit."""
+    return datetime.timedelta(seconds=(timeout_s or 600.0) + 60.0)
+
+
+def _rank_trial(job: Job, workload: Any, config: Config, *, device: torch.device, budget_bytes: int | None,
+                settings: Any, timed: bool, metered: bool, skip: bool = False) -> Measurement | _Interrupted:
+    """This rank's part of a trial, on a process group of its own (destroyed at once when the trial fails)."""
+    import torch.distributed as dist
+
+    from autotune.device import backend_for
+    from autotune.trial import run_trial
+
+    group = dist.new_group(backend=job.backend, timeout=_group_timeout(settings.timeout_s))
+    try:
+        if skip:  # interrupted before the trial: leave at once, so the others do not wait for us
+            return _Interrupted(job.rank)
+        meter = backend_for(device).meter(rank_budget(budget_bytes, job.rank))
+        return run_trial(workload, config, device=device, meter=meter, settings=settings, timed=timed, metered=metered,
+                         parallel=Wrapping(job, group, device))
+    except KeyboardInterrupt:
+        return _Interrupted(job.rank)
+    finally:
+        dist.destroy_process_group(group)  # on gloo, a rank still in a collective of the group gets an error now
+
+
+def _peer_gone(m: Measurement) -> bool:
+    """A failure that only says another rank left the trial's group (not a cause of its own)."""
+    text = (m.error or "").lower()
+    return m.status == "failed" and any(word in text for word in _PEER_GONE)
+
+
+def combine(parts: list[Measurement | _Interrupted], job: Job) -> Measurement | _Interrupted:
+    """The trial's one measurement from every rank's (index = rank); an interruption anywhere wins.
+
+    The outcome is the first rank's in the order oom > crashed > timeout > failed (a failure that
+    only says another rank left comes last), its error prefixed with the rank. Peaks are the largest
+    rank's; step times are already the slowest rank's (agreed each step), and samples/s count every
+    rank's micro-batch.
+    """
+    stopped = [p for p in parts if isinstance(p, _Interrupted)]
+    if stopped:
+        return stopped[0]
+    ms: list[Measurement] = list(parts)  # type: ignore[arg-type]
+
+    def rank_of_outcome(m: Measurement) -> tuple[int, int]:
+        return (_ORDER.index(m.status) if m.status in _ORDER else len(_ORDER), _peer_gone(m))
+
+    failed = [(rank_of_outcome(m), r) for r, m in enumerate(ms) if m.status != "ok"]
+    origin = min(failed)[1] if failed else None
+    first = ms[0] if origin is None else ms[origin]
+
+    def largest(field: str) -> int | None:
+        values = [getattr(m, field) for m in ms if getattr(m, field) is not None]
+        return max(values) if values else None
+
+    ok = first.status == "ok"
+    times = tuple(ms[0].step_times_s) if ok else ()
+    tokens = [None if m.tokens_per_s is None else m.tokens_per_s * sum(m.step_times_s) for m in ms]
+    real = round(sum(tokens)) if tokens and None not in tokens and times else None
+    ranks = [{"rank": r, "status": m.status, "peak_bytes": m.peak_bytes, "step_s": m.step_s,
+              **({"error": m.error} if m.error else {})} for r, m in enumerate(ms)]
+    return dataclasses.replace(
+        first,
+        error=None if origin is None else f"rank {origin}: {first.error}",
+        peak_bytes=largest("peak_bytes"),
+        peak_allocated_bytes=largest("peak_allocated_bytes"),
+        peak_reserved_bytes=largest("peak_reserved_bytes"),
+        peak_nvml_bytes=largest("peak_nvml_bytes"),
+        **timing_fields(first.config.batch_size * job.world_size, times, real, ok),
+        wall_s=max(m.wall_s for m in ms),
+        distributed={**job.describe(), "outcome_rank": origin, "ranks": ranks},
+    )
+
+
+def run_everywhere(job: Job, workload: Any, config: Config, *, device: torch.device, budget_bytes: int | None,
+                   settings: Any, timed: bool = True, metered: bool = True) -> Measurement:
+    """The leader's trial: every rank runs it, and they agree on one measurement. Ctrl-C on any rank raises here."""
+    from autotune.store import shielded
+
+    if workload.spec is None:
+        raise UsageError("--parallel needs a workload built from specs (a model class or MODULE:ATTR), so that every "
+                         "rank can build it")
+    with shielded():  # the command goes out whole
+        job.send(("trial", workload.spec, config, budget_bytes, settings, timed, metered))
+    local = _rank_trial(job, workload, config, device=device, budget_bytes=budget_bytes, settings=settings,
+                        timed=timed, metered=metered)
+    with shielded():  # every rank leaves the agreement together
+        agreed = combine(job.gather(local), job)
+    if isinstance(agreed, _Interrupted):
+        raise KeyboardInterrupt(f"rank {agreed.rank} was interrupted")
+    return agreed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """How the leader ended, as the followers reproduce it."""
+
+    kind: str  # "report", "interrupted", "usage", "error"
+    report: dict | None = None
+    message: str = ""
+
+
+def lead(job: Job, run: Any) -> Any:
+    """Run ``run()`` on the leader; whatever it returns or raises, tell the followers, so they end the same way."""
+    from autotune.errors import Interrupted
+    from autotune.store import shielded
+
+    outcome = _Outcome("error", message="rank 0 failed")
+    try:
+        report = run()
+        outcome = _Outcome("report", report.to_dict())
+        return report
+    except Interrupted as exc:
+        outcome = _Outcome("interrupted", exc.report.to_dict())
+        raise
+    except UsageError as exc:
+        outcome = _Outcome("usage", message=str(exc))
+        raise
+    except BaseException as exc:
+        outcome = _Outcome("interrupted" if isinstance(exc, KeyboardInterrupt) else "error",
+                           message=f"rank 0: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        with shielded():
+            try:
+                job.send(("end", outcome))
+            except Exception as exc:  # noqa: BLE001 - a follower already gone: nothing to tell it
+                logger.debug("could not tell the other ranks that rank 0 ended: %s", exc)
+            _JOB.ended = job.ended = True
+
+
+def follow(job: Job, device: torch.device) -> Any:
+    """A follower's life: run the leader's trials until it ends; return its report or raise what it raised."""
+    from autotune.errors import Interrupted
+    from autotune.report import Report
+    from autotune.store import shielded
+    from autotune.workload import Workload
+
+    workloads: dict[str, Workload] = {}
+    interrupted = False
+    while True:
+        try:
+            with shielded():  # a Ctrl-C waits for the whole command
+                command = job.receive()
+        except KeyboardInterrupt:  # held until the whole command came (it is assigned): answered as interrupted
+            interrupted = True
+        except Exception as exc:
+            raise AutotuneError(f"rank {job.rank}: rank 0 is gone ({type(exc).__name__}: {exc})") from None
+        if command[0] == "end":
+            outcome: _Outcome = command[1]
+            if interrupted and outcome.kind == "report":  # this rank was stopped: it exits as stopped
+                raise KeyboardInterrupt()
+            if outcome.kind == "report":
+                return Report.from_dict(outcome.report)
+            if outcome.kind == "interrupted":
+                if outcome.report is not None:
+                    raise Interrupted(Report.from_dict(outcome.report))
+                raise KeyboardInterrupt()
+            if outcome.kind == "usage":
+                raise UsageError(outcome.message)
+            raise AutotuneError(outcome.message)
+        _, spec, config, budget_bytes, settings, timed, metered = command
+        key = repr(sorted(spec.items()))
+        if key not in workloads:
+            workloads[key] = Workload.from_specs(**spec)
+        try:
+            local = _rank_trial(job, workloads[key], config, device=device, budget_bytes=budget_bytes,
+                                settings=settings, timed=timed, metered=metered, skip=interrupted)
+        except KeyboardInterrupt:
+            local = _Interrupted(job.rank)
+        with shielded():
+            job.gather(local)
+
