@@ -230,13 +230,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from autotune.progress import Progress
 
-    if args.parallel != "none" and _follower():
-        logging.getLogger("autotune").setLevel(logging.ERROR)  # rank 0 speaks for the job
+    try:
+        if args.parallel != "none" and _follower():
+            logging.getLogger("autotune").setLevel(logging.ERROR)  # rank 0 speaks for the job
+            with _sigterm_as_interrupt() as stopped:
+                return _follow(args, stopped)
+        progress = Progress(quiet=args.quiet)
         with _sigterm_as_interrupt() as stopped:
-            return _follow(args, stopped)
-    progress = Progress(quiet=args.quiet)
-    with _sigterm_as_interrupt() as stopped:
-        return _main(args, progress, stopped)
+            return _main(args, progress, stopped)
+    finally:
+        if args.parallel != "none":
+            from autotune.distributed import leave
+
+            leave()
 
 
 def _follow(args: argparse.Namespace, stopped: list[int]) -> int:
@@ -284,6 +290,22 @@ def _sigterm_as_interrupt() -> Iterator[list[int]]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _ended_early(args: argparse.Namespace) -> Iterator[None]:
+    """Bad input only rank 0 can see (its --out, --export, --plot): the other ranks of a --parallel job, which
+    wait for rank 0's trials, are told to exit 2 too."""
+    try:
+        yield
+    except UsageError as exc:
+        if args.parallel != "none":
+            with contextlib.suppress(Exception):
+                from autotune.device import resolve_device
+                from autotune.distributed import end_early
+
+                end_early(args.parallel, resolve_device(args.device), str(exc))
+        raise
+
+
 def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
     import autotune
     from autotune.tuner import run
@@ -292,9 +314,11 @@ def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
         return "stopped by SIGTERM" if stopped else "interrupted"
 
     try:
-        frameworks, plot = _outputs(args)
-        _check_writable(args.out or os.path.join("results", "report.json"), create_folder=not args.out)
-        report = run(options_from(args), progress=progress)
+        options = options_from(args)  # bad options: every rank of a --parallel job says so alike, before joining
+        with _ended_early(args):
+            frameworks, plot = _outputs(args)
+            _check_writable(args.out or os.path.join("results", "report.json"), create_folder=not args.out)
+        report = run(options, progress=progress)
     except autotune.Interrupted as exc:
         try:
             wrote = f"wrote the partial report to {_write(exc.report, args.out)}"
@@ -305,12 +329,6 @@ def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
         return 128 + stopped[0] if stopped else EXIT_INTERRUPTED
     except UsageError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
-        if args.parallel != "none":  # the other ranks wait for rank 0 to say how it ended
-            with contextlib.suppress(Exception):
-                from autotune.distributed import end_early
-                from autotune.device import resolve_device
-
-                end_early(args.parallel, resolve_device(args.device), str(exc))
         return EXIT_USAGE
     except AutotuneError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ Mixed precision is autocast under both wrappers, as in a single process: FSDP2's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -37,7 +38,7 @@ from autotune._log import logger
 from autotune.errors import AutotuneError, UsageError
 from autotune.records import Config, Measurement, timing_fields
 
-__all__ = ["PARALLEL_MODES", "RANK_BUDGETS_ENV", "Job", "Wrapping", "join", "run_everywhere", "follow", "lead",
+__all__ = ["leave", "end_early", "PARALLEL_MODES", "RANK_BUDGETS_ENV", "Job", "Wrapping", "join", "run_everywhere", "follow", "lead",
            "combine", "rank_budget", "under_torchrun"]
 
 PARALLEL_MODES = ("none", "ddp", "fsdp")
@@ -80,6 +81,7 @@ class Job:
     backend: str  # the trials' backend: gloo on the CPU, nccl on CUDA
     control: Any = dataclasses.field(repr=False, default=None)  # the gloo group of commands and agreement
     ended: bool = False  # rank 0 has told the others how it ended
+    owns_default: bool = False  # autotune made the default process group (the CLI); a user's script made its own
 
     @property
     def leader(self) -> bool:
@@ -127,11 +129,27 @@ def join(wrapper: str, device: torch.device) -> Job:
     if not dist.is_available():
         raise UsageError(f"--parallel {wrapper}: this build of torch has no torch.distributed")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo", timeout=_CONTROL_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    _JOB = Job(wrapper, dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), backend, control)
+    _JOB = Job(wrapper, dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), backend, control,
+               owns_default=owns)
     return _JOB
+
+
+def leave() -> None:
+    """Destroy the process groups this process made (before it exits: gloo's threads must not outlive them)."""
+    import torch.distributed as dist
+
+    global _JOB
+    if _JOB is None:
+        return
+    job, _JOB = _JOB, None
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group(job.control)
+        if job.owns_default and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def end_early(wrapper: str, device: torch.device, message: str) -> None:

@@ -50,6 +50,13 @@ class _Context:
     device_type: str | None  # where the trials ran
     clip: float | None
     library: str | None  # the model's own checkpointing switch the tuner found; "unknown" in reports before it looked
+    wrapper: str | None = None  # --parallel: "ddp" or "fsdp" (FSDP2's fully_shard on each block and the root)
+    world_size: int = 1
+
+    @property
+    def block_types(self) -> list[str]:
+        """The class names of the repeated blocks (what FSDP wraps one by one)."""
+        return list(dict.fromkeys(self.chain.get("block_types") or []))
 
     @property
     def recomputes(self) -> bool:
@@ -107,6 +114,8 @@ def export(report: Report, framework: str) -> dict[str, Any]:
         device_type=report.environment.get("device_type"),
         clip=report.guard.clip_grad_norm,
         library=report.workload.get("library_checkpointing", "unknown"),
+        wrapper=(report.distributed or {}).get("wrapper"),
+        world_size=int((report.distributed or {}).get("world_size", 1)),
     )
     data: dict[str, Any] = {"framework": framework, "autotune_recommendation": {
         "precision": rec.precision, "segments": rec.segments, "batch_size": rec.batch_size}}
@@ -162,6 +171,10 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         args["max_grad_norm"] = ctx.clip
     if ctx.device_type == "cpu" and ctx.precision == "bf16":
         notes.append("without a GPU, TrainingArguments refuses bf16=True unless use_cpu=True is passed too")
+    if ctx.wrapper == "fsdp":  # FSDP2 on each block (transformers' auto-wrap by layer class) and the root
+        args["fsdp"] = "full_shard auto_wrap"
+        args["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
+                               **({"transformer_layer_cls_to_wrap": ctx.block_types} if ctx.block_types else {})}
     return {"training_arguments": args}
 
 
@@ -171,6 +184,16 @@ def _lightning(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         trainer["gradient_clip_val"] = ctx.clip
     if ctx.device_type == "cpu" and ctx.precision == "fp16":
         notes.append("on a CPU, Lightning replaces precision '16-mixed' with 'bf16-mixed' (with a warning)")
+    if ctx.wrapper == "ddp":
+        trainer["strategy"] = "ddp"
+    elif ctx.wrapper == "fsdp":
+        trainer["strategy"] = "fsdp"
+        notes.append(
+            f"strategy 'fsdp' is Lightning's FSDPStrategy, which wraps with FSDP1 (FullyShardedDataParallel); autotune "
+            f"measured FSDP2 (fully_shard on each {' / '.join(ctx.block_types) or 'block'} and the root). For FSDP1's "
+            f"nearest equivalent pass FSDPStrategy(auto_wrap_policy={{{', '.join(ctx.block_types) or 'BlockClass'}}}, "
+            f"sharding_strategy='FULL_SHARD'); for the wrapper measured, ModelParallelStrategy with fully_shard called "
+            f"in the LightningModule's configure_model")
     return {"trainer": trainer, "batch_size": ctx.micro}
 
 
@@ -198,6 +221,14 @@ def _deepspeed(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         )
     notes.append("train_batch_size is left out: DeepSpeed derives it as micro-batch x accumulation steps x "
                  "data-parallel processes")
+    if ctx.wrapper:  # no ZeRO stage was measured: DeepSpeed's own engine is not DDP or FSDP2
+        notes.append(
+            f"autotune measured {ctx.wrapper.upper()} on {ctx.world_size} ranks; no zero_optimization stage is set, "
+            f"because none was measured: " + (
+                "stage 0 is DeepSpeed's plain data parallelism, the nearest to DDP, with buckets of its own"
+                if ctx.wrapper == "ddp" else
+                "stage 3 shards parameters, gradients and optimizer state as FSDP does, with its own prefetching and "
+                "buffers, so its memory and speed differ from the measurement"))
     return {"config": config}
 
 
@@ -208,9 +239,19 @@ def _accelerate(ctx: _Context, notes: list[str]) -> dict[str, Any]:
     if ctx.device_type == "cpu" and ctx.precision == "fp16":
         notes.append("on a CPU, Accelerator(mixed_precision='fp16') neither autocasts nor scales the loss: "
                      "it trains in fp32")
-    return {"accelerator": {"mixed_precision": ACCELERATE_PRECISION[ctx.precision],
-                            "gradient_accumulation_steps": ctx.steps},
-            "batch_size": ctx.micro}
+    out: dict[str, Any] = {"accelerator": {"mixed_precision": ACCELERATE_PRECISION[ctx.precision],
+                                           "gradient_accumulation_steps": ctx.steps},
+                           "batch_size": ctx.micro}
+    if ctx.wrapper == "fsdp":  # FullyShardedDataParallelPlugin(**fsdp_plugin): FSDP2, each block and the root
+        out["fsdp_plugin"] = {"fsdp_version": 2, "reshard_after_forward": True,
+                              **({"auto_wrap_policy": "transformer_based_wrap",
+                                  "transformer_cls_names_to_wrap": ctx.block_types} if ctx.block_types else {})}
+        notes.append("pass Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(**fsdp_plugin), ...) and launch "
+                     f"with accelerate launch --num_processes {ctx.world_size} (or torchrun)")
+    elif ctx.wrapper == "ddp":
+        notes.append(f"accelerate wraps the model in DistributedDataParallel when launched on {ctx.world_size} "
+                     f"processes (accelerate launch --num_processes {ctx.world_size}, or torchrun): as measured")
+    return out
 
 
 _BUILDERS: dict[str, Callable[[_Context, list[str]], dict[str, Any]]] = {
@@ -237,6 +278,10 @@ def _common_notes(ctx: _Context, report: Report, framework: str) -> list[str]:
     if report.guard.fp32_modules:
         notes.append(f"the trials kept {', '.join(report.guard.fp32_modules)} in fp32; this export does not: "
                      f"{APPLY_HINT} does")
+    if ctx.wrapper:
+        notes.append(f"the batch size is per rank: {ctx.micro} on each of {ctx.world_size} ranks "
+                     f"({ctx.micro * ctx.world_size} per micro-step) under {ctx.wrapper.upper()}, with "
+                     f"{ctx.steps} accumulation step(s); the peak holds on every rank")
     if ctx.device_type == "cpu" and ctx.precision != "fp32":
         notes.append(f"the trials ran on a CPU: the {ctx.precision} setting asks for the same autocast mode on the "
                      f"device you train on (a GPU), where peak memory and speed differ; run autotune there to "

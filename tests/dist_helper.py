@@ -1,0 +1,130 @@
+"""One rank of the distributed checks in test_distributed.py, started with torchrun's environment variables.
+
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m tests.dist_helper OUT.json
+
+Both wrappers, through autotune's own trial code (``Trainer`` with a :class:`Wrapping`, ``run_trial``):
+
+* ``grads``, ``params``: one step's gradients, and the parameters after it, under each wrapper against one
+  single-process step on the global batch (each rank trains on its half; the loss is a mean per sample),
+  with and without a checkpoint plan. The step is SGD's: AdamW's first step is lr * g / (|g| + eps),
+  which turns the 1e-7 rounding of a gradient near eps (summed in another order) into 1e-5 of a weight;
+
+* ``peaks``: each rank's peak at the same micro-batch under DDP and under FSDP2, on a model whose
+  parameters, gradients and AdamW state dwarf its activations.
+
+Rank 0 writes what it found to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autotune import distributed
+from autotune.distributed import Wrapping
+from autotune.meters import TensorMeter
+from autotune.records import Config, TrialSettings
+from autotune.trial import Trainer, run_trial
+from autotune.workload import Workload
+
+WIDTH, BLOCKS, GLOBAL_BATCH = 256, 4, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Wide(nn.Module):
+    """Parameter-heavy: about 2 MiB of weights per block, a few KiB of activations per sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return ((self.head(x).squeeze(-1) - y) ** 2).mean()  # a mean per sample: DDP's average is the global mean
+
+    def example_batch(self, batch_size: int):
+        g = torch.Generator().manual_seed(batch_size)
+        return ((torch.randn(batch_size, WIDTH, generator=g), torch.randn(batch_size, generator=g)), None)
+
+
+def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(GLOBAL_BATCH, WIDTH, generator=g), torch.randn(GLOBAL_BATCH, generator=g)
+
+
+def whole(tensors: dict[str, torch.Tensor], job) -> dict[str, torch.Tensor]:
+    """Each tensor whole: FSDP2's dim-0 shards (DTensors) gathered on the control group, in rank order."""
+    return {name: torch.cat(job.gather(t.to_local().detach().clone()), dim=0) if hasattr(t, "to_local")
+            else t.detach().clone() for name, t in tensors.items()}
+
+
+def one_step(workload: Workload, plan: str, job, group, x, y) -> tuple[dict, dict]:
+    """The gradients of one step and the parameters after it, through autotune's Trainer (SGD: see the test)."""
+    trainer = Trainer(workload, Config("fp32", plan, len(x)), torch.device("cpu"),
+                      parallel=None if group is None else Wrapping(job, group, torch.device("cpu")))
+    trainer.build()
+    model = trainer.run.model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trainer.run.autocast():
+        loss = workload.loss(model, ((x, y), None))
+    trainer.run.backward(loss)
+    names = [n for n, _ in getattr(model, "module", model).named_parameters()]
+    grads = whole(dict(zip(names, (p.grad for p in model.parameters()))), job)
+    trainer.run.step(optimizer)
+    return grads, whole(dict(zip(names, model.parameters())), job)
+
+
+def largest_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
+
+
+def main(out: str) -> None:
+    job = distributed.join("ddp", torch.device("cpu"))
+    workload = Workload.from_specs(Wide).with_chain(None)
+    from autotune.checkpointing import find_chain
+
+    workload = workload.with_chain(find_chain(Wide()))
+    x, y = global_batch()
+    half = GLOBAL_BATCH // job.world_size
+    mine = slice(job.rank * half, (job.rank + 1) * half)
+    found: dict = {"grads": {}, "params": {}, "peaks": {}}
+    single = {plan: one_step(workload, plan, job, None, x, y) for plan in ("0", "all")}
+    for wrapper in ("ddp", "fsdp"):
+        wjob = distributed.Job(wrapper, job.rank, job.world_size, job.local_rank, job.backend, job.control)
+        for plan in ("0", "all"):
+            group = dist.new_group(backend="gloo")
+            grads, params = one_step(workload, plan, wjob, group, x[mine], y[mine])
+            dist.destroy_process_group(group)
+            found["grads"][f"{wrapper}/{plan}"] = largest_relative_difference(grads, single[plan][0])
+            found["params"][f"{wrapper}/{plan}"] = largest_relative_difference(params, single[plan][1])
+        group = dist.new_group(backend="gloo")
+        m = run_trial(workload, Config("fp32", "0", half), device="cpu", meter=TensorMeter("cpu"),
+                      settings=TrialSettings(), timed=False, parallel=Wrapping(wjob, group, torch.device("cpu")))
+        dist.destroy_process_group(group)
+        peaks = job.gather(m.peak_bytes)
+        found["peaks"][wrapper] = peaks
+        found.setdefault("status", {})[wrapper] = m.status
+    if job.rank == 0:
+        found["parameter_bytes"] = sum(p.numel() * 4 for p in Wide().parameters())
+        with open(out, "w") as f:
+            json.dump(found, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,239 @@
+"""--parallel ddp|fsdp for real: two CPU ranks on gloo, through torchrun and through ranks started by hand.
+
+torchrun reports its own exit code (1 when a rank fails), so the ranks' own codes are tested on
+processes started with torchrun's environment variables; the success path goes through torchrun.
+Every subprocess runs under a timeout: a hang fails the test instead of the CI job.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from autotune.distributed import Job, _Interrupted, combine, rank_budget
+from autotune.errors import UsageError
+from autotune.options import Options
+from autotune.records import Config, Measurement, accumulation_plan
+
+from tests.test_reliability import ROOT, TINY, _default_sigint, wait_for_trials
+
+SPACE = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--device", "cpu", "--precisions", "fp32",
+         "--segments", "0,all", "--batch-sizes", "2,8,32", "--strategy", "grid", "--measure-steps", "2",
+         "--settle-steps", "0", "--no-library-compare"]
+LIMIT_S = 240  # no run here takes a tenth of this; a hang is what it catches
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1", **extra)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "AUTOTUNE_RANK_BUDGETS"):
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
+def torchrun(*args: str, cwd, **env: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "autotune", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=_env(**env), cwd=cwd, timeout=LIMIT_S,
+                          preexec_fn=_default_sigint)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(*args: str, cwd, module: str = "autotune") -> list[subprocess.Popen]:
+    """Two ranks started as torchrun would start them (its environment variables), without torchrun."""
+    port = str(free_port())
+    return [subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=cwd, preexec_fn=_default_sigint,
+                             env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=port))
+            for r in range(2)]
+
+
+def finish(ranks: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    try:
+        said = [p.communicate(timeout=LIMIT_S)[1] for p in ranks]
+        return [(p.returncode, err) for p, err in zip(ranks, said)]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+
+
+# -- through torchrun ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """A DDP search where rank 1 has 1 MiB and rank 0 the machine: batch 32 without a plan fits rank 0 only."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    out = tmp / "ddp.json"
+    done = torchrun(*SPACE, "--parallel", "ddp", "--storage", f"sqlite:///{tmp}/t.db", "--study", "t", "--out",
+                    str(out), cwd=tmp, AUTOTUNE_RANK_BUDGETS="1=1MiB")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text()), done
+
+
+def test_torchrun_ddp_reports_world_size_2(ddp_run):
+    data, done = ddp_run
+    assert data["distributed"]["world_size"] == 2 and data["distributed"]["wrapper"] == "ddp"
+    assert data["distributed"]["backend"] == "gloo"
+    assert "world size 2" in done.stdout
+    ok = [t for t in data["trials"] if t["status"] == "ok"]
+    assert ok and all(len(t["distributed"]["ranks"]) == 2 for t in ok)
+    for t in ok:  # samples/s count both ranks' micro-batches over the slowest rank's step
+        assert t["samples_per_s"] == pytest.approx(2 * t["batch_size"] / t["step_s"])
+        assert t["peak_bytes"] == max(r["peak_bytes"] for r in t["distributed"]["ranks"])
+    rec = data["recommendation"]
+    assert data["distributed"]["rank_peak_bytes"] == [r["peak_bytes"] for r in rec["distributed"]["ranks"]]
+
+
+def test_an_oom_on_rank_1_only_is_the_trials_outcome_and_the_search_goes_on(ddp_run):
+    data, _ = ddp_run
+    trials = {(t["segments"], t["batch_size"]): t for t in data["trials"]}
+    oom = trials[("0", 32)]
+    assert oom["status"] == "oom" and oom["error"].startswith("rank 1: ")
+    assert oom["distributed"]["outcome_rank"] == 1
+    assert oom["distributed"]["ranks"][1]["status"] == "oom"
+    assert oom["distributed"]["ranks"][0]["status"] != "ok"  # rank 0 fit, but left when rank 1 left the group
+    assert len(data["trials"]) == 6  # every other trial ran after it
+    assert trials[("all", 32)]["status"] == "ok"  # the plan fits rank 1's 1 MiB
+    assert data["recommendation"] is not None
+
+
+def test_torchrun_fsdp_reports_world_size_2(tmp_path):
+    out = tmp_path / "fsdp.json"
+    done = torchrun(*SPACE, "--parallel", "fsdp", "--batch-sizes", "4", "--target-batch-size", "32", "--storage",
+                    f"sqlite:///{tmp_path}/t.db", "--study", "t", "--out", str(out), "--export", "lightning,accelerate",
+                    cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["distributed"]["world_size"] == 2 and data["distributed"]["wrapper"] == "fsdp"
+    assert data["distributed"]["mixed_precision"] == "autocast"
+    assert all(t["status"] == "ok" for t in data["trials"])
+    assert data["accumulation"] == {**data["accumulation"], "micro_batch_size": 4, "world_size": 2,
+                                    "accumulation_steps": 4, "effective_batch_size": 32}
+    lightning = json.loads((tmp_path / "fsdp.lightning.json").read_text())
+    assert lightning["trainer"]["accumulate_grad_batches"] == 4 and lightning["trainer"]["strategy"] == "fsdp"
+    assert lightning["batch_size"] == 4 and any("FSDP2" in n for n in lightning["notes"])
+    accelerate = json.loads((tmp_path / "fsdp.accelerate.json").read_text())
+    assert accelerate["fsdp_plugin"]["fsdp_version"] == 2
+    assert accelerate["fsdp_plugin"]["transformer_cls_names_to_wrap"] == ["Block"]
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    FullyShardedDataParallelPlugin(**accelerate["fsdp_plugin"])  # accelerate takes it as it is
+
+
+# -- ranks started by hand: each rank's own exit code ---------------------------------------------------------------
+
+
+def test_bad_input_is_one_line_from_rank_0_and_exit_2_on_every_rank(tmp_path):
+    for bad in (["--budget", "lots"], ["--out", str(tmp_path / "missing" / "r.json")]):  # every rank's; rank 0's only
+        results = finish(start_ranks(*SPACE, "--parallel", "ddp", *bad, cwd=tmp_path))
+        assert [code for code, _ in results] == [2, 2], results
+        (_, said), (_, quiet) = results
+        assert said.count("autotune: error:") == 1 and "Traceback" not in said
+        assert quiet.strip() == "", quiet
+
+
+def test_parallel_outside_torchrun_is_bad_input(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "autotune", *SPACE, "--parallel", "fsdp"], capture_output=True,
+                          text=True, env=_env(), cwd=tmp_path, timeout=LIMIT_S)
+    assert done.returncode == 2 and "torchrun --nproc-per-node" in done.stderr
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stopped_job_exits_with_the_signals_code_on_every_rank_and_keeps_its_trials(tmp_path, signum, code):
+    storage, out = f"sqlite:///{tmp_path}/t.db", tmp_path / "r.json"
+    slow = [a if a != "2" or i != SPACE.index("--measure-steps") + 1 else "200" for i, a in enumerate(SPACE)]
+    ranks = start_ranks(*slow, "--batch-sizes", "2,4,8,16,32,64", "--parallel", "ddp", "--storage", storage,
+                        "--study", "t", "--out", str(out), cwd=tmp_path)
+    try:
+        wait_for_trials(storage, "t", 1, timeout=LIMIT_S)
+        time.sleep(0.5)
+        for p in ranks:  # as a terminal's Ctrl-C or torchrun's SIGTERM reaches every rank
+            p.send_signal(signum)
+    finally:
+        results = finish(ranks)
+    assert [c for c, _ in results] == [code, code], results
+    assert "Traceback" not in results[0][1]
+    data = json.loads(out.read_text())
+    assert data["search"]["partial"] is True and data["trials"]
+    import optuna
+
+    trials = optuna.load_study(study_name="t", storage=storage).trials
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+
+
+# -- the wrappers themselves: exact steps, sharded memory -----------------------------------------------------------
+
+
+def test_ddp_and_fsdp_steps_match_one_process_and_fsdp_shards_memory(tmp_path):
+    out = tmp_path / "found.json"
+    results = finish(start_ranks(str(out), cwd=tmp_path, module="tests.dist_helper"))
+    assert [c for c, _ in results] == [0, 0], results
+    found = json.loads(out.read_text())
+    assert found["status"] == {"ddp": "ok", "fsdp": "ok"}
+    for key, diff in {**found["grads"], **found["params"]}.items():
+        assert diff < 1e-6, (key, diff)  # relative to the tensor's largest value, plan "all" included
+    ddp, fsdp = found["peaks"]["ddp"], found["peaks"]["fsdp"]
+    assert max(fsdp) < 0.75 * min(ddp), found["peaks"]  # parameters, gradients and AdamW state: half on each rank
+
+
+# -- the agreement, without processes ------------------------------------------------------------------------------
+
+
+JOB = Job("ddp", 0, 2, 0, "gloo")
+
+
+def m(status="ok", peak=100, times=(0.5, 0.5), error=None):
+    return Measurement(Config("fp32", "0", 4), status, peak_bytes=peak, step_times_s=times if status == "ok" else (),
+                       step_s=0.5 if status == "ok" else None, error=error)
+
+
+def test_the_outcome_is_the_ranks_in_the_order_oom_crashed_timeout_failed():
+    gone = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    agreed = combine([m("failed", 80, error=gone), m("oom", 120, error="out of memory")], JOB)
+    assert agreed.status == "oom" and agreed.error == "rank 1: out of memory" and agreed.peak_bytes == 120
+    assert agreed.distributed["outcome_rank"] == 1
+    assert combine([m("timeout", error="late"), m("crashed", error="dead")], JOB).status == "crashed"
+    # a rank's own failure outranks one that only says the other rank left
+    agreed = combine([m("failed", error=gone), m("failed", error="ValueError: bad shape")], JOB)
+    assert agreed.error == "rank 1: ValueError: bad shape"
+    assert isinstance(combine([m(), _Interrupted(1)], JOB), _Interrupted)
+
+
+def test_agreed_throughput_counts_every_ranks_micro_batch():
+    agreed = combine([m(peak=100), m(peak=300)], JOB)
+    assert agreed.status == "ok" and agreed.peak_bytes == 300
+    assert agreed.samples_per_s == pytest.approx(2 * 4 / 0.5) and agreed.world_size == 2
+    assert [r["peak_bytes"] for r in agreed.distributed["ranks"]] == [100, 300]
+    assert Measurement.from_dict(agreed.to_dict()) == agreed
+
+
+def test_rank_budgets_and_the_accumulation_plan_for_the_world():
+    assert rank_budget(10 << 20, 1, "1=1MiB,3=2GiB") == 1 << 20
+    assert rank_budget(10 << 20, 0, "1=1MiB") == 10 << 20
+    assert rank_budget(None, 3, "1=1MiB,3=2GiB") == 2 << 30
+    with pytest.raises(UsageError, match="RANK=SIZE"):
+        rank_budget(None, 0, "lots")
+    plan = accumulation_plan(4, 64, world_size=2)
+    assert plan["accumulation_steps"] == 8 and plan["effective_batch_size"] == 64 and plan["world_size"] == 2
+
+
+def test_parallel_trials_run_in_each_ranks_own_process():
+    with pytest.raises(UsageError, match="--isolation"):
+        Options(model="autotune.examples:TinyGPT", parallel="ddp", isolation="process")
+    with pytest.raises(UsageError, match="choose none, ddp or fsdp"):
+        Options(model="autotune.examples:TinyGPT", parallel="deepspeed")
+
