@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from autotune._log import logger
-from autotune.errors import AutotuneError, UsageError
+from autotune.errors import AutotuneError, UsageError, first_line
 from autotune.records import Config, Measurement, timing_fields
 
 __all__ = ["leave", "end_early", "PARALLEL_MODES", "RANK_BUDGETS_ENV", "Job", "Wrapping", "join", "run_everywhere", "follow", "lead",
@@ -46,8 +46,9 @@ PARALLEL_MODES = ("none", "ddp", "fsdp")
 RANK_BUDGETS_ENV = "AUTOTUNE_RANK_BUDGETS"
 _ORDER = ("oom", "crashed", "timeout", "failed")  # which rank's outcome is the trial's
 _CONTROL_TIMEOUT = datetime.timedelta(hours=24)  # followers wait here while the leader checks plans and writes
-_PEER_GONE = ("connection closed by peer", "connection reset", "broken pipe", "dist", "gloo", "nccl", "timed out",
-              "process group")
+# What a rank's error says when only another rank's leaving caused it (gloo's closed pair, NCCL's abort).
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "gloo", "nccl", "disterror",
+              "distbackenderror", "distnetworkerror")
 
 
 def under_torchrun() -> bool:
@@ -82,6 +83,7 @@ class Job:
     control: Any = dataclasses.field(repr=False, default=None)  # the gloo group of commands and agreement
     ended: bool = False  # rank 0 has told the others how it ended
     owns_default: bool = False  # autotune made the default process group (the CLI); a user's script made its own
+    trials: int = 0  # trials this rank has entered: every rank counts the same, naming each trial in the store
 
     @property
     def leader(self) -> bool:
@@ -123,12 +125,15 @@ def join(wrapper: str, device: torch.device) -> Job:
     if _JOB is not None:
         return dataclasses.replace(_JOB, wrapper=wrapper) if _JOB.wrapper != wrapper else _JOB
 
+    rank_budget(None, 0)  # a malformed AUTOTUNE_RANK_BUDGETS fails on every rank alike, before any trial
     if not under_torchrun():
         raise UsageError(f"--parallel {wrapper} runs under torchrun, one process per GPU: torchrun --nproc-per-node N "
                          f"-m autotune ... --parallel {wrapper} (--parallel none tunes in this process)")
     if not dist.is_available():
         raise UsageError(f"--parallel {wrapper}: this build of torch has no torch.distributed")
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":  # a timed-out trial group aborts its communicator, not the process (the default, 3, would)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo", timeout=_CONTROL_TIMEOUT)
@@ -202,30 +207,96 @@ class _Interrupted:
     rank: int
 
 
+@dataclasses.dataclass(frozen=True)
+class _Refused:
+    """A rank's report that its trial met bad input (a :class:`UsageError`): the job stops with it, on every rank."""
+
+    rank: int
+    message: str
+
+
 def _group_timeout(timeout_s: float | None) -> datetime.timedelta:
     """A trial's group gives up on a silent rank a minute after the trial's own limit."""
     return datetime.timedelta(seconds=(timeout_s or 600.0) + 60.0)
 
 
 def _rank_trial(job: Job, workload: Any, config: Config, *, device: torch.device, budget_bytes: int | None,
-                settings: Any, timed: bool, metered: bool, skip: bool = False) -> Measurement | _Interrupted:
+                settings: Any, timed: bool, metered: bool,
+                instead: "_Interrupted | _Refused | None" = None) -> "Measurement | _Interrupted | _Refused":
     """This rank's part of a trial, on a process group of its own (destroyed at once when the trial fails)."""
     import torch.distributed as dist
 
     from autotune.device import backend_for
     from autotune.trial import run_trial
 
-    group = dist.new_group(backend=job.backend, timeout=_group_timeout(settings.timeout_s))
+    from autotune.store import shielded
+
+    job.trials += 1
+    with shielded():  # every rank makes the group (a collective on the default group): a Ctrl-C waits for it
+        group = dist.new_group(backend=job.backend, timeout=_group_timeout(settings.timeout_s))
+    watch = _Watch(job, group) if job.backend == "nccl" else None
+    local = instead or _Interrupted(job.rank)
     try:
-        if skip:  # interrupted before the trial: leave at once, so the others do not wait for us
-            return _Interrupted(job.rank)
-        meter = backend_for(device).meter(rank_budget(budget_bytes, job.rank))
-        return run_trial(workload, config, device=device, meter=meter, settings=settings, timed=timed, metered=metered,
-                         parallel=Wrapping(job, group, device))
+        if instead is None:  # interrupted, or the workload refused, before the trial: leave at once
+            meter = backend_for(device).meter(rank_budget(budget_bytes, job.rank))
+            local = run_trial(workload, config, device=device, meter=meter, settings=settings, timed=timed,
+                              metered=metered, parallel=Wrapping(job, group, device))
     except KeyboardInterrupt:
-        return _Interrupted(job.rank)
+        pass
+    except UsageError as exc:  # agreed like any outcome, then raised on rank 0: the others must not wait for it
+        local = _Refused(job.rank, str(exc))
     finally:
-        dist.destroy_process_group(group)  # on gloo, a rank still in a collective of the group gets an error now
+        if not isinstance(local, Measurement) or local.status != "ok":
+            _say_left(job)
+        if watch is not None:
+            watch.stop()
+        with shielded(), contextlib.suppress(Exception):  # an aborted NCCL group may refuse to be destroyed
+            dist.destroy_process_group(group)  # on gloo, a rank still in a collective of the group gets an error now
+    return local
+
+
+def _left_key(job: Job) -> str:
+    return f"autotune/trial-{job.trials}/left"
+
+
+def _say_left(job: Job) -> None:
+    """Tell the other ranks, through the job's store, that this rank left the trial (NCCL does not tell them)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    with contextlib.suppress(Exception):
+        _get_default_store().set(_left_key(job), str(job.rank))
+
+
+class _Watch:
+    """On NCCL, a rank that left a trial does not wake the others: their kernels wait for it until the group's
+    timeout, when NCCL's watchdog (by default) ends the whole process. This thread watches the job's store
+    for a rank that left and aborts this rank's trial group, so its collectives fail now and the trial ends
+    with the others. (gloo needs none: a destroyed group closes its connections, which wakes the peers.)"""
+
+    def __init__(self, job: Job, group: Any, every_s: float = 0.2) -> None:
+        import threading
+
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.group, self.key, self.store = group, _left_key(job), _get_default_store()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(every_s,), name="autotune-trial-watch", daemon=True)
+        self.thread.start()
+
+    def _run(self, every_s: float) -> None:
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+        except ImportError:  # torch < 2.5: the group's timeout is the only way out
+            return
+        while not self.done.wait(every_s):
+            with contextlib.suppress(Exception):
+                if self.store.check([self.key]):
+                    _abort_process_group(self.group)
+                    return
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=5.0)
 
 
 def _peer_gone(m: Measurement) -> bool:
@@ -234,15 +305,15 @@ def _peer_gone(m: Measurement) -> bool:
     return m.status == "failed" and any(word in text for word in _PEER_GONE)
 
 
-def combine(parts: list[Measurement | _Interrupted], job: Job) -> Measurement | _Interrupted:
-    """The trial's one measurement from every rank's (index = rank); an interruption anywhere wins.
+def combine(parts: list[Measurement | _Interrupted | _Refused], job: Job) -> Measurement | _Interrupted | _Refused:
+    """The trial's one measurement from every rank's (index = rank); an interruption anywhere wins, then bad input.
 
     The outcome is the first rank's in the order oom > crashed > timeout > failed (a failure that
     only says another rank left comes last), its error prefixed with the rank. Peaks are the largest
     rank's; step times are already the slowest rank's (agreed each step), and samples/s count every
     rank's micro-batch.
     """
-    stopped = [p for p in parts if isinstance(p, _Interrupted)]
+    stopped = [p for p in parts if isinstance(p, _Interrupted)] or [p for p in parts if isinstance(p, _Refused)]
     if stopped:
         return stopped[0]
     ms: list[Measurement] = list(parts)  # type: ignore[arg-type]
@@ -289,10 +360,16 @@ def run_everywhere(job: Job, workload: Any, config: Config, *, device: torch.dev
         job.send(("trial", workload.spec, config, budget_bytes, settings, timed, metered))
     local = _rank_trial(job, workload, config, device=device, budget_bytes=budget_bytes, settings=settings,
                         timed=timed, metered=metered)
-    with shielded():  # every rank leaves the agreement together
-        agreed = combine(job.gather(local), job)
+    try:
+        with shielded():  # every rank leaves the agreement together
+            agreed = combine(job.gather(local), job)
+    except Exception as exc:  # a rank died (killed, out of host memory): the job cannot go on
+        raise AutotuneError(f"a rank of the job is gone ({type(exc).__name__}: {first_line(exc)}); finished trials "
+                            f"are kept: run the same command to continue") from None
     if isinstance(agreed, _Interrupted):
         raise KeyboardInterrupt(f"rank {agreed.rank} was interrupted")
+    if isinstance(agreed, _Refused):
+        raise UsageError(agreed.message if agreed.rank == 0 else f"rank {agreed.rank}: {agreed.message}")
     return agreed
 
 
@@ -366,11 +443,15 @@ def follow(job: Job, device: torch.device) -> Any:
             raise AutotuneError(outcome.message)
         _, spec, config, budget_bytes, settings, timed, metered = command
         key = repr(sorted(spec.items()))
-        if key not in workloads:
-            workloads[key] = Workload.from_specs(**spec)
+        instead = _Interrupted(job.rank) if interrupted else None
         try:
-            local = _rank_trial(job, workloads[key], config, device=device, budget_bytes=budget_bytes,
-                                settings=settings, timed=timed, metered=metered, skip=interrupted)
+            if key not in workloads:
+                workloads[key] = Workload.from_specs(**spec)
+        except UsageError as exc:  # this rank cannot build what rank 0 built (another node's files): agreed, then fatal
+            instead = instead or _Refused(job.rank, str(exc))
+        try:
+            local = _rank_trial(job, workloads.get(key), config, device=device, budget_bytes=budget_bytes,
+                                settings=settings, timed=timed, metered=metered, instead=instead)
         except KeyboardInterrupt:
             local = _Interrupted(job.rank)
         with shielded():

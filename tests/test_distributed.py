@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from autotune.distributed import Job, _Interrupted, combine, rank_budget
+from autotune.distributed import Job, _Interrupted, _Refused, combine, rank_budget
 from autotune.errors import UsageError
 from autotune.options import Options
 from autotune.records import Config, Measurement, accumulation_plan
@@ -211,6 +211,9 @@ def test_the_outcome_is_the_ranks_in_the_order_oom_crashed_timeout_failed():
     agreed = combine([m("failed", error=gone), m("failed", error="ValueError: bad shape")], JOB)
     assert agreed.error == "rank 1: ValueError: bad shape"
     assert isinstance(combine([m(), _Interrupted(1)], JOB), _Interrupted)
+    # bad input met in one rank's trial (a module another node lacks) stops the job on every rank
+    assert combine([m(), _Refused(1, "--data: no module named 'mine'")], JOB) == _Refused(1, "--data: no module named 'mine'")
+    assert isinstance(combine([_Refused(0, "x"), _Interrupted(1)], JOB), _Interrupted)
 
 
 def test_agreed_throughput_counts_every_ranks_micro_batch():
