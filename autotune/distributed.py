@@ -356,21 +356,27 @@ def run_everywhere(job: Job, workload: Any, config: Config, *, device: torch.dev
     if workload.spec is None:
         raise UsageError("--parallel needs a workload built from specs (a model class or MODULE:ATTR), so that every "
                          "rank can build it")
-    with shielded():  # the command goes out whole
+    with shielded(), _ranks_gone():  # the command goes out whole
         job.send(("trial", workload.spec, config, budget_bytes, settings, timed, metered))
     local = _rank_trial(job, workload, config, device=device, budget_bytes=budget_bytes, settings=settings,
                         timed=timed, metered=metered)
-    try:
-        with shielded():  # every rank leaves the agreement together
-            agreed = combine(job.gather(local), job)
-    except Exception as exc:  # a rank died (killed, out of host memory): the job cannot go on
-        raise AutotuneError(f"a rank of the job is gone ({type(exc).__name__}: {first_line(exc)}); finished trials "
-                            f"are kept: run the same command to continue") from None
+    with shielded(), _ranks_gone():  # every rank leaves the agreement together
+        agreed = combine(job.gather(local), job)
     if isinstance(agreed, _Interrupted):
         raise KeyboardInterrupt(f"rank {agreed.rank} was interrupted")
     if isinstance(agreed, _Refused):
         raise UsageError(agreed.message if agreed.rank == 0 else f"rank {agreed.rank}: {agreed.message}")
     return agreed
+
+
+@contextlib.contextmanager
+def _ranks_gone() -> Any:
+    """A collective on the control group that fails means a rank died (killed, out of host memory): say so."""
+    try:
+        yield
+    except Exception as exc:
+        raise AutotuneError(f"a rank of the job is gone ({type(exc).__name__}: {first_line(exc)}); finished trials "
+                            f"are kept: run the same command to continue") from None
 
 
 @dataclasses.dataclass(frozen=True)

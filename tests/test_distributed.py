@@ -175,6 +175,23 @@ def test_a_stopped_job_exits_with_the_signals_code_on_every_rank_and_keeps_its_t
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
 
 
+def test_a_rank_that_dies_ends_the_job_with_one_line_and_no_trial_left_running(tmp_path):
+    storage = f"sqlite:///{tmp_path}/t.db"
+    slow = [a if a != "2" or i != SPACE.index("--measure-steps") + 1 else "200" for i, a in enumerate(SPACE)]
+    ranks = start_ranks(*slow, "--batch-sizes", "2,4,8,16,32,64", "--parallel", "ddp", "--storage", storage,
+                        "--study", "t", "--out", str(tmp_path / "r.json"), cwd=tmp_path)
+    try:
+        wait_for_trials(storage, "t", 1, timeout=LIMIT_S)
+        ranks[1].kill()  # SIGKILL: out of host memory, a node lost
+    finally:
+        (code, said), _ = finish(ranks)
+    assert code == 1 and "a rank of the job is gone" in said and "Traceback" not in said, said
+    import optuna
+
+    trials = optuna.load_study(study_name="t", storage=storage).trials
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]  # re-run on the next start
+
+
 # -- the wrappers themselves: exact steps, sharded memory -----------------------------------------------------------
 
 
