@@ -36,9 +36,9 @@ from torch import nn
 
 from autotune._log import logger
 from autotune.errors import AutotuneError, UsageError, first_line
-from autotune.records import Config, Measurement, timing_fields
+from autotune.records import Config, Measurement, ProbeResult, timing_fields
 
-__all__ = ["leave", "end_early", "PARALLEL_MODES", "RANK_BUDGETS_ENV", "Job", "Wrapping", "join", "run_everywhere", "follow", "lead",
+__all__ = ["leave", "end_early", "PARALLEL_MODES", "RANK_BUDGETS_ENV", "Job", "Wrapping", "join", "run_everywhere", "probe_everywhere", "follow", "lead",
            "combine", "rank_budget", "under_torchrun"]
 
 PARALLEL_MODES = ("none", "ddp", "fsdp")
@@ -220,33 +220,62 @@ def _group_timeout(timeout_s: float | None) -> datetime.timedelta:
     return datetime.timedelta(seconds=(timeout_s or 600.0) + 60.0)
 
 
-def _rank_trial(job: Job, workload: Any, config: Config, *, device: torch.device, budget_bytes: int | None,
-                settings: Any, timed: bool, metered: bool,
-                instead: "_Interrupted | _Refused | None" = None) -> "Measurement | _Interrupted | _Refused":
-    """This rank's part of a trial, on a process group of its own (destroyed at once when the trial fails)."""
-    import torch.distributed as dist
-
+def _trial(job: Job, workload: Any, device: torch.device, parallel: Wrapping, *, config: Config,
+           budget_bytes: int | None, settings: Any, timed: bool, metered: bool) -> Measurement:
+    """This rank's part of a search trial."""
     from autotune.device import backend_for
     from autotune.trial import run_trial
+
+    meter = backend_for(device).meter(rank_budget(budget_bytes, job.rank))
+    return run_trial(workload, config, device=device, meter=meter, settings=settings, timed=timed, metered=metered,
+                     parallel=parallel)
+
+
+def _probe(job: Job, workload: Any, device: torch.device, parallel: Wrapping, *, trial: dict,
+           budget_bytes: int | None, headroom: float, settings: Any, guard: Any) -> "ProbeResult":
+    """This rank's part of a probe candidate: its share of the data's slice."""
+    from autotune.probe import run_probe
+
+    budget = rank_budget(budget_bytes, job.rank)
+    return run_probe(workload, Measurement.from_dict(trial), device=device, budget_bytes=budget, headroom=headroom,
+                     settings=settings, guard=guard, parallel=parallel)
+
+
+_WORK = {"trial": _trial, "probe": _probe}
+
+
+def _left(local: Any) -> bool:
+    """Whether this rank stopped before the others could (an exception, not a verdict on a finished run)."""
+    if isinstance(local, Measurement):
+        return local.status != "ok"
+    if isinstance(local, ProbeResult):  # "oom: ...", "failed: ..." came from an exception, a verdict did not
+        return not local.accepted and (local.reason or "").split(":")[0] in _ORDER
+    return True
+
+
+def _on_group(job: Job, kind: str, workload: Any, device: torch.device, kwargs: dict,
+              instead: "_Interrupted | _Refused | None" = None) -> Any:
+    """This rank's part of a trial or probe, on a process group of its own (destroyed at once when it fails)."""
+    import torch.distributed as dist
 
     from autotune.store import shielded
 
     job.trials += 1
+    passes = 2 if kind == "probe" else 1  # the probe on a slowing meter: metered, then timed
+    limit = kwargs["settings"].timeout_s
     with shielded():  # every rank makes the group (a collective on the default group): a Ctrl-C waits for it
-        group = dist.new_group(backend=job.backend, timeout=_group_timeout(settings.timeout_s))
+        group = dist.new_group(backend=job.backend, timeout=_group_timeout(limit * passes if limit else None))
     watch = _Watch(job, group) if job.backend == "nccl" else None
     local = instead or _Interrupted(job.rank)
     try:
         if instead is None:  # interrupted, or the workload refused, before the trial: leave at once
-            meter = backend_for(device).meter(rank_budget(budget_bytes, job.rank))
-            local = run_trial(workload, config, device=device, meter=meter, settings=settings, timed=timed,
-                              metered=metered, parallel=Wrapping(job, group, device))
+            local = _WORK[kind](job, workload, device, Wrapping(job, group, device), **kwargs)
     except KeyboardInterrupt:
         pass
     except UsageError as exc:  # agreed like any outcome, then raised on rank 0: the others must not wait for it
         local = _Refused(job.rank, str(exc))
     finally:
-        if not isinstance(local, Measurement) or local.status != "ok":
+        if _left(local):
             _say_left(job)
         if watch is not None:
             watch.stop()
@@ -348,20 +377,76 @@ def combine(parts: list[Measurement | _Interrupted | _Refused], job: Job) -> Mea
     )
 
 
+def combine_probe(parts: list[Any], job: Job) -> Any:
+    """A candidate's one probe result from every rank's: accepted when every rank accepted it.
+
+    A rejection is the first rank's in the order oom > crashed > timeout > failed > a verdict (a
+    non-finite loss, a collapsed loss scale, too little headroom); worst peaks are the largest
+    rank's; samples count every rank's share, over the slowest rank's steps (agreed each step).
+    """
+    stopped = [p for p in parts if isinstance(p, _Interrupted)] or [p for p in parts if isinstance(p, _Refused)]
+    if stopped:
+        return stopped[0]
+    rs: list[ProbeResult] = list(parts)
+
+    def order(r: ProbeResult) -> tuple[int, bool]:
+        status = (r.reason or "").split(":")[0]
+        gone = any(word in (r.reason or "").lower() for word in _PEER_GONE)
+        return (_ORDER.index(status) if status in _ORDER else len(_ORDER), gone)
+
+    rejected = [(order(r), i) for i, r in enumerate(rs) if not r.accepted]
+    origin = min(rejected)[1] if rejected else None
+
+    def largest(field: str) -> Any:
+        values = [getattr(r, field) for r in rs if getattr(r, field) is not None]
+        return max(values) if values else None
+
+    first = rs[0]
+    samples = sum(r.samples for r in rs)
+    rate = sum(r.samples_per_s for r in rs) if origin is None and all(r.samples_per_s for r in rs) else None
+    return dataclasses.replace(
+        first,
+        accepted=origin is None,
+        reason=None if origin is None else f"rank {origin}: {rs[origin].reason}",
+        samples=samples,
+        samples_per_s=rate,  # each rank's samples over the same (slowest) times: their sum is the job's rate
+        peak_bytes_max=largest("peak_bytes_max"),
+        worst_batch_peak_bytes=largest("worst_batch_peak_bytes"),
+        peak_bytes_median=largest("peak_bytes_median"),
+        peak_reserved_bytes_max=largest("peak_reserved_bytes_max"),
+        nonfinite_losses=sum(r.nonfinite_losses for r in rs),
+        wall_s=max(r.wall_s for r in rs),
+        distributed={**job.describe(), "outcome_rank": origin, "ranks": [
+            {"rank": i, "accepted": r.accepted, "peak_bytes_max": r.peak_bytes_max, "samples": r.samples,
+             **({"reason": r.reason} if r.reason else {})} for i, r in enumerate(rs)]},
+    )
+
+
 def run_everywhere(job: Job, workload: Any, config: Config, *, device: torch.device, budget_bytes: int | None,
                    settings: Any, timed: bool = True, metered: bool = True) -> Measurement:
     """The leader's trial: every rank runs it, and they agree on one measurement. Ctrl-C on any rank raises here."""
+    return _everywhere(job, "trial", workload, device, combine, config=config, budget_bytes=budget_bytes,
+                       settings=settings, timed=timed, metered=metered)
+
+
+def probe_everywhere(job: Job, workload: Any, trial: Measurement, *, device: torch.device, budget_bytes: int | None,
+                     headroom: float, settings: Any, guard: Any) -> "ProbeResult":
+    """The leader's probe of one candidate: every rank trains its share of the slice under the wrapper."""
+    return _everywhere(job, "probe", workload, device, combine_probe, trial=trial.to_dict(), budget_bytes=budget_bytes,
+                       headroom=headroom, settings=settings, guard=guard)
+
+
+def _everywhere(job: Job, kind: str, workload: Any, device: torch.device, agree: Any, **kwargs: Any) -> Any:
     from autotune.store import shielded
 
     if workload.spec is None:
         raise UsageError("--parallel needs a workload built from specs (a model class or MODULE:ATTR), so that every "
                          "rank can build it")
     with shielded(), _ranks_gone():  # the command goes out whole
-        job.send(("trial", workload.spec, config, budget_bytes, settings, timed, metered))
-    local = _rank_trial(job, workload, config, device=device, budget_bytes=budget_bytes, settings=settings,
-                        timed=timed, metered=metered)
+        job.send((kind, workload.spec, kwargs))
+    local = _on_group(job, kind, workload, device, kwargs)
     with shielded(), _ranks_gone():  # every rank leaves the agreement together
-        agreed = combine(job.gather(local), job)
+        agreed = agree(job.gather(local), job)
     if isinstance(agreed, _Interrupted):
         raise KeyboardInterrupt(f"rank {agreed.rank} was interrupted")
     if isinstance(agreed, _Refused):
@@ -418,7 +503,7 @@ def lead(job: Job, run: Any) -> Any:
 
 
 def follow(job: Job, device: torch.device) -> Any:
-    """A follower's life: run the leader's trials until it ends; return its report or raise what it raised."""
+    """A follower's life: run the leader's trials and probes until it ends; return its report or raise what it raised."""
     from autotune.errors import Interrupted
     from autotune.report import Report
     from autotune.store import shielded
@@ -447,7 +532,7 @@ def follow(job: Job, device: torch.device) -> Any:
             if outcome.kind == "usage":
                 raise UsageError(outcome.message)
             raise AutotuneError(outcome.message)
-        _, spec, config, budget_bytes, settings, timed, metered = command
+        kind, spec, kwargs = command
         key = repr(sorted(spec.items()))
         instead = _Interrupted(job.rank) if interrupted else None
         try:
@@ -456,8 +541,7 @@ def follow(job: Job, device: torch.device) -> Any:
         except UsageError as exc:  # this rank cannot build what rank 0 built (another node's files): agreed, then fatal
             instead = instead or _Refused(job.rank, str(exc))
         try:
-            local = _rank_trial(job, workloads.get(key), config, device=device, budget_bytes=budget_bytes,
-                                settings=settings, timed=timed, metered=metered, instead=instead)
+            local = _on_group(job, kind, workloads.get(key), device, kwargs, instead)
         except KeyboardInterrupt:
             local = _Interrupted(job.rank)
         with shielded():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -39,17 +39,24 @@ from autotune.records import (
 from autotune.trial import Trainer, outcome
 from autotune.workload import Workload, to_device
 
+if TYPE_CHECKING:
+    from autotune.distributed import Wrapping
+
 __all__ = ["run_probe", "probe_isolated"]
 
 MIN_LOSS_SCALE = 1.0  # below this, fp16 gradients overflow even unscaled: the scaler has collapsed
 
 
-def _loader(workload: Workload, batch_size: int, settings: ProbeSettings) -> DataLoader:
+def _loader(workload: Workload, batch_size: int, settings: ProbeSettings, rank: int = 0, world_size: int = 1) -> DataLoader:
+    """The slice's batches; with ``world_size`` ranks, this rank's equal share of the slice (as a DistributedSampler
+    without padding: every rank steps as often as the others)."""
     dataset = workload.dataset
     n = len(dataset)
     size = math.ceil(settings.fraction * n)
     g = torch.Generator().manual_seed(settings.seed)
     indices = torch.randperm(n, generator=g)[:size].tolist()
+    if world_size > 1:
+        indices = indices[rank::world_size][:len(indices) // world_size]
     # The subset is already in random order: every candidate sees the same batches.
     return DataLoader(Subset(dataset, indices), batch_size=batch_size, shuffle=False,
                       num_workers=settings.num_workers, collate_fn=workload.collate_fn)
@@ -64,13 +71,14 @@ class _Candidate:
     """One candidate's probe: its trainer, what every step took and peaked at, and why it was rejected."""
 
     def __init__(self, workload: Workload, trial: Measurement, device: torch.device, settings: ProbeSettings,
-                 guard: GuardRails, lr: float, budget_bytes: int | None) -> None:
+                 guard: GuardRails, lr: float, budget_bytes: int | None, parallel: "Wrapping | None" = None) -> None:
         self.workload, self.trial, self.config, self.device = workload, trial, trial.config, device
         self.budget_bytes = budget_bytes
-        self.settings, self.guard, self.lr = settings, guard, lr
-        self.loader = _loader(workload, self.config.batch_size, settings)
+        self.settings, self.guard, self.lr, self.parallel = settings, guard, lr, parallel
+        rank, world = (parallel.job.rank, parallel.job.world_size) if parallel else (0, 1)
+        self.loader = _loader(workload, self.config.batch_size, settings, rank, world)
         self.trainer = Trainer(workload, self.config, device, lr=lr, seed=settings.seed, guard=guard,
-                               record_grad_norm=True)
+                               record_grad_norm=True, parallel=parallel)
         self.step_peaks: list[int] = []  # each step's own peak: allocated on CUDA, reset every step
         self.reserved: list[int] = []  # CUDA: the caching allocator's reserved peak of each step
         self.step_times: list[float] = []
@@ -84,16 +92,23 @@ class _Candidate:
             self.handle = handle
             self.trainer.build()
             for batch in _epochs(self.loader, self.settings.epochs, self.device, deadline):
-                self._metered(lambda b=batch: self.step_times.append(self.trainer.timed_step(b)))
+                self._metered(lambda b=batch: self.step_times.append(self._timed(self.trainer, b)))
                 self.samples += _batch_len(batch)
             worst = to_device(self.workload.make_batch(self.trainer.module, self.config.batch_size), self.device)
             self._metered(lambda: self.trainer.step(worst))
             self.worst_peak = self.step_peaks[-1]
         if meter.slows_steps:  # time the same batches again, unmetered, on a fresh model
-            timer = Trainer(self.workload, self.config, self.device, lr=self.lr, seed=self.settings.seed, guard=self.guard)
+            timer = Trainer(self.workload, self.config, self.device, lr=self.lr, seed=self.settings.seed, guard=self.guard,
+                            parallel=self.parallel)
             timer.build()
-            self.step_times = [timer.timed_step(b) for b in _epochs(self.loader, self.settings.epochs, self.device, deadline)]
+            self.step_times = [self._timed(timer, b)
+                               for b in _epochs(self.loader, self.settings.epochs, self.device, deadline)]
             timer.release()
+
+    def _timed(self, trainer: Trainer, batch: Any) -> float:
+        """A timed step; with ``--parallel`` the slowest rank's time of it (every rank keeps the same)."""
+        seconds = trainer.timed_step(batch)
+        return self.parallel.slowest(seconds, False)[0] if self.parallel is not None else seconds
 
     def _metered(self, step: Any) -> None:
         self.handle.reset_peak()
@@ -173,10 +188,13 @@ def run_probe(
     settings: ProbeSettings = ProbeSettings(),
     guard: GuardRails = GuardRails(),
     lr: float = 1e-4,
+    parallel: "Wrapping | None" = None,
 ) -> ProbeResult:
     """Train ``trial``'s configuration over the probe's epochs in this process; return what happened.
 
-    ``meter`` defaults to the device's, enforcing ``budget_bytes``.
+    ``meter`` defaults to the device's, enforcing ``budget_bytes``. ``parallel``
+    (:mod:`autotune.distributed`) makes this rank's part of a distributed probe: its share of the
+    slice, under the job's wrapper.
     """
     if workload.dataset is None:
         raise UsageError("the probe trains on --data: pass a dataset, or --no-probe")
@@ -185,7 +203,7 @@ def run_probe(
     meter = meter if meter is not None else backend.meter(budget_bytes)
     started = time.monotonic()
     deadline = started + settings.timeout_s if settings.timeout_s else None
-    candidate = _Candidate(workload, trial, device, settings, guard, lr, budget_bytes)
+    candidate = _Candidate(workload, trial, device, settings, guard, lr, budget_bytes, parallel)
     try:
         candidate.train(meter, deadline)
     except Exception as exc:  # noqa: BLE001 - the candidate's outcome

@@ -267,6 +267,7 @@ class ProbeResult:
     loss_scale: dict[str, float] | None = None  # fp16: initial, final, min, skipped_steps
     grad_norm: dict[str, float] | None = None  # median and max of the global gradient norm
     wall_s: float = 0.0
+    distributed: dict[str, Any] | None = None  # --parallel: each rank's verdict, worst peak and samples
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

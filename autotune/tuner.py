@@ -447,11 +447,6 @@ def probe(report: Report, target: Target, study: Study, events: "_Events") -> Re
     options, settings = target.options, target.options.probe_settings
     if not options.probe:
         return report
-    if target.job is not None:
-        notice = (f"--parallel {target.job.wrapper}: the probe (an epoch over a slice of the data) runs in a single "
-                  f"process and was skipped; the recommendation comes from the distributed trials alone")
-        logger.warning(notice)
-        return dataclasses.replace(report, notices=report.notices + (notice,))
     if study.workload.dataset is None:
         notice = ("no --data: the probe (an epoch over a slice of your data) was skipped; the recommendation comes from "
                   "the short trials alone")
@@ -466,7 +461,11 @@ def probe(report: Report, target: Target, study: Study, events: "_Events") -> Re
             events.call("probe_started", candidate.config, i, len(candidates))
             logger.debug("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config, 100 * settings.fraction,
                          settings.epochs)
-            if target.isolation == "process":  # a crash or a sticky CUDA error rejects the candidate, no more
+            if target.job is not None:  # every rank trains its share of the slice under the job's wrapper
+                from autotune.distributed import probe_everywhere
+
+                results.append(probe_everywhere(target.job, study.workload, candidate, **common))
+            elif target.isolation == "process":  # a crash or a sticky CUDA error rejects the candidate, no more
                 results.append(probe_isolated(study.workload, candidate, **common))
             else:
                 results.append(run_probe(study.workload, candidate, **common))

@@ -62,6 +62,13 @@ class Wide(nn.Module):
         return ((torch.randn(batch_size, WIDTH, generator=g), torch.randn(batch_size, generator=g)), None)
 
 
+def tokens():
+    """The data of the distributed search tests: TinyGPT's sequences, for the tests' small TinyGPT (T=16, V=32)."""
+    from autotune.examples import token_dataset
+
+    return token_dataset(size=1280, block_size=16, vocab_size=32)
+
+
 def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(GLOBAL_BATCH, WIDTH, generator=g), torch.randn(GLOBAL_BATCH, generator=g)

@@ -75,11 +75,12 @@ def finish(ranks: list[subprocess.Popen]) -> list[tuple[int, str]]:
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    """A DDP search where rank 1 has 1 MiB and rank 0 the machine: batch 32 without a plan fits rank 0 only."""
+    """A DDP search with data and the probe, where rank 1 has 1.2 MiB and rank 0 the machine: batch 32 without a
+    plan fits rank 0 only."""
     tmp = tmp_path_factory.mktemp("ddp")
     out = tmp / "ddp.json"
-    done = torchrun(*SPACE, "--parallel", "ddp", "--storage", f"sqlite:///{tmp}/t.db", "--study", "t", "--out",
-                    str(out), cwd=tmp, AUTOTUNE_RANK_BUDGETS="1=1MiB")
+    done = torchrun(*SPACE, "--data", "tests.dist_helper:tokens", "--parallel", "ddp", "--storage",
+                    f"sqlite:///{tmp}/t.db", "--study", "t", "--out", str(out), cwd=tmp, AUTOTUNE_RANK_BUDGETS="1=1.2MiB")
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text()), done
 
@@ -107,8 +108,22 @@ def test_an_oom_on_rank_1_only_is_the_trials_outcome_and_the_search_goes_on(ddp_
     assert oom["distributed"]["ranks"][1]["status"] == "oom"
     assert oom["distributed"]["ranks"][0]["status"] != "ok"  # rank 0 fit, but left when rank 1 left the group
     assert len(data["trials"]) == 6  # every other trial ran after it
-    assert trials[("all", 32)]["status"] == "ok"  # the plan fits rank 1's 1 MiB
+    assert trials[("all", 32)]["status"] == "ok"  # the plan fits rank 1's 1.2 MiB
     assert data["recommendation"] is not None
+
+
+def test_the_probe_trains_each_ranks_share_of_the_slice_under_the_wrapper(ddp_run):
+    data, _ = ddp_run
+    candidates = data["probe"]["candidates"]
+    assert candidates and data["probe"]["chosen"] is not None
+    slice_size = 128  # 10% of the 1280 items, 64 on each rank
+    for c in candidates:
+        ranks = c["distributed"]["ranks"]
+        assert [r["samples"] for r in ranks] == [slice_size // 2] * 2 and c["samples"] == slice_size
+        assert c["peak_bytes_max"] == max(r["peak_bytes_max"] for r in ranks)
+        assert c["accepted"] == all(r["accepted"] for r in ranks)
+        if not c["accepted"]:
+            assert c["reason"].startswith("rank ")
 
 
 def test_torchrun_fsdp_reports_world_size_2(tmp_path):
@@ -231,6 +246,24 @@ def test_the_outcome_is_the_ranks_in_the_order_oom_crashed_timeout_failed():
     # bad input met in one rank's trial (a module another node lacks) stops the job on every rank
     assert combine([m(), _Refused(1, "--data: no module named 'mine'")], JOB) == _Refused(1, "--data: no module named 'mine'")
     assert isinstance(combine([_Refused(0, "x"), _Interrupted(1)], JOB), _Interrupted)
+
+
+def test_a_probe_candidate_is_accepted_only_when_every_rank_accepts_it():
+    from autotune.distributed import combine_probe
+    from autotune.records import ProbeResult
+
+    def r(accepted=True, reason=None, peak=100, samples=64, rate=50.0):
+        return ProbeResult(Config("fp32", "0", 4), accepted, reason, samples=samples, peak_bytes_max=peak,
+                           samples_per_s=rate if accepted else None)
+
+    agreed = combine_probe([r(peak=100), r(peak=250)], JOB)
+    assert agreed.accepted and agreed.peak_bytes_max == 250 and agreed.samples == 128
+    assert agreed.samples_per_s == 100.0  # each rank's share over the same, slowest, step times
+    gone = "failed: RuntimeError: Connection closed by peer"
+    agreed = combine_probe([r(False, gone), r(False, "oom: out of memory", peak=900)], JOB)
+    assert not agreed.accepted and agreed.reason == "rank 1: oom: out of memory" and agreed.samples_per_s is None
+    verdict = "non-finite loss in 3 of 8 steps"
+    assert combine_probe([r(), r(False, verdict)], JOB).reason == f"rank 1: {verdict}"
 
 
 def test_agreed_throughput_counts_every_ranks_micro_batch():
