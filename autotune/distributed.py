@@ -186,7 +186,10 @@ class Wrapping:
             from torch.distributed.fsdp import fully_shard
         except ImportError:  # torch < 2.6
             from torch.distributed._composable.fsdp import fully_shard
-        mesh = DeviceMesh.from_group(self.group, self.device.type)
+        # A mesh named for this trial: meshes of equal ranks and names are equal, and DTensor's caches (the
+        # sharding plans of clip_grad_norm_, of the GradScaler's unscale_) would hand a later trial the group
+        # of an earlier one, destroyed by then ("Could not resolve the process group registered under ...").
+        mesh = DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=(f"trial{self.job.trials}",))
         for path in blocks:
             fully_shard(model.get_submodule(path), mesh=mesh)
         fully_shard(model, mesh=mesh)
