@@ -80,15 +80,21 @@ def whole(tensors: dict[str, torch.Tensor], job) -> dict[str, torch.Tensor]:
             else t.detach().clone() for name, t in tensors.items()}
 
 
-def one_step(workload: Workload, plan: str, job, group, x, y) -> tuple[dict, dict]:
-    """The gradients of one step and the parameters after it, through autotune's Trainer (SGD: see the test)."""
-    trainer = Trainer(workload, Config("fp32", plan, len(x)), torch.device("cpu"),
+def one_step(workload: Workload, plan: str, job, group, x=None, y=None, batch_size: int = 0) -> tuple[dict, dict]:
+    """The gradients of one step and the parameters after it, through autotune's Trainer (SGD: see the test).
+
+    The batch is ``((x, y), None)``, or the workload's own batch of ``batch_size``.
+    """
+    if group is not None:
+        job.trials += 1  # each wrapping its own mesh, as autotune's trials have
+    trainer = Trainer(workload, Config("fp32", plan, len(x) if x is not None else batch_size), torch.device("cpu"),
                       parallel=None if group is None else Wrapping(job, group, torch.device("cpu")))
     trainer.build()
     model = trainer.run.model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = ((x, y), None) if x is not None else workload.make_batch(trainer.module, batch_size)
     with trainer.run.autocast():
-        loss = workload.loss(model, ((x, y), None))
+        loss = workload.loss(model, batch)
     trainer.run.backward(loss)
     names = [n for n, _ in getattr(model, "module", model).named_parameters()]
     grads = whole(dict(zip(names, (p.grad for p in model.parameters()))), job)
@@ -97,7 +103,42 @@ def one_step(workload: Workload, plan: str, job, group, x, y) -> tuple[dict, dic
 
 
 def largest_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) if b[k].abs().max() > 0
+               else float((a[k] - b[k]).abs().max()) for k in b)
+
+
+ZOO = ("cnn_batchnorm", "per_layer_args", "dropout_experts", "t5", "mixtral")  # BatchNorm, per-layer arguments,
+# dropout and experts, an encoder-decoder whose first blocks compute what the others get, routed experts
+
+
+def zoo_plans_under_the_wrappers(job) -> dict[str, float | str]:
+    """Per zoo model, wrapper and plan: one step's gradients against plan 0's under the same wrapper."""
+    from autotune.checkpointing import find_chain
+    from tests.zoo import BY_NAME
+
+    found: dict[str, float | str] = {}
+    for name in ZOO:
+        member = BY_NAME[name]
+        try:
+            for package in member.needs:
+                __import__(package)
+        except ImportError as exc:
+            found[name] = f"skipped: {exc}"
+            continue
+        workload = Workload.from_specs(member.build)
+        workload = workload.with_chain(find_chain(member.build()))
+        for wrapper in ("ddp", "fsdp"):
+            wjob = distributed.Job(wrapper, job.rank, job.world_size, job.local_rank, job.backend, job.control,
+                                   trials=job.trials)
+            grads = {}
+            for plan in ("0", "all", "2"):
+                group = dist.new_group(backend="gloo")
+                grads[plan] = one_step(workload, plan, wjob, group, batch_size=member.batch_size)[0]
+                dist.destroy_process_group(group)
+            job.trials = wjob.trials
+            for plan in ("all", "2"):
+                found[f"{name}/{wrapper}/{plan}"] = largest_relative_difference(grads[plan], grads["0"])
+    return found
 
 
 def main(out: str) -> None:
@@ -112,13 +153,15 @@ def main(out: str) -> None:
     found: dict = {"grads": {}, "params": {}, "peaks": {}}
     single = {plan: one_step(workload, plan, job, None, x, y) for plan in ("0", "all")}
     for wrapper in ("ddp", "fsdp"):
-        wjob = distributed.Job(wrapper, job.rank, job.world_size, job.local_rank, job.backend, job.control)
+        wjob = distributed.Job(wrapper, job.rank, job.world_size, job.local_rank, job.backend, job.control,
+                               trials=job.trials)
         for plan in ("0", "all"):
             group = dist.new_group(backend="gloo")
             grads, params = one_step(workload, plan, wjob, group, x[mine], y[mine])
             dist.destroy_process_group(group)
             found["grads"][f"{wrapper}/{plan}"] = largest_relative_difference(grads, single[plan][0])
             found["params"][f"{wrapper}/{plan}"] = largest_relative_difference(params, single[plan][1])
+        job.trials = wjob.trials = wjob.trials + 1
         group = dist.new_group(backend="gloo")
         m = run_trial(workload, Config("fp32", "0", half), device="cpu", meter=TensorMeter("cpu"),
                       settings=TrialSettings(), timed=False, parallel=Wrapping(wjob, group, torch.device("cpu")))
@@ -126,6 +169,7 @@ def main(out: str) -> None:
         peaks = job.gather(m.peak_bytes)
         found["peaks"][wrapper] = peaks
         found.setdefault("status", {})[wrapper] = m.status
+    found["zoo"] = zoo_plans_under_the_wrappers(job)
     if job.rank == 0:
         found["parameter_bytes"] = sum(p.numel() * 4 for p in Wide().parameters())
         with open(out, "w") as f:

@@ -5,6 +5,7 @@ processes started with torchrun's environment variables; the success path goes t
 Every subprocess runs under a timeout: a hang fails the test instead of the CI job.
 """
 
+import importlib.util
 import json
 import os
 import signal
@@ -222,6 +223,13 @@ def test_ddp_and_fsdp_steps_match_one_process_and_fsdp_shards_memory(tmp_path):
         assert diff < 1e-6, (key, diff)  # relative to the tensor's largest value, plan "all" included
     ddp, fsdp = found["peaks"]["ddp"], found["peaks"]["fsdp"]
     assert max(fsdp) < 0.75 * min(ddp), found["peaks"]  # parameters, gradients and AdamW state: half on each rank
+    # A plan never changes the model under a wrapper either: BatchNorm, per-layer arguments, dropout with experts,
+    # T5's encoder-decoder, Mixtral's routed experts; plans all and 2 against plan 0, each under DDP and FSDP2
+    zoo = found["zoo"]
+    transformers_here = importlib.util.find_spec("transformers") is not None
+    assert not [k for k, v in zoo.items() if isinstance(v, str) and (transformers_here or "transformers" not in v)]
+    exact = {k: v for k, v in zoo.items() if not isinstance(v, str)}
+    assert len(exact) >= 12 and all(v == 0.0 for v in exact.values()), exact
 
 
 # -- the agreement, without processes ------------------------------------------------------------------------------
