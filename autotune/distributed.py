@@ -266,8 +266,11 @@ def _on_group(job: Job, kind: str, workload: Any, device: torch.device, kwargs: 
     job.trials += 1
     passes = 2 if kind == "probe" else 1  # the probe on a slowing meter: metered, then timed
     limit = kwargs["settings"].timeout_s
-    with shielded():  # every rank makes the group (a collective on the default group): a Ctrl-C waits for it
-        group = dist.new_group(backend=job.backend, timeout=_group_timeout(limit * passes if limit else None))
+    try:
+        with shielded():  # every rank makes the group (a collective on the default group): a Ctrl-C waits for it
+            group = dist.new_group(backend=job.backend, timeout=_group_timeout(limit * passes if limit else None))
+    except KeyboardInterrupt:  # held until the group was made (it is assigned): this rank leaves it at once
+        instead = instead or _Interrupted(job.rank)
     watch = _Watch(job, group) if job.backend == "nccl" else None
     local = instead or _Interrupted(job.rank)
     try:
@@ -278,12 +281,16 @@ def _on_group(job: Job, kind: str, workload: Any, device: torch.device, kwargs: 
     except UsageError as exc:  # agreed like any outcome, then raised on rank 0: the others must not wait for it
         local = _Refused(job.rank, str(exc))
     finally:
-        if _left(local):
-            _say_left(job)
-        if watch is not None:
-            watch.stop()
-        with shielded(), contextlib.suppress(Exception):  # an aborted NCCL group may refuse to be destroyed
-            dist.destroy_process_group(group)  # on gloo, a rank still in a collective of the group gets an error now
+        try:
+            with shielded():  # the group goes whole, whatever comes: the agreement follows on every rank
+                if _left(local):
+                    _say_left(job)
+                if watch is not None:
+                    watch.stop()
+                with contextlib.suppress(Exception):  # an aborted NCCL group may refuse to be destroyed
+                    dist.destroy_process_group(group)  # on gloo, a rank in a collective of the group errs now
+        except KeyboardInterrupt:
+            local = _Interrupted(job.rank)
     return local
 
 
@@ -445,9 +452,13 @@ def _everywhere(job: Job, kind: str, workload: Any, device: torch.device, agree:
     if workload.spec is None:
         raise UsageError("--parallel needs a workload built from specs (a model class or MODULE:ATTR), so that every "
                          "rank can build it")
-    with shielded(), _ranks_gone():  # the command goes out whole
-        job.send((kind, workload.spec, kwargs))
-    local = _on_group(job, kind, workload, device, kwargs)
+    instead = None
+    try:
+        with shielded(), _ranks_gone():  # the command goes out whole
+            job.send((kind, workload.spec, kwargs))
+    except KeyboardInterrupt:  # sent: the others are making the trial's group, so this rank joins and leaves it
+        instead = _Interrupted(job.rank)
+    local = _on_group(job, kind, workload, device, kwargs, instead)
     with shielded(), _ranks_gone():  # every rank leaves the agreement together
         agreed = agree(job.gather(local), job)
     if isinstance(agreed, _Interrupted):
@@ -547,6 +558,9 @@ def follow(job: Job, device: torch.device) -> Any:
             local = _on_group(job, kind, workloads.get(key), device, kwargs, instead)
         except KeyboardInterrupt:
             local = _Interrupted(job.rank)
-        with shielded():
-            job.gather(local)
+        try:
+            with shielded():
+                job.gather(local)
+        except KeyboardInterrupt:  # after the agreement: the next command is answered as interrupted
+            interrupted = True
 

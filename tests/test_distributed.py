@@ -80,14 +80,25 @@ def ddp_run(tmp_path_factory):
     plan fits rank 0 only."""
     tmp = tmp_path_factory.mktemp("ddp")
     out = tmp / "ddp.json"
-    done = torchrun(*SPACE, "--data", "tests.dist_helper:tokens", "--parallel", "ddp", "--storage",
-                    f"sqlite:///{tmp}/t.db", "--study", "t", "--out", str(out), cwd=tmp, AUTOTUNE_RANK_BUDGETS="1=1.2MiB")
+    args = (*SPACE, "--data", "tests.dist_helper:tokens", "--parallel", "ddp", "--storage", f"sqlite:///{tmp}/t.db",
+            "--study", "t", "--out", str(out))
+    done = torchrun(*args, cwd=tmp, AUTOTUNE_RANK_BUDGETS="1=1.2MiB")
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text()), done
+    data = json.loads(out.read_text())
+    # The same command again: every trial comes from rank 0's store, and the answer is the same.
+    again = torchrun(*args, "--no-probe", cwd=tmp, AUTOTUNE_RANK_BUDGETS="1=1.2MiB")
+    assert again.returncode == 0, again.stderr[-3000:]
+    return data, done, json.loads(out.read_text())
+
+
+def test_running_the_job_again_reuses_every_trial(ddp_run):
+    data, _, again = ddp_run
+    assert again["search"]["n_run"] == 0 and again["search"]["n_reused"] == len(data["trials"])
+    assert [t["status"] for t in again["trials"]] == [t["status"] for t in data["trials"]]
 
 
 def test_torchrun_ddp_reports_world_size_2(ddp_run):
-    data, done = ddp_run
+    data, done, _ = ddp_run
     assert data["distributed"]["world_size"] == 2 and data["distributed"]["wrapper"] == "ddp"
     assert data["distributed"]["backend"] == "gloo"
     assert "world size 2" in done.stdout
@@ -101,7 +112,7 @@ def test_torchrun_ddp_reports_world_size_2(ddp_run):
 
 
 def test_an_oom_on_rank_1_only_is_the_trials_outcome_and_the_search_goes_on(ddp_run):
-    data, _ = ddp_run
+    data, _, _ = ddp_run
     trials = {(t["segments"], t["batch_size"]): t for t in data["trials"]}
     oom = trials[("0", 32)]
     assert oom["status"] == "oom" and oom["error"].startswith("rank 1: ")
@@ -114,7 +125,7 @@ def test_an_oom_on_rank_1_only_is_the_trials_outcome_and_the_search_goes_on(ddp_
 
 
 def test_the_probe_trains_each_ranks_share_of_the_slice_under_the_wrapper(ddp_run):
-    data, _ = ddp_run
+    data, _, _ = ddp_run
     candidates = data["probe"]["candidates"]
     assert candidates and data["probe"]["chosen"] is not None
     slice_size = 128  # 10% of the 1280 items, 64 on each rank
