@@ -181,8 +181,12 @@ def test_parallel_outside_torchrun_is_bad_input(tmp_path):
     assert done.returncode == 2 and "torchrun --nproc-per-node" in done.stderr
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_stopped_job_exits_with_the_signals_code_on_every_rank_and_keeps_its_trials(tmp_path, signum, code):
+@pytest.mark.parametrize("signum, to, codes", [
+    (signal.SIGINT, (0, 1), [130, 130]),  # a terminal's Ctrl-C reaches every rank
+    (signal.SIGTERM, (0, 1), [143, 143]),  # torchrun passes its SIGTERM to every rank
+    (signal.SIGTERM, (1,), [130, 143]),  # one rank stopped alone: the job stops at its trial
+])
+def test_a_stopped_job_exits_with_the_signals_code_on_every_rank_and_keeps_its_trials(tmp_path, signum, to, codes):
     storage, out = f"sqlite:///{tmp_path}/t.db", tmp_path / "r.json"
     slow = [a if a != "2" or i != SPACE.index("--measure-steps") + 1 else "200" for i, a in enumerate(SPACE)]
     ranks = start_ranks(*slow, "--batch-sizes", "2,4,8,16,32,64", "--parallel", "ddp", "--storage", storage,
@@ -190,11 +194,11 @@ def test_a_stopped_job_exits_with_the_signals_code_on_every_rank_and_keeps_its_t
     try:
         wait_for_trials(storage, "t", 1, timeout=LIMIT_S)
         time.sleep(0.5)
-        for p in ranks:  # as a terminal's Ctrl-C or torchrun's SIGTERM reaches every rank
-            p.send_signal(signum)
+        for rank in to:
+            ranks[rank].send_signal(signum)
     finally:
         results = finish(ranks)
-    assert [c for c, _ in results] == [code, code], results
+    assert [c for c, _ in results] == codes, results
     assert "Traceback" not in results[0][1]
     data = json.loads(out.read_text())
     assert data["search"]["partial"] is True and data["trials"]
