@@ -122,8 +122,9 @@ def join(wrapper: str, device: torch.device) -> Job:
     import torch.distributed as dist
 
     global _JOB
-    if _JOB is not None:
-        return dataclasses.replace(_JOB, wrapper=wrapper) if _JOB.wrapper != wrapper else _JOB
+    if _JOB is not None:  # a script calling tune() again: the same groups, perhaps another wrapper
+        _JOB.wrapper = wrapper
+        return _JOB
 
     rank_budget(None, 0)  # a malformed AUTOTUNE_RANK_BUDGETS fails on every rank alike, before any trial
     if not under_torchrun():
@@ -493,6 +494,7 @@ def lead(job: Job, run: Any) -> Any:
     from autotune.store import shielded
 
     outcome = _Outcome("error", message="rank 0 failed")
+    job.ended = False
     try:
         report = run()
         outcome = _Outcome("report", report.to_dict())
@@ -513,7 +515,7 @@ def lead(job: Job, run: Any) -> Any:
                 job.send(("end", outcome))
             except Exception as exc:  # noqa: BLE001 - a follower already gone: nothing to tell it
                 logger.debug("could not tell the other ranks that rank 0 ended: %s", exc)
-            _JOB.ended = job.ended = True
+            job.ended = True
 
 
 def follow(job: Job, device: torch.device) -> Any:
