@@ -299,6 +299,8 @@ def _library_line(c: dict[str, Any]) -> str:
     def one(r: dict[str, Any]) -> str:
         if r["status"] != "ok":
             return f"{r['status']} (peak {format_bytes(r['peak_bytes'])})"
+        if r["samples_per_s"] is None:  # a memory trial of the search: its peak, no speed
+            return f"peak {format_bytes(r['peak_bytes'])} (a memory trial: not timed)"
         return f"peak {format_bytes(r['peak_bytes'])}, {r['samples_per_s']:.1f} samples/s"
 
     parts = [f"{c['method']} (every block): {one(c['library'])}",

@@ -92,3 +92,14 @@ def test_reports_of_schema_version_1_still_load_show_and_apply(tmp_path, caplog)
         run = autotune.apply(TinyGPT(), dataclasses.replace(old, trials=(trial,), probe=None))
     assert run.segments == "2" and run.plan["recomputed_blocks"] == list(range(6))
     assert any("was not checked on this model" in r.message for r in caplog.records)
+
+
+def test_the_library_line_reads_a_memory_trial_without_a_speed(report):
+    # The search's no-checkpointing trial at the recommended batch may be a memory trial: a peak, no samples/s
+    # (CI found the table failing on it).
+    row = {"status": "ok", "peak_bytes": 2 << 20, "step_s": 0.1, "samples_per_s": 80.0, "error": None}
+    library = {"method": "gradient_checkpointing_enable", "precision": "fp32", "batch_size": 4, "library": row,
+               "autotune": {"segments": "all", **row},
+               "none": {**row, "step_s": None, "samples_per_s": None}}
+    table = dataclasses.replace(report, library_checkpointing=library).table()
+    assert "no checkpointing: peak 2.00 MiB (a memory trial: not timed)" in table
