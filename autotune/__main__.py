@@ -254,15 +254,20 @@ def _follow(args: argparse.Namespace, stopped: list[int]) -> int:
     try:
         report = run(options_from(args))
     except (autotune.Interrupted, KeyboardInterrupt):
-        return 128 + stopped[0] if stopped else EXIT_INTERRUPTED
+        return _interrupted_code(stopped)
     except UsageError:
         return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - one line, as rank 0 says its own
         print(f"autotune: rank {os.environ.get('RANK')}: error: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
     if stopped:
-        return 128 + stopped[0]
+        return _interrupted_code(stopped)
     return EXIT_OK if report.recommendation is not None else EXIT_NOTHING_FITS
+
+
+def _interrupted_code(stopped: list[int]) -> int:
+    """The exit code of an interrupted run: 128 + the signal that stopped it (SIGTERM: 143), else Ctrl-C's 130."""
+    return 128 + stopped[0] if stopped else EXIT_INTERRUPTED
 
 
 class Terminated(KeyboardInterrupt):
@@ -326,7 +331,7 @@ def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
             wrote = f"could not write the partial report ({write_exc})"
         print(f"autotune: {how()} after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
               f"{exc.report.search['storage']}: run the same command to continue", file=sys.stderr)
-        return 128 + stopped[0] if stopped else EXIT_INTERRUPTED
+        return _interrupted_code(stopped)
     except UsageError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -343,7 +348,7 @@ def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:  # before the search started: nothing measured
         print(f"autotune: {how()}", file=sys.stderr)
-        return 128 + stopped[0] if stopped else EXIT_INTERRUPTED
+        return _interrupted_code(stopped)
     try:
         out = _write(report, args.out)
     except (OSError, ValueError) as exc:

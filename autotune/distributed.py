@@ -38,10 +38,9 @@ from autotune._log import logger
 from autotune.errors import AutotuneError, UsageError, first_line
 from autotune.records import Config, Measurement, ProbeResult, timing_fields
 
-__all__ = ["leave", "end_early", "PARALLEL_MODES", "RANK_BUDGETS_ENV", "Job", "Wrapping", "join", "run_everywhere", "probe_everywhere", "follow", "lead",
+__all__ = ["leave", "end_early", "RANK_BUDGETS_ENV", "Job", "Wrapping", "join", "run_everywhere", "probe_everywhere", "follow", "lead",
            "combine", "rank_budget", "under_torchrun"]
 
-PARALLEL_MODES = ("none", "ddp", "fsdp")
 # "1=40MiB,3=20GiB": a smaller budget on some ranks (GPUs with less free memory; the tests' one-rank OOM).
 RANK_BUDGETS_ENV = "AUTOTUNE_RANK_BUDGETS"
 _ORDER = ("oom", "crashed", "timeout", "failed")  # which rank's outcome is the trial's
@@ -248,12 +247,17 @@ def _probe(job: Job, workload: Any, device: torch.device, parallel: Wrapping, *,
 _WORK = {"trial": _trial, "probe": _probe}
 
 
+def _probe_status(r: ProbeResult) -> str:
+    """The outcome a rejected candidate's reason starts with ("oom", "failed", ...); a verdict's first words else."""
+    return (r.reason or "").split(":")[0]
+
+
 def _left(local: Any) -> bool:
     """Whether this rank stopped before the others could (an exception, not a verdict on a finished run)."""
     if isinstance(local, Measurement):
         return local.status != "ok"
     if isinstance(local, ProbeResult):  # "oom: ...", "failed: ..." came from an exception, a verdict did not
-        return not local.accepted and (local.reason or "").split(":")[0] in _ORDER
+        return not local.accepted and _probe_status(local) in _ORDER
     return True
 
 
@@ -339,10 +343,30 @@ class _Watch:
         self.thread.join(timeout=5.0)
 
 
-def _peer_gone(m: Measurement) -> bool:
-    """A failure that only says another rank left the trial's group (not a cause of its own)."""
-    text = (m.error or "").lower()
-    return m.status == "failed" and any(word in text for word in _PEER_GONE)
+def _stopped(parts: list[Any]) -> "_Interrupted | _Refused | None":
+    """An interruption on any rank, else bad input on any rank: it ends the job, whatever the others measured."""
+    return next((p for p in parts if isinstance(p, _Interrupted)), None) or next(
+        (p for p in parts if isinstance(p, _Refused)), None)
+
+
+def _origin(outcomes: list[tuple[str, str] | None]) -> int | None:
+    """The rank whose outcome is the job's: per rank its (status, error text), None where it went well.
+
+    The first in the order oom > crashed > timeout > failed > anything else; among failures, one that
+    only says another rank left the trial's group (not a cause of its own) comes last.
+    """
+    def key(status: str, text: str) -> tuple[int, bool]:
+        gone = status == "failed" and any(word in text.lower() for word in _PEER_GONE)
+        return (_ORDER.index(status) if status in _ORDER else len(_ORDER), gone)
+
+    ranked = [(key(*o), r) for r, o in enumerate(outcomes) if o is not None]
+    return min(ranked)[1] if ranked else None
+
+
+def _largest(items: list[Any], field: str) -> Any:
+    """The largest of the ranks' ``field`` (None where no rank has one)."""
+    values = [getattr(item, field) for item in items if getattr(item, field) is not None]
+    return max(values) if values else None
 
 
 def combine(parts: list[Measurement | _Interrupted | _Refused], job: Job) -> Measurement | _Interrupted | _Refused:
@@ -353,22 +377,12 @@ def combine(parts: list[Measurement | _Interrupted | _Refused], job: Job) -> Mea
     rank's; step times are already the slowest rank's (agreed each step), and samples/s count every
     rank's micro-batch.
     """
-    stopped = [p for p in parts if isinstance(p, _Interrupted)] or [p for p in parts if isinstance(p, _Refused)]
+    stopped = _stopped(parts)
     if stopped:
-        return stopped[0]
+        return stopped
     ms: list[Measurement] = list(parts)  # type: ignore[arg-type]
-
-    def rank_of_outcome(m: Measurement) -> tuple[int, int]:
-        return (_ORDER.index(m.status) if m.status in _ORDER else len(_ORDER), _peer_gone(m))
-
-    failed = [(rank_of_outcome(m), r) for r, m in enumerate(ms) if m.status != "ok"]
-    origin = min(failed)[1] if failed else None
+    origin = _origin([None if m.status == "ok" else (m.status, m.error or "") for m in ms])
     first = ms[0] if origin is None else ms[origin]
-
-    def largest(field: str) -> int | None:
-        values = [getattr(m, field) for m in ms if getattr(m, field) is not None]
-        return max(values) if values else None
-
     ok = first.status == "ok"
     times = tuple(ms[0].step_times_s) if ok else ()
     tokens = [None if m.tokens_per_s is None else m.tokens_per_s * sum(m.step_times_s) for m in ms]
@@ -378,10 +392,10 @@ def combine(parts: list[Measurement | _Interrupted | _Refused], job: Job) -> Mea
     return dataclasses.replace(
         first,
         error=None if origin is None else f"rank {origin}: {first.error}",
-        peak_bytes=largest("peak_bytes"),
-        peak_allocated_bytes=largest("peak_allocated_bytes"),
-        peak_reserved_bytes=largest("peak_reserved_bytes"),
-        peak_nvml_bytes=largest("peak_nvml_bytes"),
+        peak_bytes=_largest(ms, "peak_bytes"),
+        peak_allocated_bytes=_largest(ms, "peak_allocated_bytes"),
+        peak_reserved_bytes=_largest(ms, "peak_reserved_bytes"),
+        peak_nvml_bytes=_largest(ms, "peak_nvml_bytes"),
         **timing_fields(first.config.batch_size * job.world_size, times, real, ok),
         wall_s=max(m.wall_s for m in ms),
         distributed={**job.describe(), "outcome_rank": origin, "ranks": ranks},
@@ -395,23 +409,11 @@ def combine_probe(parts: list[Any], job: Job) -> Any:
     non-finite loss, a collapsed loss scale, too little headroom); worst peaks are the largest
     rank's; samples count every rank's share, over the slowest rank's steps (agreed each step).
     """
-    stopped = [p for p in parts if isinstance(p, _Interrupted)] or [p for p in parts if isinstance(p, _Refused)]
+    stopped = _stopped(parts)
     if stopped:
-        return stopped[0]
+        return stopped
     rs: list[ProbeResult] = list(parts)
-
-    def order(r: ProbeResult) -> tuple[int, bool]:
-        status = (r.reason or "").split(":")[0]
-        gone = any(word in (r.reason or "").lower() for word in _PEER_GONE)
-        return (_ORDER.index(status) if status in _ORDER else len(_ORDER), gone)
-
-    rejected = [(order(r), i) for i, r in enumerate(rs) if not r.accepted]
-    origin = min(rejected)[1] if rejected else None
-
-    def largest(field: str) -> Any:
-        values = [getattr(r, field) for r in rs if getattr(r, field) is not None]
-        return max(values) if values else None
-
+    origin = _origin([None if r.accepted else (_probe_status(r), r.reason or "") for r in rs])
     first = rs[0]
     samples = sum(r.samples for r in rs)
     rate = sum(r.samples_per_s for r in rs) if origin is None and all(r.samples_per_s for r in rs) else None
@@ -421,10 +423,10 @@ def combine_probe(parts: list[Any], job: Job) -> Any:
         reason=None if origin is None else f"rank {origin}: {rs[origin].reason}",
         samples=samples,
         samples_per_s=rate,  # each rank's samples over the same (slowest) times: their sum is the job's rate
-        peak_bytes_max=largest("peak_bytes_max"),
-        worst_batch_peak_bytes=largest("worst_batch_peak_bytes"),
-        peak_bytes_median=largest("peak_bytes_median"),
-        peak_reserved_bytes_max=largest("peak_reserved_bytes_max"),
+        peak_bytes_max=_largest(rs, "peak_bytes_max"),
+        worst_batch_peak_bytes=_largest(rs, "worst_batch_peak_bytes"),
+        peak_bytes_median=_largest(rs, "peak_bytes_median"),
+        peak_reserved_bytes_max=_largest(rs, "peak_reserved_bytes_max"),
         nonfinite_losses=sum(r.nonfinite_losses for r in rs),
         wall_s=max(r.wall_s for r in rs),
         distributed={**job.describe(), "outcome_rank": origin, "ranks": [

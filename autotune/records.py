@@ -350,9 +350,9 @@ def accumulation_plan(micro_batch_size: int, target_batch_size: int | None, *, w
                 f"{effective / target_batch_size:.3f}, or train with micro-batches of "
                 f"{math.ceil(target_batch_size / (steps * world_size))}{ranks} to hit the target")
     if per_step > target_batch_size:
+        batch = "a global batch of" if world_size > 1 else "batch"
         note = (f"the recommended micro-batch ({micro_batch_size}{ranks}) is larger than the target: train with "
-                f"{'a global batch of' if world_size > 1 else 'batch'} {target_batch_size} at your tuned learning rate, or "
-                f"with {'a global batch of ' if world_size > 1 else 'batch '}{per_step} and the learning "
+                f"{batch} {target_batch_size} at your tuned learning rate, or with {batch} {per_step} and the learning "
                 f"rate scaled linearly by {per_step / target_batch_size:.3f}")
         steps, effective = 1, per_step
     return {"target_batch_size": target_batch_size, "micro_batch_size": micro_batch_size, **base,

@@ -80,9 +80,10 @@ def run(options: Options, *, progress: Any = None, on_trial: Callable[[Measureme
     if options.parallel != "none":
         from autotune import distributed
 
-        job = distributed.join(options.parallel, resolve_device(options.device))
+        device = resolve_device(options.device)
+        job = distributed.join(options.parallel, device)
         if not job.leader:
-            return distributed.follow(job, job.device(resolve_device(options.device)))
+            return distributed.follow(job, job.device(device))
         return distributed.lead(job, lambda: _stages(options, progress, on_trial, on_probe, job))
     return _stages(options, progress, on_trial, on_probe, None)
 
