@@ -9,8 +9,10 @@ and runs it as a real training trial, in this process or in a fresh worker
   and for an OOM a budget at least as large). A trial left RUNNING by a process that is gone is
   marked failed and measured again.
 * **Parallel workers.** Several processes with the same storage and study share the work; a
-  worker whose strategy is done waits for the others' running trials, so every worker's report
-  holds the same measurements.
+  worker whose strategy is done, or waits for another's trial, or lost a claim to a worker that
+  claimed the same configuration at the same moment, waits without writing to the store
+  (:class:`autotune.workers.Waiter`) and looks again, so every worker's report holds the same
+  measurements.
 * **Interruption.** Ctrl-C marks the running trial failed (it is re-run next time) and raises
   :class:`SearchInterrupted` with everything measured so far.
 """
@@ -32,15 +34,13 @@ from autotune.space import SearchSpace
 from autotune.store import abandon, distributions, fingerprint, open_study, quiet_optuna, record, shielded
 from autotune.strategies import Proposal, Strategy
 from autotune.trial import run_trial
-from autotune.workers import Heartbeat, claim, survey, worker_id
+from autotune.workers import Heartbeat, Waiter, claim, survey
 from autotune.workload import Workload
 
 if TYPE_CHECKING:
     from autotune.distributed import Job
 
-__all__ = ["SearchResult", "SearchInterrupted", "run_search", "run_one", "WAIT_S"]
-
-WAIT_S = 1.0  # how often a worker with nothing to do looks at the others' running trials
+__all__ = ["SearchResult", "SearchInterrupted", "run_search", "run_one"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,36 +102,40 @@ class _Loop:
         self.measured: dict[Config, Measurement] = {}
         self.trial: optuna.Trial | None = None  # the trial this worker is running, if any
         self.finished: Measurement | None = None  # its measurement, once taken and until stored
+        self.in_flight: set[Config] = set()  # what other workers ran at the last look
+        self.seen: set[int] = set()  # the finished trials with a measurement at the last look
 
-    def look(self) -> set[Config]:
-        """Read the store; report measurements not seen before; return the configurations running elsewhere."""
+    def look(self) -> bool:
+        """Read the store; report measurements not seen before; return whether anything changed since the last look."""
+        self.seen = set()
         self.measured, in_flight = survey(self.study, self.configs, self.settings_key, self.budget_bytes,
-                                          self.settings.timeout_s, self.stamps, self.numbers)
+                                          self.settings.timeout_s, self.stamps, self.numbers, self.seen)
+        news = in_flight != self.in_flight
+        self.in_flight = in_flight
         for config, m in self.measured.items():
             seen = (m.status, m.timed, m.timings)  # a timing that completes a memory trial is news too
             if self.reported.get(config) != seen:
                 self.reported[config] = seen
+                news = True
                 if self.on_trial:
                     self.on_trial(m, config not in self.mine)
-        return in_flight
+        return news
 
-    def claim(self, proposal: Proposal) -> Proposal | None:
-        """Start a trial of the proposal; return what it runs (None: another worker has it or has done it)."""
-        def enough(m: Measurement) -> bool:
-            """Whether a stored trial measured what a trial of its configuration would add now (a queued
-            configuration of another worker may come instead of ours: judged by its own measurement)."""
-            earlier = self.measured.get(m.config)
-            if earlier is None or earlier.status != "ok":
-                return True  # measured: nothing to add
-            return m.timed and m.timings > (earlier.timings if earlier.timed else 0)
+    def enough(self, m: Measurement) -> bool:
+        """Whether a stored trial measured what a trial of its configuration would add now."""
+        earlier = self.measured.get(m.config)
+        if earlier is None or earlier.status != "ok":
+            return True  # measured: nothing to add
+        return m.timed and m.timings > (earlier.timings if earlier.timed else 0)
 
-        with shielded():  # a Ctrl-C inside ask() would leave a RUNNING trial that nobody closes
-            self.trial = claim(self.study, proposal.config, self.distributions, settings_key=self.settings_key,
-                               budget_bytes=self.budget_bytes, enough=enough)
-        if self.trial is None:
-            return None
-        config = Config(**self.trial.params)  # another worker's queued configuration, if ours was taken
-        return proposal if config == proposal.config else Proposal(config)
+    def claim(self, config: Config, *, on_the_look: bool = True) -> optuna.Trial | None:
+        """Start a trial of ``config`` as the running trial (None: another worker has it, or, ``on_the_look``, the
+        store has measurements the last look did not see)."""
+        with shielded():  # a Ctrl-C before the trial is ours to close (self.trial) would leave it RUNNING
+            self.trial = claim(self.study, config, self.distributions, settings_key=self.settings_key,
+                               budget_bytes=self.budget_bytes, timeout_s=self.settings.timeout_s,
+                               enough=self.enough, seen=self.seen if on_the_look else None)
+        return self.trial
 
     def measure(self, proposal: Proposal, run: Callable[..., Measurement], slows_steps: bool) -> Measurement:
         """Run the proposal (``run(timed=, metered=)``); a timing of a configuration measured before joins its figures.
@@ -148,14 +152,29 @@ class _Loop:
         return completed(earlier, timing, self.numbers.get(proposal.config)) if slows_steps else timing
 
     def keep(self, m: Measurement) -> None:
-        """Store the running trial's measurement and count it as this worker's."""
+        """Store the running trial's measurement and count it as this worker's.
+
+        If another worker closed the trial meanwhile (it judged the trial stale: its heartbeat
+        stalled), the measurement is stored under a new claim of its configuration, unless the
+        configuration is measured or running elsewhere by now: then it is given up with a notice,
+        so that nothing is measured twice.
+        """
         self.finished = m
         with shielded():  # stored and counted whole: a Ctrl-C half-way would store it twice or leave it RUNNING
-            record(self.study, self.trial, m, self.distributions, self.attrs, worker=worker_id())
+            stored = record(self.study, self.trial, m, self.attrs)
+            if not stored:
+                closed = self.trial.number
+                self.claim(m.config, on_the_look=False)  # measured already: whatever the store holds now
+                stored = self.trial is not None and record(self.study, self.trial, m, self.attrs)
+                if not stored:
+                    logger.warning("trial %d (%s) was closed by another worker, which judged it stale, and the "
+                                   "configuration is measured or claimed elsewhere now: this measurement is given up",
+                                   closed, m.config)
             self.trial = self.finished = None
-            self.mine.add(m.config)
-            self.runs += 1
-            self.measured[m.config] = m  # in the report even if Ctrl-C comes before the next look at the store
+            if stored:
+                self.mine.add(m.config)
+                self.runs += 1
+                self.measured[m.config] = m  # in the report even if Ctrl-C comes before the next look at the store
 
     def interrupted(self) -> None:
         """Ctrl-C: store a measurement already taken; otherwise close the running trial so it is run again."""
@@ -198,19 +217,22 @@ def run_search(
     started = time.monotonic()
     loop = _Loop(open_study(study_name, storage, workload_key=workload_key, space=space), storage, space,
                  settings=settings, budget_bytes=budget_bytes, on_trial=on_trial)
+    waiter = Waiter(storage)
     try:
         with quiet_optuna():
             while True:
-                in_flight = loop.look()
-                proposal = strategy.propose(space, loop.measured, budget_bytes, pending=frozenset(in_flight))
+                if loop.look():
+                    waiter.reset()
+                proposal = strategy.propose(space, loop.measured, budget_bytes, pending=frozenset(loop.in_flight))
                 if proposal is None:
-                    if not in_flight:
+                    if not loop.in_flight:
                         break
-                    time.sleep(WAIT_S)  # others are measuring; their results belong in our report too
+                    waiter.wait()  # others are measuring; their results belong in our report too
                     continue
-                proposal = loop.claim(proposal)
-                if proposal is None:
+                if loop.claim(proposal.config) is None:
+                    waiter.lost()  # claimed at the same moment by another worker: the next look shows it running
                     continue
+                waiter.claimed()
                 config = proposal.config
                 logger.debug("trial %d: %s%s", loop.trial.number, config, "" if proposal.timed else " (memory)")
                 if on_trial_start:

@@ -4,7 +4,7 @@ Each configuration is an Optuna trial with its parameters (precision, segments, 
 the whole measurement as user attributes; the study's user attributes hold what makes its trials
 comparable (the workload's key, the search space) and the plan checks. The storage is any Optuna
 URL, by default a SQLite file in ``results/`` named after the study, or a journal file. Optuna's
-private API is used in one place, :func:`_set_user_attr`.
+private API (the study's storage and id) is used in two places, :func:`start_trial` and :func:`stamp`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import signal
 import threading
 import time
 import warnings
+from datetime import datetime
 from typing import Any, Iterator
 
 import optuna
@@ -32,8 +34,8 @@ from autotune.space import SearchSpace
 
 __all__ = [
     "METRIC_NAMES", "STATE", "FINISHED", "fingerprint", "default_study_name", "default_storage", "make_storage",
-    "open_study", "distributions", "stored_plan_checks", "store_plan_checks", "reusable", "config_of", "record", "state_of",
-    "abandon", "stamp", "quiet_optuna",
+    "open_study", "distributions", "stored_plan_checks", "store_plan_checks", "reusable", "config_of", "start_trial",
+    "record", "state_of", "abandon", "stamp", "quiet_optuna",
 ]
 
 STATE = {"ok": TrialState.COMPLETE, "oom": TrialState.PRUNED, "timeout": TrialState.PRUNED,
@@ -183,36 +185,50 @@ def config_of(trial: FrozenTrial) -> Config | None:
         return None
 
 
-def record(study: optuna.Study, trial: optuna.Trial, m: Measurement, distributions: dict, attrs: dict, *,
-           worker: str) -> None:
-    """Store a measurement on its trial; as a new trial (stamped ``worker``) if another worker closed ours meanwhile.
+def start_trial(study: optuna.Study, config: Config, distributions: dict, user_attrs: dict) -> optuna.Trial:
+    """Create a RUNNING trial of ``config`` holding ``user_attrs``, in one write, and return it.
+
+    One write, not Optuna's ``enqueue_trial`` + ``ask``: ``ask`` pops the oldest queued trial, which
+    may be another worker's configuration, or one that another worker has popped and closed since
+    this one listed the queue (Optuna then raises ``UpdateFinishedTrialError`` from ``ask``); and a
+    trial's number would be the moment it was queued, not the moment it was claimed. A trial
+    created here is numbered when it is written: the claim protocol (:func:`autotune.workers.claim`)
+    orders claims by that number.
+    """
+    template = FrozenTrial(
+        number=-1, state=TrialState.RUNNING, value=None, datetime_start=datetime.now(), datetime_complete=None,
+        params=dataclasses.asdict(config), distributions=distributions, user_attrs=user_attrs, system_attrs={},
+        intermediate_values={}, trial_id=-1)
+    trial_id = study._storage.create_new_trial(study._study_id, template_trial=template)
+    return optuna.Trial(study, trial_id)
+
+
+def record(study: optuna.Study, trial: optuna.Trial, m: Measurement, attrs: dict) -> bool:
+    """Store a measurement on its running trial; False when another worker has closed the trial meanwhile.
 
     A write that fails while the trial is still running (a busy SQLite file, a dropped database
     connection) is tried again: storing it as a second trial would count the configuration twice.
+    A trial closed by another worker (judged stale when its heartbeat stalled) is left as it is:
+    the caller decides whether the measurement is still wanted (:meth:`autotune.search._Loop.keep`).
     """
     attrs = {"status": m.status, "figures": m.figures, **attrs, "measurement": m.to_dict()}  # the measurement last:
     # it marks a stored trial
     state = state_of(m)
     values = [m.samples_per_s, m.peak_bytes] if state == TrialState.COMPLETE else None
-    for attempt in range(_RECORD_ATTEMPTS):
+    for attempt in itertools.count(1):
         try:
             for key, value in attrs.items():
                 trial.set_user_attr(key, value)
             study.tell(trial, values, state=state)
-            return
+            return True
         except (RuntimeError, ValueError, optuna.exceptions.OptunaError) as exc:
             if _state_of(study, trial.number) in FINISHED:
-                break  # judged stale by another worker (a stalled heartbeat) and closed
-            if attempt == _RECORD_ATTEMPTS - 1:
+                return False
+            if attempt == _RECORD_ATTEMPTS:
                 raise
             logger.info("storing trial %d failed (%s: %s): trying again", trial.number, type(exc).__name__,
                         first_line(exc))
-            time.sleep(0.5 * (attempt + 1))
-    # The measurement still counts.
-    logger.info("trial %d was closed by another worker; its measurement is stored as a new trial", trial.number)
-    study.add_trial(optuna.trial.create_trial(
-        params=dataclasses.asdict(m.config), distributions=distributions, state=state, values=values,
-        user_attrs={**attrs, "worker": worker}))
+            time.sleep(0.5 * attempt)
 
 
 def state_of(m: Measurement) -> TrialState:

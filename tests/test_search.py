@@ -113,3 +113,39 @@ def test_auto_meters_the_bracket_and_times_only_the_envelope_completing_memory_t
     rec = recommend(result.measurements, budget)
     assert rec is not None and rec.figures == "memory+time"
     assert all(m.figures == "memory+time" for m in pareto_front(result.measurements, budget))
+
+
+@pytest.mark.parametrize("measured_elsewhere", [False, True])
+def test_a_trial_closed_by_another_worker_is_stored_anew_or_given_up_never_twice(gpt, storage, monkeypatch, caplog,
+                                                                                 measured_elsewhere):
+    # Another worker judges the running trial stale (its heartbeat stalled) and closes it; it may also measure the
+    # configuration again meanwhile. The measurement is stored under a new claim if the configuration is free, else
+    # given up with a notice: the search goes on, and no configuration is measured twice.
+    import dataclasses
+
+    import autotune.search
+    from autotune.store import abandon, distributions, fingerprint, record, start_trial
+
+    space = SearchSpace(("fp32",), (0,), (1, 4))
+    run_one = autotune.search.run_one
+
+    def closed_meanwhile(workload, config, **kwargs):
+        m = run_one(workload, config, **kwargs)
+        if config.batch_size == 1:
+            study = optuna.load_study(study_name="s", storage=storage)
+            (running,) = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+            abandon(study, running, "abandoned")
+            if measured_elsewhere:
+                other = start_trial(study, config, distributions(space), {"worker": "elsewhere:ns:1"})
+                key = fingerprint(**{k: v for k, v in dataclasses.asdict(QUICK).items() if k != "timeout_s"})
+                record(study, other, m, {"settings_key": key, "budget_bytes": BUDGET, "timeout_s": None})
+        return m
+
+    monkeypatch.setattr(autotune.search, "run_one", closed_meanwhile)
+    result = search(gpt, storage, space=space)
+    trials = optuna.load_study(study_name="s", storage=storage).get_trials(deepcopy=False)
+    measured = [t for t in trials if "measurement" in t.user_attrs]
+    assert sorted(t.params["batch_size"] for t in measured) == [1, 4]  # once each
+    assert [t.user_attrs["worker"] == "elsewhere:ns:1" for t in measured] == [measured_elsewhere, False]
+    assert result.n_run == (1 if measured_elsewhere else 2) and len(result.measurements) == 2
+    assert ("measurement is given up" in caplog.text) is measured_elsewhere

@@ -27,6 +27,7 @@ from autotune.store import (
     quiet_optuna,
     record,
     reusable,
+    start_trial,
     store_plan_checks,
     stored_plan_checks,
 )
@@ -291,8 +292,7 @@ def test_record_stores_the_measurement_on_its_trial(study, status, state):
     config = Config("bf16", "all", 2)
     trial = ask(study, config)
     m = Measurement(config, status, peak_bytes=1234, samples_per_s=5.0 if status == "ok" else None, error=None)
-    record(study, trial, m, distributions(SPACE), {"settings_key": "s", "budget_bytes": 2000, "timeout_s": None},
-           worker="host:ns:1")
+    assert record(study, trial, m, {"settings_key": "s", "budget_bytes": 2000, "timeout_s": None})
     (stored,) = study.get_trials(deepcopy=False)
     assert stored.state == state == STATE[status] and stored.state in FINISHED
     assert stored.values == ([5.0, 1234.0] if status == "ok" else None)
@@ -306,9 +306,9 @@ def test_a_memory_trial_is_stored_pruned_with_its_figures_and_a_timing_completes
     config = Config("bf16", "all", 2)
     keys = {"settings_key": "s", "budget_bytes": 2000, "timeout_s": None}
     memory = Measurement(config, "ok", peak_bytes=1234, timed=False)
-    record(study, ask(study, config), memory, distributions(SPACE), keys, worker="host:ns:1")
+    record(study, ask(study, config), memory, keys)
     timing = dataclasses.replace(memory, timed=True, step_s=0.5, samples_per_s=4.0, memory_from=0)
-    record(study, ask(study, config), timing, distributions(SPACE), keys, worker="host:ns:1")
+    record(study, ask(study, config), timing, keys)
     first, second = study.get_trials(deepcopy=False)
     assert state_of(memory) == first.state == TrialState.PRUNED and first.values is None  # no samples/s objective
     assert first.user_attrs["figures"] == "memory" and first.user_attrs["status"] == "ok"
@@ -317,17 +317,26 @@ def test_a_memory_trial_is_stored_pruned_with_its_figures_and_a_timing_completes
     assert [t.number for t in study.best_trials] == [second.number]  # Optuna's front leaves the memory trial out
 
 
-def test_record_of_a_trial_another_worker_closed_adds_a_new_trial(study):
+def test_record_of_a_trial_another_worker_closed_writes_nothing_and_says_so(study):
     config = Config("fp32", "2", 4)
     trial = ask(study, config)
     abandon(study, study.get_trials(deepcopy=False)[0], "abandoned")  # judged stale elsewhere meanwhile
-    m = ok(config)
-    record(study, trial, m, distributions(SPACE), {"settings_key": "s"}, worker="host:ns:42")
-    first, second = study.get_trials(deepcopy=False)
-    assert first.state == TrialState.FAIL and first.user_attrs["status"] == "abandoned"
-    assert second.state == TrialState.COMPLETE and second.values == [m.samples_per_s, m.peak_bytes]
-    assert second.user_attrs["worker"] == "host:ns:42" and Measurement.from_dict(second.user_attrs["measurement"]) == m
-    assert config_of(second) == config
+    assert record(study, trial, ok(config), {"settings_key": "s"}) is False  # the caller decides (search._Loop.keep)
+    (only,) = study.get_trials(deepcopy=False)
+    assert only.state == TrialState.FAIL and only.user_attrs["status"] == "abandoned"
+    assert "measurement" not in only.user_attrs
+
+
+def test_start_trial_writes_a_running_trial_with_its_parameters_and_attributes_at_once(study):
+    study.enqueue_trial({"precision": "bf16", "segments": "all", "batch_size": 4})  # a queue it leaves alone
+    config = Config("fp32", "2", 4)
+    trial = start_trial(study, config, distributions(SPACE), {"worker": "host:ns:1"})
+    queued, started = study.get_trials(deepcopy=False)
+    assert queued.state == TrialState.WAITING
+    assert started.number == trial.number == 1 and started.state == TrialState.RUNNING
+    assert config_of(started) == config == Config(**started.params) and started.user_attrs == {"worker": "host:ns:1"}
+    assert record(study, trial, ok(config), {"settings_key": "s"})  # the live trial stores like one from ask()
+    assert study.get_trials(deepcopy=False)[1].state == TrialState.COMPLETE
 
 
 def test_a_write_that_fails_while_the_trial_runs_is_tried_again_not_stored_twice(study, monkeypatch):
@@ -345,7 +354,7 @@ def test_a_write_that_fails_while_the_trial_runs_is_tried_again_not_stored_twice
 
     monkeypatch.setattr(study, "tell", busy_once)
     monkeypatch.setattr("autotune.store.time.sleep", lambda s: None)
-    record(study, trial, ok(config), distributions(SPACE), {"settings_key": "s"}, worker="w")
+    record(study, trial, ok(config), {"settings_key": "s"})
     (stored,) = study.get_trials(deepcopy=False)
     assert len(calls) == 2 and stored.state == TrialState.COMPLETE and "measurement" in stored.user_attrs
 
@@ -362,7 +371,7 @@ def test_abandon_fails_a_running_trial_so_it_is_proposed_again(study):
 def test_abandon_leaves_a_finished_trial_as_it_is(study):
     config = Config("fp32", "0", 1)
     trial = ask(study, config)
-    record(study, trial, ok(config), distributions(SPACE), {"settings_key": "s"}, worker="w")
+    record(study, trial, ok(config), {"settings_key": "s"})
     abandon(study, study.get_trials(deepcopy=False)[0], "abandoned")  # raises nothing
     (stored,) = study.get_trials(deepcopy=False)
     assert stored.state == TrialState.COMPLETE and stored.user_attrs["status"] == "ok"

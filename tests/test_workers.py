@@ -61,7 +61,7 @@ def running(study, config, **user_attrs):
 def finished(study, m, settings_key="s", budget=None):
     study.enqueue_trial(dataclasses.asdict(m.config))
     trial = study.ask(DIST)
-    record(study, trial, m, DIST, {"settings_key": settings_key, "budget_bytes": budget, "timeout_s": None}, worker="w")
+    record(study, trial, m, {"settings_key": settings_key, "budget_bytes": budget, "timeout_s": None})
 
 
 def ok(config):
@@ -143,7 +143,7 @@ def test_a_small_stale_limit_is_read_when_judging(study, monkeypatch):
 
 
 def test_claim_starts_a_trial_stamped_with_this_worker(study):
-    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None)
+    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
     assert trial is not None and Config(**trial.params) == A
     (t,) = study.get_trials(deepcopy=False)
     assert t.state == TrialState.RUNNING and t.user_attrs["worker"] == worker_id()
@@ -151,17 +151,17 @@ def test_claim_starts_a_trial_stamped_with_this_worker(study):
 
 
 def test_a_configuration_running_under_a_lower_numbered_trial_is_not_claimed_again(study):
-    first = claim(study, A, DIST, settings_key="s", budget_bytes=None)
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=None) is None
-    assert states(study) == {first.number: (TrialState.RUNNING, None), first.number + 1: (TrialState.FAIL, "duplicate")}
-    other = claim(study, B, DIST, settings_key="s", budget_bytes=None)  # another configuration is free
+    first = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None) is None
+    assert states(study) == {first.number: (TrialState.RUNNING, None)}  # seen before claiming: nothing written
+    other = claim(study, B, DIST, settings_key="s", budget_bytes=None, timeout_s=None)  # another configuration is free
     assert other is not None and Config(**other.params) == B
 
 
 def test_a_configuration_finished_in_a_reusable_way_is_not_claimed(study):
     finished(study, ok(A))
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=None) is None
-    assert claim(study, A, DIST, settings_key="other settings", budget_bytes=None) is not None  # measured another way
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None) is None
+    assert claim(study, A, DIST, settings_key="other settings", budget_bytes=None, timeout_s=None) is not None  # measured another way
 
 
 def test_a_memory_trial_does_not_take_the_timing_that_completes_it_but_a_timed_trial_does(study):
@@ -170,24 +170,84 @@ def test_a_memory_trial_does_not_take_the_timing_that_completes_it_but_a_timed_t
     def timed(m):
         return m.timed
 
-    first = claim(study, A, DIST, settings_key="s", budget_bytes=None, enough=timed)
+    first = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None, enough=timed)
     assert first is not None  # the memory trial has no time: the timing is free to run
     study.tell(first, state=TrialState.FAIL)
     finished(study, ok(A))
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, enough=timed) is None  # timed by someone
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None, enough=timed) is None  # timed by someone
 
 
 def test_an_oom_under_a_smaller_budget_is_claimed_again(study):
     finished(study, Measurement(A, "oom", peak_bytes=2000), budget=1000)
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=4000) is not None
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=4000, timeout_s=None) is not None
 
 
-def test_claim_takes_another_workers_queued_configuration_first(study):
-    study.enqueue_trial(dataclasses.asdict(B))  # queued by another worker, not yet taken
-    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None)
-    assert Config(**trial.params) == B
+def test_claim_leaves_the_queue_alone(study):
+    # Claims once went through Optuna's queue (enqueue_trial + ask): ask() popped another worker's configuration,
+    # or one that worker had popped and closed meanwhile (UpdateFinishedTrialError from ask, a worker's exit 1).
+    study.enqueue_trial(dataclasses.asdict(B))  # a queued trial, of another tool or an older autotune
+    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
+    assert Config(**trial.params) == A
     waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-    assert [t.system_attrs["fixed_params"] for t in waiting] == [dataclasses.asdict(A)]  # ours is still queued
+    assert [t.system_attrs["fixed_params"] for t in waiting] == [dataclasses.asdict(B)]
+
+
+@pytest.mark.parametrize("other_first", [True, False])
+def test_of_two_claims_at_the_same_moment_the_lower_numbered_keeps_the_configuration(study, monkeypatch, other_first):
+    # Another worker's claim of the same configuration lands just before ours, or just after ours and before we
+    # read the store: either way one claim is kept, the lower-numbered, whatever each worker read.
+    start = workers.start_trial
+
+    def with_another(study, config, distributions, user_attrs):
+        if other_first:
+            start(study, config, distributions, {"worker": "elsewhere:ns:1", "heartbeat": time.time()})
+        ours = start(study, config, distributions, user_attrs)
+        if not other_first:
+            start(study, config, distributions, {"worker": "elsewhere:ns:1", "heartbeat": time.time()})
+        return ours
+
+    monkeypatch.setattr(workers, "start_trial", with_another)
+    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
+    assert (trial is None) is other_first
+    ours = 1 if other_first else 0
+    assert states(study)[ours] == ((TrialState.FAIL, "duplicate") if other_first else (TrialState.RUNNING, None))
+
+
+@pytest.mark.parametrize("when", ["before our write", "after our write"])
+def test_a_measurement_stored_since_the_workers_look_closes_its_claim(study, monkeypatch, when):
+    # Another worker stores a trial, looks, and finds the search done: a claim decided on a look from before that
+    # trial must not run, or the two workers' reports would differ (one holds a trial the other never saw).
+    finished(study, ok(A))
+    seen = set()
+    survey(study, set(SPACE.configs()), "s", None, None, {}, seen=seen)
+    assert seen == {0}
+    start = workers.start_trial
+
+    def with_news(study, config, distributions, user_attrs):
+        if when == "before our write":
+            finished(study, ok(B))
+        ours = start(study, config, distributions, user_attrs)
+        if when == "after our write":
+            finished(study, ok(B))
+        return ours
+
+    monkeypatch.setattr(workers, "start_trial", with_news)
+    other = Config("fp32", "all", 1)
+    assert claim(study, other, DIST, settings_key="s", budget_bytes=None, timeout_s=None, seen=seen) is None
+    if when == "after our write":
+        assert states(study)[1] == (TrialState.FAIL, "stale")
+    seen = set()
+    survey(study, set(SPACE.configs()), "s", None, None, {}, seen=seen)  # the next look sees the news
+    monkeypatch.setattr(workers, "start_trial", start)
+    assert claim(study, other, DIST, settings_key="s", budget_bytes=None, timeout_s=None, seen=seen) is not None
+
+
+def test_a_timeout_under_todays_limit_takes_the_configuration_as_the_survey_reads_it(study):
+    # The claim judges a stored trial as the survey does: a time-out under the same limit is a measurement.
+    study.enqueue_trial(dataclasses.asdict(A))
+    record(study, study.ask(DIST), Measurement(A, "timeout", error="cut"), {"settings_key": "s", "timeout_s": 30.0})
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=30.0) is None
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=60.0) is not None  # a longer limit
 
 
 # --- survey --------------------------------------------------------------------------------------
@@ -211,7 +271,7 @@ def test_survey_marks_a_trial_left_running_by_a_dead_process_failed(study, dead_
     assert states(study)[gone.number] == (TrialState.FAIL, "abandoned")
     assert states(study)[alive.number] == (TrialState.RUNNING, None)
     # its configuration is free again
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=None) is not None
+    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None) is not None
 
 
 def test_survey_abandons_a_trial_of_ours_from_before(study):
@@ -241,11 +301,13 @@ def test_survey_abandons_a_queued_trial_that_was_never_stamped(study, monkeypatc
     assert in_flight == set() and states(study)[taken.number] == (TrialState.FAIL, "abandoned")
 
 
-def test_a_configuration_both_measured_and_running_is_not_in_flight(study, live_pid):
+def test_a_configuration_both_measured_and_running_is_in_flight(study, live_pid):
+    # A near tie timed again elsewhere: no worker proposes it meanwhile (a worker that did lost its claim, looked
+    # again, proposed it again: hundreds of FAIL trials), and every worker waits for its figures.
     finished(study, ok(A))
     running(study, A, worker=here(live_pid), heartbeat=time.time())
     measured, in_flight = survey(study, set(SPACE.configs()), "s", None, None, {})
-    assert A in measured and in_flight == set()
+    assert A in measured and in_flight == {A}
 
 
 def test_a_memory_trial_being_timed_elsewhere_is_in_flight(study, live_pid):
@@ -263,7 +325,7 @@ def test_a_memory_trial_being_timed_elsewhere_is_in_flight(study, live_pid):
 
 def test_heartbeat_stamps_the_running_trial_until_it_stops(study, monkeypatch):
     monkeypatch.setattr(workers, "HEARTBEAT_S", 0.01)
-    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None)
+    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
     trial.set_user_attr("heartbeat", 0.0)
 
     def stamp():
@@ -278,3 +340,60 @@ def test_heartbeat_stamps_the_running_trial_until_it_stops(study, monkeypatch):
     after = stamp()
     time.sleep(0.1)
     assert stamp() == after  # no stamps once the trial's worker is done with it
+
+
+# --- Waiter --------------------------------------------------------------------------------------
+
+
+class Clock:
+    """time.monotonic and time.sleep of the workers module, on a clock that moves only when slept on."""
+
+    def __init__(self, monkeypatch, on_sleep=lambda clock: None):
+        self.now, self.sleeps, self.on_sleep = 0.0, [], on_sleep
+        monkeypatch.setattr(workers.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(workers.time, "sleep", self.sleep)
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+        self.on_sleep(self)
+
+
+def test_a_waiter_backs_off_to_wait_s_and_starts_again_after_news(monkeypatch):
+    clock = Clock(monkeypatch)
+    waiter = workers.Waiter("postgresql://host/db")  # a server: no file to watch, one sleep per wait
+    for _ in range(8):
+        waiter.wait()
+    expected = [min(workers.FIRST_WAIT_S * 2 ** i, workers.WAIT_S) for i in range(8)]
+    assert clock.sleeps == pytest.approx(expected) and clock.sleeps[-1] == workers.WAIT_S
+    waiter.reset()
+    waiter.wait()
+    assert clock.sleeps[-1] == pytest.approx(workers.FIRST_WAIT_S)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_a_waiter_on_a_store_file_wakes_when_another_worker_writes(tmp_path, monkeypatch, kind):
+    storage = {"sqlite": f"sqlite:///{tmp_path}/w.db", "journal": f"journal://{tmp_path}/w.log"}[kind]
+    study = open_study("w", storage, workload_key="wk", space=SPACE)
+    monkeypatch.setattr(workers, "FIRST_WAIT_S", 60.0)
+
+    def another_worker_writes(clock):
+        if len(clock.sleeps) == 3:
+            claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
+
+    clock = Clock(monkeypatch, another_worker_writes)
+    workers.Waiter(storage).wait()
+    assert len(clock.sleeps) == 4  # three polls, the write, then the grace that lets the writer claim first
+    assert workers.GRACE_S <= clock.sleeps[-1] <= 2 * workers.GRACE_S and clock.now < 60.0
+
+
+def test_claims_lost_in_a_row_wait_longer_up_to_wait_s_until_one_is_won(monkeypatch):
+    monkeypatch.setattr(workers.random, "uniform", lambda lo, hi: hi)  # the longest wait each time
+    clock = Clock(monkeypatch)
+    waiter = workers.Waiter("postgresql://host/db")
+    for _ in range(5):
+        waiter.lost()
+    assert clock.sleeps == [workers.GRACE_S, 2 * workers.GRACE_S, workers.WAIT_S, workers.WAIT_S, workers.WAIT_S]
+    waiter.claimed()
+    waiter.lost()
+    assert clock.sleeps[-1] == workers.GRACE_S

@@ -57,7 +57,7 @@ class OptunaStrategy(Strategy):
                 self._shadow.add_trial(optuna.trial.create_trial(
                     params={"precision": config.precision, "segments": config.segments, "batch_size": config.batch_size},
                     distributions=distributions, values=self._values(m, budget_bytes)))
-        if len(measured) >= limit or len(measured) + len(pending) >= len(space):
+        if len(measured) >= limit or len(measured.keys() | pending) >= len(space):  # pending: measured ones too
             return None
         for _ in range(10 * len(space)):
             trial = self._shadow.ask(distributions)
