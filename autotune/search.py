@@ -19,7 +19,9 @@ and runs it as a real training trial, in this process or in a fresh worker
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -189,6 +191,23 @@ class _Loop:
                             time.monotonic() - started, self.study.study_name, self.storage, partial)
 
 
+@contextlib.contextmanager
+def _heap_frozen():
+    """Leave what exists now (torch, the store, the workload) out of the garbage collections inside the block.
+
+    Each trial ends with a full collection (a model's weights may sit in a reference cycle), which
+    walks every object of the process: 0.2 to 0.9 s a trial on our 2-core CPU, most of a short
+    trial's cost and the same on a GPU. Objects alive now outlive the search anyway; frozen
+    (``gc.freeze``), they are skipped, and unfrozen when the search ends.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run_search(
     workload: Workload,
     space: SearchSpace,
@@ -219,7 +238,7 @@ def run_search(
                  settings=settings, budget_bytes=budget_bytes, on_trial=on_trial)
     waiter = Waiter(storage)
     try:
-        with quiet_optuna():
+        with quiet_optuna(), _heap_frozen():
             while True:
                 if loop.look():
                     waiter.reset()
