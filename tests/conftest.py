@@ -1,3 +1,7 @@
+import os
+import signal
+import subprocess
+
 import pytest
 import torch
 
@@ -19,3 +23,21 @@ def tiny_gpt_kwargs():
 @pytest.fixture
 def storage(tmp_path):
     return f"sqlite:///{tmp_path / 'trials.db'}"
+
+
+@pytest.fixture
+def processes():
+    """A list for the processes a test starts: killed, reaped and their pipes closed when the test ends, passed or
+    failed, so that a failing test leaves nothing running (and no unclosed pipe) for the tests after it."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            if os.getpgid(proc.pid) == proc.pid:  # it leads a group of its own: its isolated workers too
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()

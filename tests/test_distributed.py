@@ -51,24 +51,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ranks(*args: str, cwd, module: str = "autotune") -> list[subprocess.Popen]:
-    """Two ranks started as torchrun would start them (its environment variables), without torchrun."""
+def start_ranks(*args: str, cwd, processes: list, module: str = "autotune") -> list[subprocess.Popen]:
+    """Two ranks started as torchrun would start them (its environment variables), without torchrun; added to
+    ``processes`` (the fixture that kills them when the test ends)."""
     port = str(free_port())
-    return [subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=cwd, preexec_fn=_default_sigint,
-                             env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                      MASTER_PORT=port))
-            for r in range(2)]
+    processes.extend(subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=cwd, preexec_fn=_default_sigint,
+                                      env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                               MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+                     for r in range(2))
+    return processes[-2:]
 
 
 def finish(ranks: list[subprocess.Popen]) -> list[tuple[int, str]]:
-    try:
-        said = [p.communicate(timeout=LIMIT_S)[1] for p in ranks]
-        return [(p.returncode, err) for p, err in zip(ranks, said)]
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
+    said = [p.communicate(timeout=LIMIT_S)[1] for p in ranks]
+    return [(p.returncode, err) for p, err in zip(ranks, said)]
 
 
 # -- through torchrun ----------------------------------------------------------------------------------------------
@@ -166,9 +163,9 @@ def test_torchrun_fsdp_reports_world_size_2(tmp_path):
 # -- ranks started by hand: each rank's own exit code ---------------------------------------------------------------
 
 
-def test_bad_input_is_one_line_from_rank_0_and_exit_2_on_every_rank(tmp_path):
+def test_bad_input_is_one_line_from_rank_0_and_exit_2_on_every_rank(tmp_path, processes):
     for bad in (["--budget", "lots"], ["--out", str(tmp_path / "missing" / "r.json")]):  # every rank's; rank 0's only
-        results = finish(start_ranks(*SPACE, "--parallel", "ddp", *bad, cwd=tmp_path))
+        results = finish(start_ranks(*SPACE, "--parallel", "ddp", *bad, cwd=tmp_path, processes=processes))
         assert [code for code, _ in results] == [2, 2], results
         (_, said), (_, quiet) = results
         assert said.count("autotune: error:") == 1 and "Traceback" not in said
@@ -186,18 +183,17 @@ def test_parallel_outside_torchrun_is_bad_input(tmp_path):
     (signal.SIGTERM, (0, 1), [143, 143]),  # torchrun passes its SIGTERM to every rank
     (signal.SIGTERM, (1,), [130, 143]),  # one rank stopped alone: the job stops at its trial
 ])
-def test_a_stopped_job_exits_with_the_signals_code_on_every_rank_and_keeps_its_trials(tmp_path, signum, to, codes):
+def test_a_stopped_job_exits_with_the_signals_code_on_every_rank_and_keeps_its_trials(tmp_path, processes, signum,
+                                                                                      to, codes):
     storage, out = f"sqlite:///{tmp_path}/t.db", tmp_path / "r.json"
     slow = [a if a != "2" or i != SPACE.index("--measure-steps") + 1 else "200" for i, a in enumerate(SPACE)]
     ranks = start_ranks(*slow, "--batch-sizes", "2,4,8,16,32,64", "--parallel", "ddp", "--storage", storage,
-                        "--study", "t", "--out", str(out), cwd=tmp_path)
-    try:
-        wait_for_trials(storage, "t", 1, timeout=LIMIT_S)
-        time.sleep(0.5)
-        for rank in to:
-            ranks[rank].send_signal(signum)
-    finally:
-        results = finish(ranks)
+                        "--study", "t", "--out", str(out), cwd=tmp_path, processes=processes)
+    wait_for_trials(storage, "t", 1, timeout=LIMIT_S)
+    time.sleep(0.5)
+    for rank in to:
+        ranks[rank].send_signal(signum)
+    results = finish(ranks)
     assert [c for c, _ in results] == codes, results
     assert "Traceback" not in results[0][1]
     data = json.loads(out.read_text())
@@ -208,16 +204,14 @@ def test_a_stopped_job_exits_with_the_signals_code_on_every_rank_and_keeps_its_t
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
 
 
-def test_a_rank_that_dies_ends_the_job_with_one_line_and_no_trial_left_running(tmp_path):
+def test_a_rank_that_dies_ends_the_job_with_one_line_and_no_trial_left_running(tmp_path, processes):
     storage = f"sqlite:///{tmp_path}/t.db"
     slow = [a if a != "2" or i != SPACE.index("--measure-steps") + 1 else "200" for i, a in enumerate(SPACE)]
     ranks = start_ranks(*slow, "--batch-sizes", "2,4,8,16,32,64", "--parallel", "ddp", "--storage", storage,
-                        "--study", "t", "--out", str(tmp_path / "r.json"), cwd=tmp_path)
-    try:
-        wait_for_trials(storage, "t", 1, timeout=LIMIT_S)
-        ranks[1].kill()  # SIGKILL: out of host memory, a node lost
-    finally:
-        (code, said), _ = finish(ranks)
+                        "--study", "t", "--out", str(tmp_path / "r.json"), cwd=tmp_path, processes=processes)
+    wait_for_trials(storage, "t", 1, timeout=LIMIT_S)
+    ranks[1].kill()  # SIGKILL: out of host memory, a node lost
+    (code, said), _ = finish(ranks)
     assert code == 1 and "a rank of the job is gone" in said and "Traceback" not in said, said
     import optuna
 
@@ -228,9 +222,9 @@ def test_a_rank_that_dies_ends_the_job_with_one_line_and_no_trial_left_running(t
 # -- the wrappers themselves: exact steps, sharded memory -----------------------------------------------------------
 
 
-def test_ddp_and_fsdp_steps_match_one_process_and_fsdp_shards_memory(tmp_path):
+def test_ddp_and_fsdp_steps_match_one_process_and_fsdp_shards_memory(tmp_path, processes):
     out = tmp_path / "found.json"
-    results = finish(start_ranks(str(out), cwd=tmp_path, module="tests.dist_helper"))
+    results = finish(start_ranks(str(out), cwd=tmp_path, processes=processes, module="tests.dist_helper"))
     assert [c for c, _ in results] == [0, 0], results
     found = json.loads(out.read_text())
     assert found["status"] == {"ddp": "ok", "fsdp": "ok"}

@@ -31,10 +31,15 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def cli(*args, **popen):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "autotune", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, preexec_fn=_default_sigint, **popen)
+@pytest.fixture
+def cli(processes):
+    """Start ``python -m autotune ARGS``; the process is killed when the test ends, however it ends."""
+    def start(*args, **popen):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
+        processes.append(subprocess.Popen([sys.executable, "-m", "autotune", *args], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint, **popen))
+        return processes[-1]
+    return start
 
 
 def measured_trials(storage, study):
@@ -109,7 +114,7 @@ def test_an_isolated_trial_logs_its_steps_with_verbose(capfd):
     assert err.count("fp32 segments=0 batch=2 timed step") == 2 and "warm-up (metered) step 1" in err
 
 
-def test_search_killed_with_sigkill_resumes_without_measuring_twice(tmp_path):
+def test_search_killed_with_sigkill_resumes_without_measuring_twice(tmp_path, cli):
     storage, out = f"sqlite:///{tmp_path}/r.db", tmp_path / "r.json"
     proc = cli(*SEARCH, "--storage", storage, "--study", "r", "--out", str(out))
     wait_for_trials(storage, "r", 3)
@@ -140,7 +145,7 @@ def test_search_killed_with_sigkill_resumes_without_measuring_twice(tmp_path):
     assert data["recommendation"]["feasible"] and data["recommendation"]["peak_bytes"] <= 0.9 * data["budget_bytes"]
 
 
-def test_ctrl_c_writes_a_partial_report_and_exits_130(tmp_path):
+def test_ctrl_c_writes_a_partial_report_and_exits_130(tmp_path, cli):
     storage, out = f"sqlite:///{tmp_path}/i.db", tmp_path / "i.json"
     proc = cli(*SEARCH, "--storage", storage, "--study", "i", "--out", str(out))
     wait_for_trials(storage, "i", 2)
@@ -159,7 +164,7 @@ def test_ctrl_c_writes_a_partial_report_and_exits_130(tmp_path):
 
 
 @pytest.mark.parametrize("isolation", ["none", "process"])
-def test_sigterm_is_handled_as_ctrl_c_and_exits_143(tmp_path, isolation):
+def test_sigterm_is_handled_as_ctrl_c_and_exits_143(tmp_path, cli, isolation):
     # torchrun, SLURM, Kubernetes and systemd stop a job with SIGTERM and a grace period.
     storage, out = f"sqlite:///{tmp_path}/t.db", tmp_path / "t.json"
     search = [a if a != "none" else isolation for a in SEARCH]
@@ -179,7 +184,7 @@ def test_sigterm_is_handled_as_ctrl_c_and_exits_143(tmp_path, isolation):
 POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
 
 
-def two_workers(search, storage, study, tmp_path):
+def two_workers(cli, search, storage, study, tmp_path):
     """Run two CLI workers of ``search`` on one study at once; return their processes and reports."""
     outs = [tmp_path / f"w{i}.json" for i in range(2)]
     procs = [cli(*search, "--storage", storage, "--study", study, "--out", str(o), "--quiet") for o in outs]
@@ -195,10 +200,10 @@ def two_workers(search, storage, study, tmp_path):
     pytest.param("postgres", marks=pytest.mark.skipif(
         not POSTGRES_URL, reason="set AUTOTUNE_TEST_POSTGRES_URL (`.ci/postgres.sh` starts a server and prints it)")),
 ])
-def test_two_workers_share_one_study_without_overlap(tmp_path, kind):
+def test_two_workers_share_one_study_without_overlap(tmp_path, cli, kind):
     storage = {"sqlite": f"sqlite:///{tmp_path}/p.db", "journal": f"journal:///{tmp_path}/p.log", "postgres": POSTGRES_URL}[kind]
     study = f"p-{os.getpid()}-{time.time_ns()}"  # a server keeps its studies between runs
-    procs, reports = two_workers(SEARCH, storage, study, tmp_path)
+    procs, reports = two_workers(cli, SEARCH, storage, study, tmp_path)
     trials = measured_trials(storage, study)
     params = [tuple(sorted(t.params.items())) for t in trials]
     assert len(params) == len(set(params)) == 16  # disjoint, and together the whole space
@@ -209,11 +214,11 @@ def test_two_workers_share_one_study_without_overlap(tmp_path, kind):
     assert reports[0]["recommendation"] == reports[1]["recommendation"]
 
 
-def test_two_workers_with_the_auto_strategy_split_its_trials_and_agree(tmp_path):
+def test_two_workers_with_the_auto_strategy_split_its_trials_and_agree(tmp_path, cli):
     # auto decides from the store alone: a second worker must not repeat a trial the first runs,
     # and both must find the grid's limits (here: segments 0 fits batch 4, segments 2 batch 8).
     storage, study = f"sqlite:///{tmp_path}/a.db", "a"
-    _, reports = two_workers(SEARCH[:-1] + ["auto"], storage, study, tmp_path)
+    _, reports = two_workers(cli, SEARCH[:-1] + ["auto"], storage, study, tmp_path)
     trials = measured_trials(storage, study)
     # A configuration can have a memory trial, the timing that completes it and a near tie's second timing:
     # never two trials of one kind.
