@@ -1,0 +1,45 @@
+"""Parallel workers while CPU-bound processes compete for the cores: no crash, no duplicate, no spinning.
+
+Each case starts its workers once; each worker runs the CLI's ``main`` on RUNS fresh studies in a row
+(benchmarks/workers_under_load.py, which prints the same checks as a table, ten studies a case).
+Before the claim protocol was one write (issue 23), three auto workers under this load crashed
+(``UpdateFinishedTrialError``) in 2 studies of 10, measured a configuration twice in 4, disagreed in
+3, and left a median of 27 trials that measured nothing per study (46 at most): two studies of each
+case, auto with three workers on three storages, catch that in every run.
+"""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+from workers_under_load import cpu_hogs, run_case  # noqa: E402
+
+RUNS = int(os.environ.get("AUTOTUNE_LOAD_RUNS", "2"))  # studies per case; the benchmark's table has ten
+HOGS = 2  # with two cores (and the suite's other process): each worker gets under half a core, preempted mid-claim
+IDLE_PER_WORKER = 3  # trials that measured nothing, per worker and run: claims lost at the same moment
+POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
+
+
+@pytest.fixture(scope="module")
+def load():
+    with cpu_hogs(HOGS):
+        yield
+
+
+@pytest.mark.parametrize("strategy, workers, storage", [
+    ("grid", 2, "sqlite"), ("grid", 3, "sqlite"), ("auto", 2, "sqlite"), ("auto", 3, "sqlite"), ("auto", 3, "journal"),
+    pytest.param("auto", 3, "postgres", marks=pytest.mark.skipif(
+        not POSTGRES_URL, reason="set AUTOTUNE_TEST_POSTGRES_URL (`.ci/postgres.sh` starts a server and prints it)")),
+])
+def test_workers_under_load_never_crash_duplicate_or_spin(tmp_path, processes, load, strategy, workers, storage):
+    checks, errors = run_case(strategy=strategy, workers=workers, runs=RUNS, storage_kind=storage,
+                              folder=str(tmp_path), postgres=POSTGRES_URL, track=processes)
+    for check in checks:
+        assert check["codes"] == [0] * workers, (check, errors)
+        assert check["running"] == 0 and check["duplicates"] == 0, check
+        assert check["agree"], check  # every worker's report holds every measurement and the same recommendation
+        assert check["idle"] <= IDLE_PER_WORKER * workers, check
+    assert not any("Traceback" in e or "error" in e for e in errors), errors
