@@ -85,7 +85,8 @@ def test_search_and_analyse_make_the_report_the_stages_describe(tmp_path):
     seen = []
     result = tuner.search(target, facts, study, tuner._Events(None, lambda m, reused: seen.append(m.config), None))
     report = tuner.analyse(target, facts, study, result)
-    assert not result.partial and len(result.measurements) == len(seen) >= 2
+    # every measurement reported as it became known (a memory trial again when its timing completes it)
+    assert not result.partial and {m.config for m in result.measurements} == set(seen) and len(seen) >= 2
     assert report.search["space"] == study.space.to_dict() and report.plan_checks == study.checks
     assert report.recommendation is not None
     assert tuner.probe(report, target, study, tuner._Events(None, None, None)) is report  # probe=False: as it was
