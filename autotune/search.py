@@ -198,14 +198,17 @@ def _heap_frozen():
     Each trial ends with a full collection (a model's weights may sit in a reference cycle), which
     walks every object of the process: 0.2 to 0.9 s a trial on our 2-core CPU, most of a short
     trial's cost and the same on a GPU. Objects alive now outlive the search anyway; frozen
-    (``gc.freeze``), they are skipped, and unfrozen when the search ends.
+    (``gc.freeze``), they are skipped, and unfrozen when the search ends, unless the process had
+    frozen its heap itself before (a server that forks, our test suite): then it stays frozen.
     """
+    ours = gc.get_freeze_count() == 0
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
 
 
 def run_search(

@@ -41,3 +41,12 @@ def processes():
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+def pytest_collection_finish(session):
+    """Freeze what exists once the tests are collected (torch, pytest, the test modules): the full collection that
+    ends every trial (``Backend.release``) then walks only what the tests make, as a search's does (search.py)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -149,3 +149,28 @@ def test_a_trial_closed_by_another_worker_is_stored_anew_or_given_up_never_twice
     assert [t.user_attrs["worker"] == "elsewhere:ns:1" for t in measured] == [measured_elsewhere, False]
     assert result.n_run == (1 if measured_elsewhere else 2) and len(result.measurements) == 2
     assert ("measurement is given up" in caplog.text) is measured_elsewhere
+
+
+def test_the_search_freezes_the_heap_it_starts_with_and_leaves_it_as_it_found_it(gpt, storage, monkeypatch):
+    import gc
+
+    import autotune.search
+
+    run_one, frozen = autotune.search.run_one, []
+
+    def noting(*args, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        return run_one(*args, **kwargs)
+
+    monkeypatch.setattr(autotune.search, "run_one", noting)
+    space = SearchSpace(("fp32",), (0,), (1,))
+    gc.unfreeze()  # as a user's process is (the suite's conftest freezes its own)
+    try:
+        search(gpt, storage, space=space, study="a")
+        assert frozen[0] > 0 and gc.get_freeze_count() == 0  # frozen during the trials, not after
+        gc.freeze()  # a process that froze its heap itself keeps it frozen
+        search(gpt, storage, space=space, study="b")
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.collect()
+        gc.freeze()
