@@ -76,6 +76,7 @@ def check_run(storage: str, study: str, reports: list[dict]) -> dict:
 
     trials = optuna.load_study(study_name=study, storage=autotune.store.make_storage(storage)).get_trials(deepcopy=False)
     measured = [t for t in trials if "measurement" in t.user_attrs]
+    differences = _differences(reports)
     kinds = [(tuple(sorted(t.params.items())), t.user_attrs["figures"], t.user_attrs["measurement"]["timings"])
              for t in measured]
     return {
@@ -84,14 +85,14 @@ def check_run(storage: str, study: str, reports: list[dict]) -> dict:
         "duplicates": len(kinds) - len(set(kinds)),
         "idle": sum(1 for t in trials if "measurement" not in t.user_attrs),  # claims lost, abandoned
         "running": sum(1 for t in trials if t.state == optuna.trial.TrialState.RUNNING),
-        "agree": all(r["trials"] == reports[0]["trials"] and r["recommendation"] == reports[0]["recommendation"]
-                     for r in reports),
-        "differences": _differences(reports),
+        "differences": differences,
+        "agree": not differences,
     }
 
 
 def _differences(reports: list[dict]) -> list[str]:
-    """Where the workers' reports differ from the first one's: a trial's fields, or the recommendation."""
+    """Where the workers' reports differ from the first one's: a trial's fields, or the recommendation (none: they agree,
+    trials being one per configuration in the space's order)."""
     def key(t: dict) -> tuple:
         return t["precision"], t["segments"], t["batch_size"]
 
