@@ -30,7 +30,7 @@ from autotune.records import (
     accumulation_plan,
 )
 from autotune.report import Report, load
-from autotune.space import SearchSpace
+from autotune.search.space import SearchSpace
 from autotune.units import format_bytes, parse_size
 
 __version__ = "0.1.0"
@@ -39,33 +39,33 @@ __version__ = "0.1.0"
 _LAZY = {
     "tune": "autotune.tuner",
     "Options": "autotune.options",
-    "apply": "autotune.applied",
-    "Applied": "autotune.applied",
-    "run_trial": "autotune.trial",
-    "Workload": "autotune.workload",
+    "apply": "autotune.training.applied",
+    "Applied": "autotune.training.applied",
+    "run_trial": "autotune.execution.trial",
+    "Workload": "autotune.training.workload",
     "Meter": "autotune.meters",
     "TensorMeter": "autotune.meters",
     "MemoryReading": "autotune.meters",
     "make_meter": "autotune.meters",
-    "Chain": "autotune.checkpointing",
-    "AppliedPlan": "autotune.checkpointing",
-    "find_chain": "autotune.checkpointing",
-    "apply_plan": "autotune.checkpointing",
-    "remove_plan": "autotune.checkpointing",
-    "check_plans": "autotune.plan_check",
-    "BudgetExceededError": "autotune.oom",
+    "Chain": "autotune.plans.checkpointing",
+    "AppliedPlan": "autotune.plans.checkpointing",
+    "find_chain": "autotune.plans.checkpointing",
+    "apply_plan": "autotune.plans.checkpointing",
+    "remove_plan": "autotune.plans.checkpointing",
+    "check_plans": "autotune.plans.check",
+    "BudgetExceededError": "autotune.meters.oom",
 }
 
 if TYPE_CHECKING:
-    from autotune.applied import Applied, apply
-    from autotune.checkpointing import AppliedPlan, Chain, apply_plan, find_chain, remove_plan
+    from autotune.training.applied import Applied, apply
+    from autotune.plans.checkpointing import AppliedPlan, Chain, apply_plan, find_chain, remove_plan
     from autotune.meters import MemoryReading, Meter, TensorMeter, make_meter
-    from autotune.oom import BudgetExceededError
+    from autotune.meters.oom import BudgetExceededError
     from autotune.options import Options
-    from autotune.plan_check import check_plans
-    from autotune.trial import run_trial
+    from autotune.plans.check import check_plans
+    from autotune.execution.trial import run_trial
     from autotune.tuner import tune
-    from autotune.workload import Workload
+    from autotune.training.workload import Workload
 
 
 def __getattr__(name: str) -> Any:

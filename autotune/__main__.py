@@ -228,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
     logging.getLogger("autotune").setLevel(level)  # only ours: libraries keep their own levels
 
-    from autotune.progress import Progress
+    from autotune.cli.progress import Progress
 
     try:
         if args.parallel != "none" and _follower():
@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main(args, progress, stopped)
     finally:
         if args.parallel != "none":
-            from autotune.distributed import leave
+            from autotune.execution.distributed import leave
 
             leave()
 
@@ -305,7 +305,7 @@ def _ended_early(args: argparse.Namespace) -> Iterator[None]:
         if args.parallel != "none":
             with contextlib.suppress(Exception):
                 from autotune.device import resolve_device
-                from autotune.distributed import end_early
+                from autotune.execution.distributed import end_early
 
                 end_early(args.parallel, resolve_device(args.device), str(exc))
         raise

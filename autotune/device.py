@@ -24,7 +24,7 @@ import torch
 from autotune._log import logger, notice_once
 from autotune.errors import UsageError, first_line
 from autotune.meters import Meter
-from autotune.precision import PRECISIONS
+from autotune.training.precision import PRECISIONS
 
 __all__ = ["Backend", "CudaBackend", "backend_for", "resolve_device", "ram_bytes", "slowdown_vs_fp32", "SLOW_FACTOR"]
 

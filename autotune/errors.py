@@ -2,7 +2,7 @@
 
 Nothing here imports torch (a torch exception exists only once torch is loaded): records and the
 analysis modules raise these errors on a machine without it. The out-of-memory error the tensor
-meter raises, a ``torch.OutOfMemoryError``, lives with torch in :mod:`autotune.oom`.
+meter raises, a ``torch.OutOfMemoryError``, lives with torch in :mod:`autotune.meters.oom`.
 """
 
 from __future__ import annotations

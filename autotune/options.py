@@ -15,14 +15,14 @@ from typing import Any, Callable, Sequence
 from autotune.errors import UsageError
 from autotune.plans import parse_plans
 from autotune.records import GuardRails, ProbeSettings, TrialSettings
-from autotune.space import parse_batch_sizes, parse_precisions
-from autotune.strategies import make_strategy
+from autotune.search.space import parse_batch_sizes, parse_precisions
+from autotune.search.strategies import make_strategy
 from autotune.units import parse_size
 
 __all__ = ["Options", "ISOLATION_MODES", "PARALLEL_MODES"]
 
 ISOLATION_MODES = ("auto", "process", "none")
-PARALLEL_MODES = ("none", "ddp", "fsdp")  # autotune.distributed
+PARALLEL_MODES = ("none", "ddp", "fsdp")  # autotune.execution.distributed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Plain frozen values with their JSON, and the rules that read them (does a trial fit, what a
 budget leaves after its headroom, how many micro-batches make a target batch). Nothing here
-imports torch: the analysis side (:mod:`autotune.pareto`, :mod:`autotune.memory_model`,
-:mod:`autotune.strategies`, :mod:`autotune.report`) reads a report on a machine without it.
+imports torch: the analysis side (:mod:`autotune.analysis.pareto`, :mod:`autotune.analysis.memory_model`,
+:mod:`autotune.search.strategies`, :mod:`autotune.report`) reads a report on a machine without it.
 Times are in seconds and memory in bytes, as the field names say.
 """
 
@@ -22,7 +22,7 @@ __all__ = [
     "ProbeResult", "PlanCheck", "settled", "timing_fields", "completed", "retimed", "quantile", "usable_bytes", "accumulation_plan",
 ]
 
-PRECISION_NAMES = ("fp32", "fp16", "bf16")  # the modes of autotune.precision
+PRECISION_NAMES = ("fp32", "fp16", "bf16")  # the modes of autotune.training.precision
 INIT_LOSS_SCALE = 2.0**16  # fp16's GradScaler starts here (the practitioner's guide): halve on inf/NaN, grow when quiet
 GROWTH_INTERVAL = 2000  # fp16: clean steps before the scale doubles (GradScaler's default, stated for the exports)
 STATUSES = ("ok", "oom", "timeout", "failed", "crashed")  # crashed: its worker process died, or CUDA is unusable

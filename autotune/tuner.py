@@ -5,7 +5,7 @@
     Options -> resolve -> Target          the device's backend, the workload, budgets, the data's worst batches
             -> preflight -> ModelFacts    the model built once: its size, its blocks, its library's switch
             -> plan_study -> Study        the plans checked on the model, the space, the study's identity
-            -> search -> SearchResult     trials in the Optuna study (autotune.search)
+            -> search -> SearchResult     trials in the Optuna study (autotune.search.loop)
             -> analyse -> Report          front, limits and recommendation derive from the trials
             -> probe -> Report            the best candidates train an epoch over a slice of the data
             -> compare_library -> Report  the library's own checkpointing beside autotune's plan
@@ -25,29 +25,29 @@ import torch
 from torch import nn
 
 from autotune._log import logger
-from autotune.checkpointing import Chain, find_chain, order_chain
-from autotune.data import scan_items, worst_indices
+from autotune.plans.checkpointing import Chain, find_chain, order_chain
+from autotune.training.data import scan_items, worst_indices
 from autotune.device import Backend, backend_for, resolve_device
 from autotune.errors import Interrupted, UsageError, first_line
 from autotune.meters import Meter
 from autotune.options import Options
-from autotune.pareto import probe_candidates
-from autotune.plan_check import run_checks
+from autotune.analysis.pareto import probe_candidates
+from autotune.plans.check import run_checks
 from autotune.plans import ALL, auto_plans, check_plan_fits, is_off
-from autotune.precision import keep_in_fp32
-from autotune.probe import probe_isolated, run_probe
+from autotune.training.precision import keep_in_fp32
+from autotune.execution.probe import probe_isolated, run_probe
 from autotune.records import Config, Measurement, PlanCheck, ProbeResult
 from autotune.report import Report
-from autotune.search import SearchInterrupted, SearchResult, run_one, run_search
-from autotune.space import SearchSpace
-from autotune.store import default_storage, default_study_name, fingerprint, store_plan_checks, stored_plan_checks
-from autotune.strategies import make_strategy
+from autotune.search.loop import SearchInterrupted, SearchResult, run_one, run_search
+from autotune.search.space import SearchSpace
+from autotune.search.store import default_storage, default_study_name, fingerprint, store_plan_checks, stored_plan_checks
+from autotune.search.strategies import make_strategy
 from autotune.thirdparty import library_checkpointing
 from autotune.units import format_bytes
-from autotune.workload import Workload, parse_model_kwargs, to_device
+from autotune.training.workload import Workload, parse_model_kwargs, to_device
 
 if TYPE_CHECKING:
-    from autotune.distributed import Job
+    from autotune.execution.distributed import Job
 
 __all__ = ["tune", "run", "Target", "ModelFacts", "Study", "resolve", "preflight", "plan_study", "search", "analyse",
            "probe", "compare_library"]
@@ -61,7 +61,7 @@ def tune(model: str | type | Callable[[], nn.Module], *, progress: Any = None,
     ``options`` are the fields of :class:`~autotune.options.Options` (the CLI's flags: ``budget``,
     ``data``, ``precisions``, ``segments``, ``batch_sizes``, ``strategy``, ``isolation``, ``probe``,
     ...). Trials are stored in an Optuna study (default ``results/<study>.db``): running the same
-    call again reuses them. ``progress`` receives the events of :class:`autotune.progress.Progress`;
+    call again reuses them. ``progress`` receives the events of :class:`autotune.cli.progress.Progress`;
     ``on_trial(measurement, reused)`` and ``on_probe(result)`` are plain callbacks. Raises
     :class:`~autotune.errors.UsageError` for bad input and :class:`~autotune.errors.Interrupted`
     (holding the partial report) on Ctrl-C.
@@ -74,11 +74,11 @@ def run(options: Options, *, progress: Any = None, on_trial: Callable[[Measureme
     """Run every stage for ``options``; return the report (see the module docstring).
 
     With ``options.parallel`` (``ddp``, ``fsdp``) under torchrun, rank 0 runs the stages and every
-    rank trains each trial (:mod:`autotune.distributed`); every rank returns rank 0's report, or
+    rank trains each trial (:mod:`autotune.execution.distributed`); every rank returns rank 0's report, or
     raises what rank 0 raised.
     """
     if options.parallel != "none":
-        from autotune import distributed
+        from autotune.execution import distributed
 
         device = resolve_device(options.device)
         job = distributed.join(options.parallel, device)
@@ -147,7 +147,7 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
     if job is not None:
         isolation = "none"  # each rank runs its part of a trial in its own process (options refuse "process")
     if isolation == "process":
-        from autotune.isolation import check_picklable
+        from autotune.execution.spawn import check_picklable
 
         check_picklable(workload)  # one clear line now, not every trial crashed later
     workload, profile = _with_data(workload, options.batch_sizes)
@@ -463,7 +463,7 @@ def probe(report: Report, target: Target, study: Study, events: "_Events") -> Re
             logger.debug("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config, 100 * settings.fraction,
                          settings.epochs)
             if target.job is not None:  # every rank trains its share of the slice under the job's wrapper
-                from autotune.distributed import probe_everywhere
+                from autotune.execution.distributed import probe_everywhere
 
                 results.append(probe_everywhere(target.job, study.workload, candidate, **common))
             elif target.isolation == "process":  # a crash or a sticky CUDA error rejects the candidate, no more

@@ -23,8 +23,8 @@ import torch
 from autotune.device import backend_for
 from autotune.meters import TensorMeter
 from autotune.records import Config, TrialSettings
-from autotune.trial import run_trial
-from autotune.workload import Workload
+from autotune.execution.trial import run_trial
+from autotune.training.workload import Workload
 
 
 def main() -> None:

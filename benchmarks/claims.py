@@ -149,13 +149,13 @@ BLOCK_PLANS = ("every4", "2", "4", "all")
 
 def selective_rows(spec: str, kwargs: dict | None, precision: str, batch_size: int, rounds: int) -> dict:
     """Every plan of one model side by side: check, peak, activations saved, step time vs none; dominance."""
-    from autotune.checkpointing import find_chain
+    from autotune.plans.checkpointing import find_chain
     from autotune.meters import TensorMeter
-    from autotune.plan_check import check_plans
+    from autotune.plans.check import check_plans
     from autotune.plans import SELECTIVE, check_plan_fits
     from autotune.records import Config, TrialSettings
-    from autotune.trial import run_trial
-    from autotune.workload import Workload
+    from autotune.execution.trial import run_trial
+    from autotune.training.workload import Workload
 
     w = Workload.from_specs(spec, model_kwargs=kwargs)
     model = w.build_model()

@@ -19,12 +19,12 @@ import torch
 
 import autotune
 from autotune.device import backend_for
-from autotune.isolation import run_trial_isolated
+from autotune.execution.spawn import run_trial_isolated
 from autotune.meters.cuda import CudaMeter, nvml_handle
 from autotune.records import Config, TrialSettings
-from autotune.trial import run_trial
+from autotune.execution.trial import run_trial
 from autotune.units import format_bytes
-from autotune.workload import Workload
+from autotune.training.workload import Workload
 
 GiB = 2**30
 failures: list[str] = []

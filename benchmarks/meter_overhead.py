@@ -3,7 +3,7 @@
     python benchmarks/meter_overhead.py [--batch-size 8] [--steps 5]
 
 Prints, per precision, the median plain step time, the median metered step time and their ratio.
-This is why trials time their steps outside the meter (see autotune/trial.py).
+This is why trials time their steps outside the meter (see autotune/execution/trial.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 import torch
 
 from autotune.meters import TensorMeter
-from autotune.precision import get_mode
-from autotune.workload import Workload
+from autotune.training.precision import get_mode
+from autotune.training.workload import Workload
 
 
 def main() -> None:

@@ -28,9 +28,9 @@ from autotune.device import backend_for
 from autotune.errors import is_oom
 from autotune.meters import TensorMeter
 from autotune.records import Config, TrialSettings
-from autotune.trial import Trainer, run_trial
+from autotune.execution.trial import Trainer, run_trial
 from autotune.units import format_bytes, parse_size
-from autotune.workload import Workload, to_device
+from autotune.training.workload import Workload, to_device
 
 LOADER = "autotune.examples:variable_token_loader"
 

@@ -16,9 +16,9 @@ import dataclasses
 import sys
 
 import autotune
-from autotune.checkpointing import Chain
+from autotune.plans.checkpointing import Chain
 from autotune.options import Options
-from autotune.trial import run_trial
+from autotune.execution.trial import run_trial
 from autotune.tuner import resolve
 
 

@@ -51,11 +51,11 @@ import torch
 import autotune
 from autotune.device import backend_for
 from autotune.meters import TensorMeter
-from autotune.pareto import recommend
+from autotune.analysis.pareto import recommend
 from autotune.records import Config
-from autotune.space import SearchSpace
+from autotune.search.space import SearchSpace
 from autotune.units import format_bytes, parse_size
-from autotune.workload import Workload
+from autotune.training.workload import Workload
 
 MODELS = {"TinyGPT": "autotune.examples:TinyGPT", "ResNetish": "autotune.examples:ResNetish"}
 

@@ -19,8 +19,8 @@ import torch
 
 from autotune.meters import TensorMeter
 from autotune.records import Config, TrialSettings
-from autotune.trial import run_trial
-from autotune.workload import Workload
+from autotune.execution.trial import run_trial
+from autotune.training.workload import Workload
 
 TINY = {"n_layer": 2, "block_size": 16, "n_embd": 16, "n_head": 2, "vocab_size": 32}
 

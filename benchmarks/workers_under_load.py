@@ -72,9 +72,9 @@ def check_run(storage: str, study: str, reports: list[dict]) -> dict:
     """What one run left in the store and what its workers reported: duplicates, idle trials, agreement."""
     import optuna
 
-    import autotune.store
+    import autotune.search.store
 
-    trials = optuna.load_study(study_name=study, storage=autotune.store.make_storage(storage)).get_trials(deepcopy=False)
+    trials = optuna.load_study(study_name=study, storage=autotune.search.store.make_storage(storage)).get_trials(deepcopy=False)
     measured = [t for t in trials if "measurement" in t.user_attrs]
     differences = _differences(reports)
     kinds = [(tuple(sorted(t.params.items())), t.user_attrs["figures"], t.user_attrs["measurement"]["timings"])

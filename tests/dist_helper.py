@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotune import distributed
-from autotune.distributed import Wrapping
+from autotune.execution import distributed
+from autotune.execution.distributed import Wrapping
 from autotune.meters import TensorMeter
 from autotune.records import Config, TrialSettings
-from autotune.trial import Trainer, run_trial
-from autotune.workload import Workload
+from autotune.execution.trial import Trainer, run_trial
+from autotune.training.workload import Workload
 
 WIDTH, BLOCKS, GLOBAL_BATCH = 256, 4, 8
 
@@ -113,7 +113,7 @@ ZOO = ("cnn_batchnorm", "per_layer_args", "dropout_experts", "t5", "mixtral")  #
 
 def zoo_plans_under_the_wrappers(job) -> dict[str, float | str]:
     """Per zoo model, wrapper and plan: one step's gradients against plan 0's under the same wrapper."""
-    from autotune.checkpointing import find_chain
+    from autotune.plans.checkpointing import find_chain
     from tests.zoo import BY_NAME
 
     found: dict[str, float | str] = {}
@@ -144,7 +144,7 @@ def zoo_plans_under_the_wrappers(job) -> dict[str, float | str]:
 def main(out: str) -> None:
     job = distributed.join("ddp", torch.device("cpu"))
     workload = Workload.from_specs(Wide).with_chain(None)
-    from autotune.checkpointing import find_chain
+    from autotune.plans.checkpointing import find_chain
 
     workload = workload.with_chain(find_chain(Wide()))
     x, y = global_batch()

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import autotune
-from autotune.applied import apply
+from autotune.training.applied import apply
 from autotune.examples import TinyGPT, train_tinygpt
 from autotune.records import Config, GuardRails, Measurement
 
@@ -62,8 +62,8 @@ def test_apply_refuses_what_it_cannot_use():
 
 
 def test_guard_rails_in_trials_clip_and_keep_fp32():
-    from autotune.trial import Trainer
-    from autotune.workload import Workload
+    from autotune.execution.trial import Trainer
+    from autotune.training.workload import Workload
 
     w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)
     t = Trainer(w, Config("bf16", "0", 4), torch.device("cpu"), guard=GuardRails(clip_grad_norm=1e-3, fp32_modules=("LayerNorm",)),

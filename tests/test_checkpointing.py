@@ -2,12 +2,12 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.checkpointing import apply_plan, find_chain, order_chain, plan_blocks, remove_plan
+from autotune.plans.checkpointing import apply_plan, find_chain, order_chain, plan_blocks, remove_plan
 from autotune.errors import AutotuneError, UsageError
 from autotune.examples import ResNetish, TinyGPT
 from autotune.meters import TensorMeter
 from autotune.plans import auto_plans
-from autotune.precision import keep_in_fp32
+from autotune.training.precision import keep_in_fp32
 
 
 class TupleBlock(nn.Module):

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 import autotune
-from autotune.data import random_indices, real_tokens, scan_items, worst_indices
+from autotune.training.data import random_indices, real_tokens, scan_items, worst_indices
 from autotune.examples import TinyGPT, pad_collate, variable_token_loader
 from autotune.meters import TensorMeter
 from autotune.records import Config
-from autotune.trial import Trainer
-from autotune.workload import Workload, to_device
+from autotune.execution.trial import Trainer
+from autotune.training.workload import Workload, to_device
 from tests.models import _WithLengths, pad_images, varied_images
 
 TINY = {"n_layer": 4, "block_size": 64, "n_embd": 32, "n_head": 4, "vocab_size": 64}

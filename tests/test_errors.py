@@ -17,7 +17,7 @@ from autotune.errors import (
     is_device_crash,
     is_oom,
 )
-from autotune.oom import BudgetExceededError
+from autotune.meters.oom import BudgetExceededError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

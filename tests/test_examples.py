@@ -16,7 +16,7 @@ from autotune.examples import (
     variable_token_loader,
 )
 from autotune.records import Config, Measurement
-from autotune.workload import Workload
+from autotune.training.workload import Workload
 
 GPT = {"n_layer": 2, "block_size": 16, "n_embd": 16, "n_head": 2, "vocab_size": 32}
 RESNET = {"depth": 2, "channels": 8, "image_size": 8, "num_classes": 5}

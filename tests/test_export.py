@@ -18,7 +18,7 @@ import torch
 import autotune
 from autotune.errors import UsageError
 from autotune.export import FRAMEWORKS, export, parse_frameworks, write_exports
-from autotune.precision import INIT_LOSS_SCALE
+from autotune.training.precision import INIT_LOSS_SCALE
 
 # The quick start's report from before plan names (schema version 1): exports read old reports too.
 QUICKSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quickstart-v1.json")
@@ -170,7 +170,7 @@ def test_deepspeed_config(quickstart, precision, segments, target):
     assert config.train_batch_size == 16 * steps_of(report)  # one process: world size 1
     assert (config.float16_config.enabled, config.bfloat16_config.enabled) == (precision == "fp16", precision == "bf16")
     if precision == "fp16":  # dynamic loss scaling as autotune's GradScaler does it
-        scaler = autotune.precision.get_mode("fp16").grad_scaler("cpu")
+        scaler = autotune.training.precision.get_mode("fp16").grad_scaler("cpu")
         fp16 = config.float16_config
         assert fp16.loss_scale == 0 and fp16.initial_dynamic_scale() == INIT_LOSS_SCALE
         assert fp16.loss_scale_window == scaler.get_growth_interval() == 2000

@@ -88,8 +88,8 @@ def _python(code: str, *, without_torch: bool) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("modules", [
-    "autotune.pareto, autotune.memory_model, autotune.strategies",
-    "autotune.report, autotune.records, autotune.options, autotune.store, autotune.plot, autotune.export",
+    "autotune.analysis.pareto, autotune.analysis.memory_model, autotune.search.strategies",
+    "autotune.report, autotune.records, autotune.options, autotune.search.store, autotune.plot, autotune.export",
     "autotune",
 ])
 def test_the_analysis_side_imports_without_torch(modules):
@@ -112,6 +112,6 @@ def test_the_training_names_load_on_first_use():
             "assert 'torch' not in sys.modules\n"
             "tune, apply = autotune.tune, autotune.apply\n"
             "assert 'torch' in sys.modules and callable(tune) and callable(apply)\n"
-            "import autotune.applied, autotune.trial\n"
-            "assert autotune.apply is autotune.applied.apply  # the function, not a module of that name\n"
+            "import autotune.training.applied, autotune.execution.trial\n"
+            "assert autotune.apply is autotune.training.applied.apply  # the function, not a module of that name\n"
             "assert set(autotune.__all__) <= set(dir(autotune))\n", without_torch=False)

@@ -15,10 +15,10 @@ import types
 import pytest
 from torch import nn
 
-from autotune import isolation
+from autotune.execution import spawn as isolation
 from autotune.errors import UsageError
-from autotune.isolation import _exit_cause, check_picklable, run_isolated
-from autotune.workload import Workload
+from autotune.execution.spawn import _exit_cause, check_picklable, run_isolated
+from autotune.training.workload import Workload
 
 GPT = {"n_layer": 2, "block_size": 16, "n_embd": 32, "n_head": 2, "vocab_size": 64}
 

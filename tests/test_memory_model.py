@@ -8,7 +8,7 @@ values computed by hand or by numpy's own least squares.
 import numpy as np
 import pytest
 
-from autotune.memory_model import MemoryLine, MemoryModel
+from autotune.analysis.memory_model import MemoryLine, MemoryModel
 from autotune.records import Config, Measurement
 
 

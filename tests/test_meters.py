@@ -8,7 +8,7 @@ from autotune.errors import TrialTimeoutError, is_oom
 from autotune.meters import TensorMeter
 from autotune.meters import cuda as cuda_meter
 from autotune.meters import make_meter
-from autotune.oom import BudgetExceededError
+from autotune.meters.oom import BudgetExceededError
 
 
 def test_counts_parameters_gradients_optimizer_state_and_activations():

@@ -1,4 +1,4 @@
-from autotune.pareto import batch_limits, implied_failures, pareto_front, recommend
+from autotune.analysis.pareto import batch_limits, implied_failures, pareto_front, recommend
 from autotune.records import Config, Measurement
 
 MiB = 2**20

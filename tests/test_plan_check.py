@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import autotune
-from autotune.plan_check import check_plans, compare_steps
+from autotune.plans.check import check_plans, compare_steps
 from autotune.examples import TinyGPT
-from autotune.workload import Workload
+from autotune.training.workload import Workload
 
 
 def test_exact_plans_pass_bitwise():

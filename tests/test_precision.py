@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from autotune.errors import UsageError, is_oom
-from autotune.precision import PRECISIONS, get_mode
+from autotune.training.precision import PRECISIONS, get_mode
 
 
 def test_modes():

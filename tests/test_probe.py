@@ -5,11 +5,11 @@ import torch
 
 import autotune
 from autotune.meters import TensorMeter
-from autotune.pareto import choose, probe_candidates
-from autotune.probe import run_probe
+from autotune.analysis.pareto import choose, probe_candidates
+from autotune.execution.probe import run_probe
 from autotune.records import Config, Measurement, ProbeSettings, TrialSettings, accumulation_plan
-from autotune.trial import run_trial
-from autotune.workload import Workload
+from autotune.execution.trial import run_trial
+from autotune.training.workload import Workload
 
 TINY = {"n_layer": 4, "block_size": 64, "n_embd": 32, "n_head": 4, "vocab_size": 64}
 
@@ -55,7 +55,7 @@ def test_variable_lengths_do_not_surprise_the_probe(tmp_path):
     # batch the data can make, so no batch of the probe's epoch goes above it (autotune 0.1 measured the first
     # items and its favourite here ran out of the budget in the probe).
     report = tune(tmp_path, data="tests.models:tiny_variable_loader", budget="16MiB", batch_sizes="4..32", probe_top=4)
-    searched = autotune.pareto.recommend(report.trials, report.budget_bytes, report.headroom)
+    searched = autotune.analysis.pareto.recommend(report.trials, report.budget_bytes, report.headroom)
     by_config = {r.config: r for r in report.probe}
     for r in report.probe:
         assert r.worst_batch_peak_bytes is not None and r.worst_batch_peak_bytes <= r.peak_bytes_max

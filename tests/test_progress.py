@@ -3,7 +3,7 @@
 import io
 
 import autotune
-from autotune.progress import Progress
+from autotune.cli.progress import Progress
 
 TINY = {"n_layer": 2, "block_size": 16, "n_embd": 16, "n_head": 2, "vocab_size": 32}
 

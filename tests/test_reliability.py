@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import autotune
-import autotune.store
-from autotune import isolation
+import autotune.search.store
+from autotune.execution import spawn as isolation
 from autotune.meters import TensorMeter
 from autotune.records import Config, TrialSettings
-from autotune.trial import run_trial
-from autotune.workload import Workload
+from autotune.execution.trial import run_trial
+from autotune.training.workload import Workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = '{"n_layer": 2, "block_size": 16, "n_embd": 16, "n_head": 2, "vocab_size": 32}'
@@ -43,7 +43,7 @@ def cli(processes):
 
 
 def measured_trials(storage, study):
-    trials = optuna.load_study(study_name=study, storage=autotune.store.make_storage(storage)).get_trials(deepcopy=False)
+    trials = optuna.load_study(study_name=study, storage=autotune.search.store.make_storage(storage)).get_trials(deepcopy=False)
     return [t for t in trials if "measurement" in t.user_attrs]
 
 

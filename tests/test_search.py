@@ -4,12 +4,12 @@ import torch
 
 from autotune.errors import UsageError
 from autotune.meters import TensorMeter
-from autotune.pareto import pareto_front, recommend
+from autotune.analysis.pareto import pareto_front, recommend
 from autotune.records import Config, TrialSettings
-from autotune.search import run_search
-from autotune.space import SearchSpace
-from autotune.strategies import GridStrategy, make_strategy
-from autotune.workload import Workload
+from autotune.search.loop import run_search
+from autotune.search.space import SearchSpace
+from autotune.search.strategies import GridStrategy, make_strategy
+from autotune.training.workload import Workload
 
 QUICK = TrialSettings(warmup_steps=2, measure_steps=2)
 SPACE = SearchSpace(("fp32", "bf16"), (0, 2), (1, 4, 64))
@@ -82,7 +82,7 @@ def test_unknown_strategy_is_bad_input():
 
 
 def test_a_new_study_names_its_objectives_for_optunas_own_tools(tmp_path):
-    from autotune.store import open_study
+    from autotune.search.store import open_study
 
     open_study("named", f"sqlite:///{tmp_path}/n.db", workload_key="k")
     assert optuna.load_study(study_name="named", storage=f"sqlite:///{tmp_path}/n.db").metric_names == [
@@ -123,11 +123,11 @@ def test_a_trial_closed_by_another_worker_is_stored_anew_or_given_up_never_twice
     # given up with a notice: the search goes on, and no configuration is measured twice.
     import dataclasses
 
-    import autotune.search
-    from autotune.store import abandon, distributions, fingerprint, record, start_trial
+    import autotune.search.loop
+    from autotune.search.store import abandon, distributions, fingerprint, record, start_trial
 
     space = SearchSpace(("fp32",), (0,), (1, 4))
-    run_one = autotune.search.run_one
+    run_one = autotune.search.loop.run_one
 
     def closed_meanwhile(workload, config, **kwargs):
         m = run_one(workload, config, **kwargs)
@@ -141,7 +141,7 @@ def test_a_trial_closed_by_another_worker_is_stored_anew_or_given_up_never_twice
                 record(study, other, m, {"settings_key": key, "budget_bytes": BUDGET, "timeout_s": None})
         return m
 
-    monkeypatch.setattr(autotune.search, "run_one", closed_meanwhile)
+    monkeypatch.setattr(autotune.search.loop, "run_one", closed_meanwhile)
     result = search(gpt, storage, space=space)
     trials = optuna.load_study(study_name="s", storage=storage).get_trials(deepcopy=False)
     measured = [t for t in trials if "measurement" in t.user_attrs]
@@ -154,15 +154,15 @@ def test_a_trial_closed_by_another_worker_is_stored_anew_or_given_up_never_twice
 def test_the_search_freezes_the_heap_it_starts_with_and_leaves_it_as_it_found_it(gpt, storage, monkeypatch):
     import gc
 
-    import autotune.search
+    import autotune.search.loop
 
-    run_one, frozen = autotune.search.run_one, []
+    run_one, frozen = autotune.search.loop.run_one, []
 
     def noting(*args, **kwargs):
         frozen.append(gc.get_freeze_count())
         return run_one(*args, **kwargs)
 
-    monkeypatch.setattr(autotune.search, "run_one", noting)
+    monkeypatch.setattr(autotune.search.loop, "run_one", noting)
     space = SearchSpace(("fp32",), (0,), (1,))
     gc.unfreeze()  # as a user's process is (the suite's conftest freezes its own)
     try:

@@ -5,14 +5,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autotune.checkpointing import apply_plan, find_chain, remove_plan
+from autotune.plans.checkpointing import apply_plan, find_chain, remove_plan
 from autotune.meters import TensorMeter
-from autotune.plan_check import check_plans
+from autotune.plans.check import check_plans
 from autotune.plans import SELECTIVE, auto_plans, canonical, recomputed_blocks
 from autotune.records import Config, TrialSettings
-from autotune.selective import make_policy
-from autotune.trial import run_trial
-from autotune.workload import Workload
+from autotune.plans.selective import make_policy
+from autotune.execution.trial import run_trial
+from autotune.training.workload import Workload
 
 TINY = {"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
 aten = torch.ops.aten

@@ -2,7 +2,7 @@ import pytest
 
 from autotune.errors import UsageError
 from autotune.records import Config
-from autotune.space import SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
+from autotune.search.space import SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
 
 
 def test_batch_size_range_is_powers_of_two():

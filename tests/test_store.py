@@ -11,8 +11,8 @@ from optuna.trial import TrialState
 
 from autotune.errors import UsageError
 from autotune.records import Config, GuardRails, Measurement
-from autotune.space import SearchSpace
-from autotune.store import (
+from autotune.search.space import SearchSpace
+from autotune.search.store import (
     state_of,
     FINISHED,
     STATE,
@@ -353,7 +353,7 @@ def test_a_write_that_fails_while_the_trial_runs_is_tried_again_not_stored_twice
         return tell(*args, **kwargs)
 
     monkeypatch.setattr(study, "tell", busy_once)
-    monkeypatch.setattr("autotune.store.time.sleep", lambda s: None)
+    monkeypatch.setattr("autotune.search.store.time.sleep", lambda s: None)
     record(study, trial, ok(config), {"settings_key": "s"})
     (stored,) = study.get_trials(deepcopy=False)
     assert len(calls) == 2 and stored.state == TrialState.COMPLETE and "measurement" in stored.user_attrs
@@ -391,7 +391,7 @@ def test_a_signal_inside_a_shielded_store_write_waits_for_its_end():
     import os
     import signal
 
-    from autotune.store import shielded
+    from autotune.search.store import shielded
 
     done = []
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job's SIGINT may be ignored

@@ -11,13 +11,13 @@ import random
 import pytest
 
 from autotune.errors import UsageError
-from autotune.memory_model import MemoryModel
-from autotune.pareto import batch_limits, recommend
+from autotune.analysis.memory_model import MemoryModel
+from autotune.analysis.pareto import batch_limits, recommend
 from autotune.plans import needs_no_more_memory, recompute_fraction
 from autotune.records import Config, Measurement
-from autotune.space import SearchSpace
-from autotune.strategies import AutoStrategy, GridStrategy, OptunaStrategy, make_strategy
-from autotune.strategies.auto import bracket, next_in_bracket
+from autotune.search.space import SearchSpace
+from autotune.search.strategies import AutoStrategy, GridStrategy, OptunaStrategy, make_strategy
+from autotune.search.strategies.auto import bracket, next_in_bracket
 
 MiB = 2**20
 BUDGET = 1024 * MiB

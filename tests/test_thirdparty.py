@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import autotune
-from autotune.checkpointing import apply_plan, find_chain
+from autotune.plans.checkpointing import apply_plan, find_chain
 from autotune.errors import UsageError
 from autotune.meters import TensorMeter
 from autotune.thirdparty import library_checkpointing
-from autotune.workload import Workload
+from autotune.training.workload import Workload
 
 GPT2 = {"n_layer": 4, "n_embd": 64, "n_head": 4, "n_positions": 64, "vocab_size": 256}
 BERT = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
@@ -135,7 +135,7 @@ def test_a_comparison_that_fails_is_a_notice_and_the_report_is_kept(tmp_path, mo
 
 def test_the_library_switch_survives_a_rebuild_from_the_spec_in_a_worker():
     _needs("transformers")
-    from autotune import isolation
+    from autotune.execution import spawn as isolation
     from autotune.records import Config, TrialSettings
 
     spec = Workload.from_specs("autotune.thirdparty:gpt2", model_kwargs=GPT2).spec

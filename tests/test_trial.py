@@ -7,8 +7,8 @@ import torch
 
 from autotune.meters import TensorMeter
 from autotune.records import Config, Measurement, TrialSettings
-from autotune.trial import run_trial
-from autotune.workload import Workload
+from autotune.execution.trial import run_trial
+from autotune.training.workload import Workload
 
 QUICK = TrialSettings(warmup_steps=2, measure_steps=3)
 

@@ -40,7 +40,7 @@ def test_resolve_finds_the_worst_batch_of_every_size(tmp_path):
 
 def test_preflight_builds_the_model_once_and_lets_it_go(tmp_path, monkeypatch):
     built = []
-    from autotune.workload import Workload
+    from autotune.training.workload import Workload
 
     original = Workload.build_model
 
@@ -116,11 +116,11 @@ def test_a_probe_candidate_that_crashes_its_worker_is_rejected_not_the_run(tmp_p
 
 
 def test_a_trial_steps_through_the_users_loop(monkeypatch, tmp_path):
-    from autotune.applied import Applied
+    from autotune.training.applied import Applied
     from autotune.meters import TensorMeter
     from autotune.records import TrialSettings
-    from autotune.trial import run_trial
-    from autotune.workload import Workload
+    from autotune.execution.trial import run_trial
+    from autotune.training.workload import Workload
 
     steps = []
     original = Applied.step

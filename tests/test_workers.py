@@ -11,11 +11,11 @@ import time
 import pytest
 from optuna.trial import TrialState
 
-from autotune import workers
+from autotune.search import workers
 from autotune.records import Config, Measurement
-from autotune.space import SearchSpace
-from autotune.store import distributions, open_study, record
-from autotune.workers import Heartbeat, claim, is_alive, survey, worker_id
+from autotune.search.space import SearchSpace
+from autotune.search.store import distributions, open_study, record
+from autotune.search.workers import Heartbeat, claim, is_alive, survey, worker_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPACE = SearchSpace(("fp32", "bf16"), ("0", "all"), (1, 2, 4))
@@ -82,7 +82,7 @@ def test_worker_id_is_host_pid_namespace_and_pid():
 
 
 def test_another_process_here_has_the_same_host_and_namespace_and_its_own_pid():
-    out = subprocess.run([sys.executable, "-c", "import os; from autotune.workers import worker_id; "
+    out = subprocess.run([sys.executable, "-c", "import os; from autotune.search.workers import worker_id; "
                           "print(worker_id()); print(os.getpid())"], capture_output=True, text=True, cwd=ROOT, check=True)
     theirs, pid = out.stdout.split()
     assert theirs == here(pid) and theirs != worker_id()

@@ -3,7 +3,7 @@ import torch
 
 from autotune.errors import UsageError
 from autotune.examples import ResNetish, TinyGPT
-from autotune.workload import Workload, load_object
+from autotune.training.workload import Workload, load_object
 
 
 def test_load_object():

@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.checkpointing import apply_plan, find_chain, iter_wrapped, order_chain, remove_plan
+from autotune.plans.checkpointing import apply_plan, find_chain, iter_wrapped, order_chain, remove_plan
 from autotune.meters import TensorMeter
-from autotune.plan_check import check_plans
+from autotune.plans.check import check_plans
 from autotune.plans import auto_plans, needs_no_more_memory, recomputed_blocks
 from autotune.thirdparty import library_checkpointing
-from autotune.workload import Workload
+from autotune.training.workload import Workload
 
 from tests.zoo import BY_NAME, ZOO, needs
 
@@ -327,7 +327,7 @@ def _steady_peak(workload: Workload, precision: str, batch_size: int, *, prime: 
                  plan: str = "0") -> tuple[int, list]:
     """The tensor meter's peak over ``steps`` steps of a fresh trainer, its state primed or not; and its losses."""
     from autotune.records import Config
-    from autotune.trial import Trainer
+    from autotune.execution.trial import Trainer
 
     trainer = Trainer(workload, Config(precision, plan, batch_size), torch.device("cpu"))
     with TensorMeter().measure() as h:

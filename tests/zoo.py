@@ -1,7 +1,7 @@
 """A zoo of tiny models, built offline, for checking checkpoint plans architecture by architecture.
 
 Every member is a factory returning a module with an ``example_batch(batch_size)`` method whose
-loss comes out of :meth:`autotune.workload.Workload.loss` (a scalar, or an output with
+loss comes out of :meth:`autotune.training.workload.Workload.loss` (a scalar, or an output with
 ``.loss``), so each is also a workload (``Workload.from_specs(member.build)``). Hugging Face
 models are built from their config classes with random weights (nothing is downloaded); the
 timm ViT needs timm, which does not import beside the CPU build of torch (see ``needs``).

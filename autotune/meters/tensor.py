@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autotune.errors import TrialTimeoutError, is_oom
 from autotune.meters.base import Measuring, MemoryReading, Meter
-from autotune.oom import BudgetExceededError
+from autotune.meters.oom import BudgetExceededError
 
 __all__ = ["TensorMeter"]
 

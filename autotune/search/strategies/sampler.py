@@ -15,9 +15,9 @@ from typing import Mapping
 import optuna
 
 from autotune.records import Config, Measurement
-from autotune.space import SearchSpace
-from autotune.store import distributions as space_distributions
-from autotune.strategies.base import Proposal, Strategy
+from autotune.search.space import SearchSpace
+from autotune.search.store import distributions as space_distributions
+from autotune.search.strategies.base import Proposal, Strategy
 
 __all__ = ["OptunaStrategy"]
 

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Mapping
 
 from autotune.records import Config, Measurement
-from autotune.space import SearchSpace
+from autotune.search.space import SearchSpace
 
 __all__ = ["Strategy", "Proposal"]
 

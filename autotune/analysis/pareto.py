@@ -12,7 +12,7 @@ from autotune.plans import needs_no_more_memory
 from autotune.records import Config, Measurement, ProbeResult, usable_bytes
 
 if TYPE_CHECKING:
-    from autotune.memory_model import MemoryModel
+    from autotune.analysis.memory_model import MemoryModel
 
 __all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "bracket", "implied_failures", "probe_candidates",
            "choose"]

@@ -24,7 +24,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune._log import logger
 from autotune.records import Config, Measurement
-from autotune.store import FINISHED, abandon, config_of, reusable, stamp, start_trial
+from autotune.search.store import FINISHED, abandon, config_of, reusable, stamp, start_trial
 
 __all__ = ["HEARTBEAT_S", "STALE_S", "FIRST_WAIT_S", "WAIT_S", "GRACE_S", "worker_id", "is_alive", "Heartbeat",
            "Waiter", "survey", "claim"]
@@ -150,7 +150,7 @@ def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_
 
     The store is read first: a configuration taken since the worker's last look costs no write.
     Then the claim is a RUNNING trial of the configuration, stamped with this worker, created in
-    one write (:func:`autotune.store.start_trial`), and the store is read again. Stores number
+    one write (:func:`autotune.search.store.start_trial`), and the store is read again. Stores number
     trials in the order their writes land (a database locks the study to number a new trial, a
     journal is one ordered log), so of two workers claiming one configuration at once, the later
     claim's reader sees the earlier claim: the lowest-numbered RUNNING trial of a configuration

@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autotune._log import logger
-from autotune.applied import Applied, prepare
-from autotune.data import real_tokens
+from autotune.training.applied import Applied, prepare
+from autotune.training.data import real_tokens
 from autotune.device import Backend, backend_for
 from autotune.errors import TrialTimeoutError, UsageError, first_line, is_device_crash, is_oom
 from autotune.meters import Meter
 from autotune.records import Config, GuardRails, Measurement, TrialSettings, settled, timing_fields
-from autotune.workload import Workload, to_device
+from autotune.training.workload import Workload, to_device
 
 if TYPE_CHECKING:
-    from autotune.distributed import Wrapping
+    from autotune.execution.distributed import Wrapping
 
 __all__ = ["Trainer", "run_trial", "outcome"]
 
@@ -213,7 +213,7 @@ def run_trial(
     ``timed=False`` makes a memory trial: the metered steps only, no timed steps (no samples/s).
     ``metered=False`` (for a meter that slows steps, the tensor meter) times without the meter: the
     timing that completes an earlier memory trial of the configuration (:func:`records.completed`).
-    ``parallel`` (:mod:`autotune.distributed`) trains this rank's part of a distributed trial.
+    ``parallel`` (:mod:`autotune.execution.distributed`) trains this rank's part of a distributed trial.
     Out-of-memory, time-outs, a crashed device and errors in the user's model are outcomes (status
     ``oom``, ``timeout``, ``crashed``, ``failed``), not exceptions; bad input (:class:`UsageError`)
     and ``KeyboardInterrupt`` propagate. Memory is released before returning.

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from autotune.records import Config, Measurement
-from autotune.space import SearchSpace
-from autotune.strategies.base import Proposal, Strategy
+from autotune.search.space import SearchSpace
+from autotune.search.strategies.base import Proposal, Strategy
 
 __all__ = ["GridStrategy"]
 

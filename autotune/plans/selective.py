@@ -1,7 +1,7 @@
 """Selective (per-operation) checkpointing: keep what is expensive to recompute, recompute the rest.
 
 A block plan recomputes a block's whole forward pass. A selective plan wraps every block the same
-way (each call checkpointed on its own, with its own arguments: :mod:`autotune.checkpointing`),
+way (each call checkpointed on its own, with its own arguments: :mod:`autotune.plans.checkpointing`),
 but inside the checkpoint a policy decides per operation whether its output is kept for the
 backward pass or recomputed (torch's :func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts`,
 as torchtitan's per-op mode and Megatron's selective recompute do):
@@ -17,7 +17,7 @@ as torchtitan's per-op mode and Megatron's selective recompute do):
 Random operations are never kept: they run again in the recompute from the RNG state the
 checkpoint saved, so dropout draws the same masks. The same recompute context that restores the
 buffers a block's forward changed (BatchNorm's statistics) wraps the policy's, so one
-``context_fn`` serves both (:func:`autotune.checkpointing.apply_plan` puts them together). A kept output that the block later changes in place makes torch
+``context_fn`` serves both (:func:`autotune.plans.checkpointing.apply_plan` puts them together). A kept output that the block later changes in place makes torch
 raise in the backward pass: the plan's check on the model then fails and the plan is dropped.
 """
 

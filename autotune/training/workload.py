@@ -33,8 +33,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler, default_collate
 
-from autotune.checkpointing import Chain
-from autotune.data import random_indices, scan_items, worst_indices
+from autotune.plans.checkpointing import Chain
+from autotune.training.data import random_indices, scan_items, worst_indices
 from autotune.errors import AutotuneError, UsageError, is_oom
 
 __all__ = ["Workload", "load_object", "to_device", "parse_model_kwargs"]
@@ -73,7 +73,7 @@ class Workload:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     collate_fn: Callable[[list], Any] | None = None  # the user's, when --data gives a DataLoader
     chain: Chain | None = None  # the repeated blocks plans count in, in forward order (the tuner's preflight finds it)
-    # Per batch size, the dataset indices of the worst batch (autotune.data); found on first use when not given.
+    # Per batch size, the dataset indices of the worst batch (autotune.training.data); found on first use when not given.
     worst_batches: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     notes: tuple[str, ...] = ()  # what the data's form means for the limits (a loader's own sampler, say)
     _found: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)  # worst batches found here
@@ -162,7 +162,7 @@ class Workload:
     def make_batch(self, model: nn.Module, batch_size: int) -> Any:
         """Return the batch of ``batch_size`` samples that memory is measured on (on the CPU).
 
-        With a dataset: the worst batch of that size (:func:`autotune.data.worst_indices`), the
+        With a dataset: the worst batch of that size (:func:`autotune.training.data.worst_indices`), the
         largest the data can make; without one, the model's ``example_batch(batch_size)``.
         """
         if self.dataset is None:

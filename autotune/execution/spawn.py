@@ -3,7 +3,7 @@
 A trial that segfaults, hits a sticky CUDA error (an illegal memory access poisons the whole CUDA
 context), leaks, or fragments the caching allocator is confined to its own process: the worker is
 started with ``spawn`` (a clean interpreter and a fresh CUDA context), builds the workload again
-from its spec, runs :func:`~autotune.trial.run_trial`, sends back the measurement and exits. A
+from its spec, runs :func:`~autotune.execution.trial.run_trial`, sends back the measurement and exits. A
 worker that dies is recorded as ``crashed`` with its exit code or signal; one that hangs past the
 trial's time limit (plus start-up time) is killed and recorded as ``timeout``.
 """
@@ -26,8 +26,8 @@ from autotune._log import logger
 from autotune.device import backend_for
 from autotune.errors import UsageError, first_line
 from autotune.records import Config, Measurement, TrialSettings
-from autotune.trial import run_trial
-from autotune.workload import Workload
+from autotune.execution.trial import run_trial
+from autotune.training.workload import Workload
 
 __all__ = ["run_trial_isolated", "run_isolated", "check_picklable", "STARTUP_GRACE_S"]
 

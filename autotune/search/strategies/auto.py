@@ -1,7 +1,7 @@
 """Auto: bracket each plan's largest batch with the memory model, then climb throughput.
 
 For a fixed precision and checkpoint plan, peak memory is monotone and close to linear in the
-batch size (:mod:`autotune.memory_model`). The strategy works in four phases, each a function of
+batch size (:mod:`autotune.analysis.memory_model`). The strategy works in four phases, each a function of
 the measurements alone, so a resumed search or a second worker picks up where the store stands:
 
 1. **Bracket** every plan's boundary under the budget, exactly at the resolution of the batch
@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from autotune.memory_model import MemoryModel
-from autotune.pareto import bracket, implied_failures
+from autotune.analysis.memory_model import MemoryModel
+from autotune.analysis.pareto import bracket, implied_failures
 from autotune.records import Config, Measurement, usable_bytes
-from autotune.space import SearchSpace
-from autotune.strategies.base import Proposal, Strategy
+from autotune.search.space import SearchSpace
+from autotune.search.strategies.base import Proposal, Strategy
 
 __all__ = ["AutoStrategy", "next_in_bracket"]
 

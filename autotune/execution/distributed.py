@@ -227,7 +227,7 @@ def _trial(job: Job, workload: Any, device: torch.device, parallel: Wrapping, *,
            budget_bytes: int | None, settings: Any, timed: bool, metered: bool) -> Measurement:
     """This rank's part of a search trial."""
     from autotune.device import backend_for
-    from autotune.trial import run_trial
+    from autotune.execution.trial import run_trial
 
     meter = backend_for(device).meter(rank_budget(budget_bytes, job.rank))
     return run_trial(workload, config, device=device, meter=meter, settings=settings, timed=timed, metered=metered,
@@ -237,7 +237,7 @@ def _trial(job: Job, workload: Any, device: torch.device, parallel: Wrapping, *,
 def _probe(job: Job, workload: Any, device: torch.device, parallel: Wrapping, *, trial: dict,
            budget_bytes: int | None, headroom: float, settings: Any, guard: Any) -> "ProbeResult":
     """This rank's part of a probe candidate: its share of the data's slice."""
-    from autotune.probe import run_probe
+    from autotune.execution.probe import run_probe
 
     budget = rank_budget(budget_bytes, job.rank)
     return run_probe(workload, Measurement.from_dict(trial), device=device, budget_bytes=budget, headroom=headroom,
@@ -266,7 +266,7 @@ def _on_group(job: Job, kind: str, workload: Any, device: torch.device, kwargs: 
     """This rank's part of a trial or probe, on a process group of its own (destroyed at once when it fails)."""
     import torch.distributed as dist
 
-    from autotune.store import shielded
+    from autotune.search.store import shielded
 
     job.trials += 1
     passes = 2 if kind == "probe" else 1  # the probe on a slowing meter: metered, then timed
@@ -450,7 +450,7 @@ def probe_everywhere(job: Job, workload: Any, trial: Measurement, *, device: tor
 
 
 def _everywhere(job: Job, kind: str, workload: Any, device: torch.device, agree: Any, **kwargs: Any) -> Any:
-    from autotune.store import shielded
+    from autotune.search.store import shielded
 
     if workload.spec is None:
         raise UsageError("--parallel needs a workload built from specs (a model class or MODULE:ATTR), so that every "
@@ -493,7 +493,7 @@ class _Outcome:
 def lead(job: Job, run: Any) -> Any:
     """Run ``run()`` on the leader; whatever it returns or raises, tell the followers, so they end the same way."""
     from autotune.errors import Interrupted
-    from autotune.store import shielded
+    from autotune.search.store import shielded
 
     outcome = _Outcome("error", message="rank 0 failed")
     job.ended = False
@@ -524,8 +524,8 @@ def follow(job: Job, device: torch.device) -> Any:
     """A follower's life: run the leader's trials and probes until it ends; return its report or raise what it raised."""
     from autotune.errors import Interrupted
     from autotune.report import Report
-    from autotune.store import shielded
-    from autotune.workload import Workload
+    from autotune.search.store import shielded
+    from autotune.training.workload import Workload
 
     workloads: dict[str, Workload] = {}
     interrupted = False

@@ -30,7 +30,7 @@ from autotune._log import logger
 from autotune.errors import UsageError, first_line
 from autotune.plans import canonical
 from autotune.records import Config, Measurement
-from autotune.space import SearchSpace
+from autotune.search.space import SearchSpace
 
 __all__ = [
     "METRIC_NAMES", "STATE", "FINISHED", "fingerprint", "default_study_name", "default_storage", "make_storage",
@@ -192,7 +192,7 @@ def start_trial(study: optuna.Study, config: Config, distributions: dict, user_a
     may be another worker's configuration, or one that another worker has popped and closed since
     this one listed the queue (Optuna then raises ``UpdateFinishedTrialError`` from ``ask``); and a
     trial's number would be the moment it was queued, not the moment it was claimed. A trial
-    created here is numbered when it is written: the claim protocol (:func:`autotune.workers.claim`)
+    created here is numbered when it is written: the claim protocol (:func:`autotune.search.workers.claim`)
     orders claims by that number.
     """
     template = FrozenTrial(
@@ -209,7 +209,7 @@ def record(study: optuna.Study, trial: optuna.Trial, m: Measurement, attrs: dict
     A write that fails while the trial is still running (a busy SQLite file, a dropped database
     connection) is tried again: storing it as a second trial would count the configuration twice.
     A trial closed by another worker (judged stale when its heartbeat stalled) is left as it is:
-    the caller decides whether the measurement is still wanted (:meth:`autotune.search._Loop.keep`).
+    the caller decides whether the measurement is still wanted (:meth:`autotune.search.loop._Loop.keep`).
     """
     attrs = {"status": m.status, "figures": m.figures, **attrs, "measurement": m.to_dict()}  # the measurement last:
     # it marks a stored trial

@@ -1,6 +1,6 @@
 """Check each checkpoint plan on the user's own model before the search trusts it.
 
-A plan must only trade time for memory. :mod:`autotune.checkpointing` is exact by construction
+A plan must only trade time for memory. :mod:`autotune.plans.checkpointing` is exact by construction
 for what it can see (each block call recomputed with its own arguments, buffers restored, RNG
 replayed), but a model can read state that its own loop changes between the forward and the
 backward pass, or a block can write a cache, and no wrapper can see that. So before the search,
@@ -21,13 +21,13 @@ from typing import Any, Iterable
 
 import torch
 
-from autotune.checkpointing import apply_plan
+from autotune.plans.checkpointing import apply_plan
 from autotune.device import backend_for
 from autotune.errors import UsageError, first_line
 from autotune.plans import is_off
-from autotune.precision import keep_in_fp32
+from autotune.training.precision import keep_in_fp32
 from autotune.records import GuardRails, PlanCheck
-from autotune.workload import Workload, to_device
+from autotune.training.workload import Workload, to_device
 
 __all__ = ["PlanCheck", "NOISE_MULTIPLE", "check_plans", "run_checks", "compare_steps"]
 
@@ -142,7 +142,7 @@ def run_checks(workload: Workload, plans: Iterable[str], *, batch_size: int, dev
     kwargs = {"plans": plans, "batch_size": batch_size, "device": str(device), "seed": seed, "guard": guard}
     if isolation != "process" or not plans:
         return check_plans(workload, **kwargs)
-    from autotune.isolation import run_isolated
+    from autotune.execution.spawn import run_isolated
 
     outcome, payload, _ = run_isolated(workload, _check_job, kwargs, name="autotune-plan-check", timeout_s=timeout_s)
     if outcome == "result":

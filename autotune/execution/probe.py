@@ -36,11 +36,11 @@ from autotune.records import (
     quantile,
     usable_bytes,
 )
-from autotune.trial import Trainer, outcome
-from autotune.workload import Workload, to_device
+from autotune.execution.trial import Trainer, outcome
+from autotune.training.workload import Workload, to_device
 
 if TYPE_CHECKING:
-    from autotune.distributed import Wrapping
+    from autotune.execution.distributed import Wrapping
 
 __all__ = ["run_probe", "probe_isolated"]
 
@@ -193,7 +193,7 @@ def run_probe(
     """Train ``trial``'s configuration over the probe's epochs in this process; return what happened.
 
     ``meter`` defaults to the device's, enforcing ``budget_bytes``. ``parallel``
-    (:mod:`autotune.distributed`) makes this rank's part of a distributed probe: its share of the
+    (:mod:`autotune.execution.distributed`) makes this rank's part of a distributed probe: its share of the
     slice, under the job's wrapper.
     """
     if workload.dataset is None:
@@ -223,7 +223,7 @@ def _probe_job(workload: Workload, *, trial: dict, **kwargs: Any) -> dict:
 def probe_isolated(workload: Workload, trial: Measurement, *, device: torch.device, budget_bytes: int | None,
                    headroom: float, settings: ProbeSettings, guard: GuardRails) -> ProbeResult:
     """:func:`run_probe` in a fresh worker process: a crash or a sticky CUDA error rejects the candidate, no more."""
-    from autotune.isolation import run_isolated
+    from autotune.execution.spawn import run_isolated
 
     kwargs = {"trial": trial.to_dict(), "device": str(device), "budget_bytes": budget_bytes, "headroom": headroom,
               "settings": settings, "guard": guard}

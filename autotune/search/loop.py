@@ -1,9 +1,9 @@
 """The search loop: a strategy's proposals become trials of the study until the strategy is done.
 
-Each round reads the store (:func:`autotune.workers.survey`: measurements to reuse, trials other
-workers run now), asks the strategy for a configuration, claims it (:func:`autotune.workers.claim`)
+Each round reads the store (:func:`autotune.search.workers.survey`: measurements to reuse, trials other
+workers run now), asks the strategy for a configuration, claims it (:func:`autotune.search.workers.claim`)
 and runs it as a real training trial, in this process or in a fresh worker
-(:mod:`autotune.isolation`), then records it (:mod:`autotune.store`).
+(:mod:`autotune.execution.spawn`), then records it (:mod:`autotune.search.store`).
 
 * **Resume.** Finished trials are reused when they were measured the same way (trial settings,
   and for an OOM a budget at least as large). A trial left RUNNING by a process that is gone is
@@ -11,7 +11,7 @@ and runs it as a real training trial, in this process or in a fresh worker
 * **Parallel workers.** Several processes with the same storage and study share the work; a
   worker whose strategy is done, or waits for another's trial, or lost a claim to a worker that
   claimed the same configuration at the same moment, waits without writing to the store
-  (:class:`autotune.workers.Waiter`) and looks again, so every worker's report holds the same
+  (:class:`autotune.search.workers.Waiter`) and looks again, so every worker's report holds the same
   measurements.
 * **Interruption.** Ctrl-C marks the running trial failed (it is re-run next time) and raises
   :class:`SearchInterrupted` with everything measured so far.
@@ -32,15 +32,15 @@ from autotune._log import logger
 from autotune.errors import AutotuneError
 from autotune.meters import Meter
 from autotune.records import Config, Measurement, TrialSettings, completed, retimed
-from autotune.space import SearchSpace
-from autotune.store import abandon, distributions, fingerprint, open_study, quiet_optuna, record, shielded
-from autotune.strategies import Proposal, Strategy
-from autotune.trial import run_trial
-from autotune.workers import Heartbeat, Waiter, claim, survey
-from autotune.workload import Workload
+from autotune.search.space import SearchSpace
+from autotune.search.store import abandon, distributions, fingerprint, open_study, quiet_optuna, record, shielded
+from autotune.search.strategies import Proposal, Strategy
+from autotune.execution.trial import run_trial
+from autotune.search.workers import Heartbeat, Waiter, claim, survey
+from autotune.training.workload import Workload
 
 if TYPE_CHECKING:
-    from autotune.distributed import Job
+    from autotune.execution.distributed import Job
 
 __all__ = ["SearchResult", "SearchInterrupted", "run_search", "run_one"]
 
@@ -72,12 +72,12 @@ def run_one(workload: Workload, config: Config, *, device: torch.device, meter: 
     """Run one trial in this process with ``meter``, or (``isolation="process"``) in a fresh worker, or
     (``job``, on rank 0 of a ``--parallel`` job) on every rank of the job."""
     if job is not None:
-        from autotune.distributed import run_everywhere
+        from autotune.execution.distributed import run_everywhere
 
         return run_everywhere(job, workload, config, device=device, budget_bytes=budget_bytes, settings=settings,
                               timed=timed, metered=metered)
     if isolation == "process":
-        from autotune.isolation import run_trial_isolated
+        from autotune.execution.spawn import run_trial_isolated
 
         return run_trial_isolated(workload, config, device=device, budget_bytes=budget_bytes, settings=settings,
                                   timed=timed, metered=metered)

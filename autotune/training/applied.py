@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from autotune._log import logger
-from autotune.checkpointing import Chain, apply_plan
+from autotune.plans.checkpointing import Chain, apply_plan
 from autotune.errors import UsageError
 from autotune.plans import canonical, is_off
-from autotune.precision import get_mode, keep_in_fp32
+from autotune.training.precision import get_mode, keep_in_fp32
 from autotune.records import GuardRails, Measurement, accumulation_plan
 from autotune.report import Report
 
@@ -143,7 +143,7 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
     """Prepare ``model`` to train as ``recommendation`` says, in place.
 
     ``recommendation`` is a :class:`~autotune.report.Report` (its recommendation, accumulation
-    plan and guard rails are used), a :class:`~autotune.trial.Measurement`, or the JSON dict of
+    plan and guard rails are used), a :class:`~autotune.execution.trial.Measurement`, or the JSON dict of
     either. ``device_type`` defaults to where the model's parameters are.
     """
     source = _recommendation_fields(recommendation)

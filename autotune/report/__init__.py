@@ -9,8 +9,8 @@ import os
 import tempfile
 from typing import Any
 
-from autotune.memory_model import MemoryModel
-from autotune.pareto import batch_limits, choose, pareto_front, recommend
+from autotune.analysis.memory_model import MemoryModel
+from autotune.analysis.pareto import batch_limits, choose, pareto_front, recommend
 from autotune.plans import canonical
 from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan
 from autotune.units import format_bytes

@@ -2,7 +2,7 @@
 
 A plan is named in ``--segments`` and stored under that name in trials and reports. Every plan
 is a set of blocks, each recomputed on its own with exactly the arguments of its own call
-(:mod:`autotune.checkpointing`), so plans differ only in how many and which blocks they pick:
+(:mod:`autotune.plans.checkpointing`), so plans differ only in how many and which blocks they pick:
 
 * ``0``: no checkpointing.
 * ``N`` (an integer, 1 <= N <= L): the blocks cut into N contiguous segments of sizes differing
@@ -12,7 +12,7 @@ is a set of blocks, each recomputed on its own with exactly the arguments of its
   transformers and timm do this).
 * ``everyN`` (``every2``, ``every4``, ...): blocks 0, N, 2N, ...: transformers' ``every_n_layers``.
   A smooth trade-off between memory and recompute time.
-* ``sac-matmul``, ``sac-linear``, ``sac-lean``: selective plans (:mod:`autotune.selective`).
+* ``sac-matmul``, ``sac-linear``, ``sac-lean``: selective plans (:mod:`autotune.plans.selective`).
   Every block is wrapped, and inside it a per-operation policy keeps the outputs of matmuls
   (all of them; only the linear layers'; every other linear one) and recomputes the rest: a
   point between no checkpointing and recomputing whole blocks.
@@ -35,7 +35,7 @@ _EVERY = re.compile(r"^every(\d+)$")
 # Selective plans, with the share of a block's activation memory each is expected to free (a prior for
 # the memory model and the plans' order; measured on TinyGPT, fp32, batch 16: README "Selective plans").
 SELECTIVE = {"sac-matmul": 0.15, "sac-lean": 0.2, "sac-linear": 0.75}
-SELECTIVE_POLICIES = {  # what each keeps (autotune.selective has the policies), for the JSON and the exports' notes
+SELECTIVE_POLICIES = {  # what each keeps (autotune.plans.selective has the policies), for the JSON and the exports' notes
     "sac-matmul": "keep matmul, convolution and attention outputs; recompute the rest",
     "sac-linear": "keep the linear layers' outputs; recompute attention and the element-wise work",
     "sac-lean": "keep attention, convolution and every other linear layer's outputs; recompute the rest",

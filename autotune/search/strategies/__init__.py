@@ -1,11 +1,11 @@
 """Search strategies: which configuration to measure next, given what has been measured.
 
 A strategy sees the search space and the measurements so far and proposes one configuration at
-a time, or ``None`` when it is done. The driver (:mod:`autotune.search`) runs each proposal as an
+a time, or ``None`` when it is done. The driver (:mod:`autotune.search.loop`) runs each proposal as an
 Optuna trial, so every strategy gets storage, resume and the trial record for free.
 
 * ``auto`` (the default): model-guided bracketing of each plan's largest batch, then a
-  throughput climb (:mod:`autotune.strategies.auto`).
+  throughput climb (:mod:`autotune.search.strategies.auto`).
 * ``grid``: every configuration; the exhaustive reference.
 * ``optuna``: Optuna's NSGA-II within ``n_trials``, for spaces too large for the other two.
 """
@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from autotune.errors import UsageError
-from autotune.strategies.auto import AutoStrategy
-from autotune.strategies.base import Proposal, Strategy
-from autotune.strategies.grid import GridStrategy
-from autotune.strategies.sampler import OptunaStrategy
+from autotune.search.strategies.auto import AutoStrategy
+from autotune.search.strategies.base import Proposal, Strategy
+from autotune.search.strategies.grid import GridStrategy
+from autotune.search.strategies.sampler import OptunaStrategy
 
 __all__ = ["Strategy", "Proposal", "AutoStrategy", "GridStrategy", "OptunaStrategy", "STRATEGIES", "make_strategy"]
 

@@ -22,7 +22,7 @@ policies) that puts back every buffer the block's forward changed, so BatchNorm'
 statistics and ``num_batches_tracked`` are updated once per step, as without a plan. Dropout
 masks are replayed from the saved RNG state. Anything else a block reads that its model changes
 between the forward and the backward pass cannot be replayed: the run-time check
-(:mod:`autotune.plan_check`) finds such plans and drops them.
+(:mod:`autotune.plans.check`) finds such plans and drops them.
 
 Plans set an instance ``forward`` on each picked block that wraps the forward it had (its class's,
 or one set before: ``--fp32-modules``, accelerate's hooks), so module hooks stay outside the
@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from autotune.errors import AutotuneError, UsageError
 from autotune.plans import SELECTIVE_POLICIES, canonical, check_plan_fits, is_off, is_selective, recomputed_blocks
-from autotune.selective import make_policy
+from autotune.plans.selective import make_policy
 
 __all__ = ["Chain", "AppliedPlan", "find_chain", "order_chain", "apply_plan", "remove_plan", "plan_blocks", "restore_buffers",
            "selective_contexts", "iter_wrapped"]
