@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main(args, progress, stopped)
     finally:
         if args.parallel != "none":
-            from autotune.execution.distributed import leave
+            from autotune.execution.job import leave
 
             leave()
 
@@ -305,7 +305,7 @@ def _ended_early(args: argparse.Namespace) -> Iterator[None]:
         if args.parallel != "none":
             with contextlib.suppress(Exception):
                 from autotune.device import resolve_device
-                from autotune.execution.distributed import end_early
+                from autotune.execution.job import end_early
 
                 end_early(args.parallel, resolve_device(args.device), str(exc))
         raise

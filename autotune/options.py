@@ -22,7 +22,7 @@ from autotune.units import parse_size
 __all__ = ["Options", "ISOLATION_MODES", "PARALLEL_MODES"]
 
 ISOLATION_MODES = ("auto", "process", "none")
-PARALLEL_MODES = ("none", "ddp", "fsdp")  # autotune.execution.distributed
+PARALLEL_MODES = ("none", "ddp", "fsdp")  # autotune.execution.ranks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,6 @@ report so far, marked partial; finished trials are in the store either way.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -29,16 +28,18 @@ from autotune.plans.checkpointing import Chain, find_chain, order_chain
 from autotune.training.data import scan_items, worst_indices
 from autotune.device import Backend, backend_for, resolve_device
 from autotune.errors import Interrupted, UsageError, first_line
-from autotune.meters import Meter
 from autotune.options import Options
 from autotune.analysis.pareto import probe_candidates
 from autotune.plans.check import run_checks
 from autotune.plans import ALL, auto_plans, check_plan_fits, is_off
 from autotune.training.precision import keep_in_fp32
-from autotune.execution.probe import probe_isolated, run_probe
+from autotune.execution.probe import ProbeWork
+from autotune.execution.trial import TrialWork
+from autotune.execution.venue import venue_for
+from autotune.execution.work import Venue
 from autotune.records import Config, Measurement, PlanCheck, ProbeResult
 from autotune.report import Report
-from autotune.search.loop import SearchInterrupted, SearchResult, run_one, run_search
+from autotune.search.loop import SearchInterrupted, SearchResult, run_search
 from autotune.search.space import SearchSpace
 from autotune.search.store import default_storage, default_study_name, fingerprint, store_plan_checks, stored_plan_checks
 from autotune.search.strategies import make_strategy
@@ -47,7 +48,7 @@ from autotune.units import format_bytes
 from autotune.training.workload import Workload, parse_model_kwargs, to_device
 
 if TYPE_CHECKING:
-    from autotune.execution.distributed import Job
+    from autotune.execution.job import Job
 
 __all__ = ["tune", "run", "Target", "ModelFacts", "Study", "resolve", "preflight", "plan_study", "search", "analyse",
            "probe", "compare_library"]
@@ -74,17 +75,18 @@ def run(options: Options, *, progress: Any = None, on_trial: Callable[[Measureme
     """Run every stage for ``options``; return the report (see the module docstring).
 
     With ``options.parallel`` (``ddp``, ``fsdp``) under torchrun, rank 0 runs the stages and every
-    rank trains each trial (:mod:`autotune.execution.distributed`); every rank returns rank 0's report, or
+    rank trains each trial (:mod:`autotune.execution.ranks`); every rank returns rank 0's report, or
     raises what rank 0 raised.
     """
     if options.parallel != "none":
-        from autotune.execution import distributed
+        from autotune.execution.job import join
+        from autotune.execution.ranks import follow, lead
 
         device = resolve_device(options.device)
-        job = distributed.join(options.parallel, device)
+        job = join(options.parallel, device)
         if not job.leader:
-            return distributed.follow(job, job.device(device))
-        return distributed.lead(job, lambda: _stages(options, progress, on_trial, on_probe, job))
+            return follow(job, job.device(device))
+        return lead(job, lambda: _stages(options, progress, on_trial, on_probe, job))
     return _stages(options, progress, on_trial, on_probe, None)
 
 
@@ -119,6 +121,7 @@ class Target:
     budgets: tuple[int, ...]  # the other budgets recommended for, from the same trials
     precisions: tuple[str, ...]
     isolation: str  # "process" or "none"
+    venue: Venue  # where trials, probe candidates and plan checks run: this process, a worker, every rank
     data_profile: dict[str, Any] | None  # the item sizes and how batches were chosen (with data)
     notices: tuple[str, ...]
     job: "Job | None" = None  # --parallel: this rank's place in the job (rank 0: the leader)
@@ -132,10 +135,6 @@ class Target:
     def device(self) -> torch.device:
         return self.backend.device
 
-    def local_meter(self) -> Meter:
-        """The meter of trials run in this process; with process isolation each worker makes its own (this one stays unused)."""
-        return self.backend.meter(self.enforced_bytes if self.isolation == "none" else None)
-
 
 def resolve(options: Options, job: "Job | None" = None) -> Target:
     """Stage 1: the device, the workload (with the data's worst batch of every size), budgets and precisions."""
@@ -146,10 +145,8 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
     isolation = backend.default_isolation if options.isolation == "auto" else options.isolation
     if job is not None:
         isolation = "none"  # each rank runs its part of a trial in its own process (options refuse "process")
-    if isolation == "process":
-        from autotune.execution.spawn import check_picklable
-
-        check_picklable(workload)  # one clear line now, not every trial crashed later
+    venue = venue_for(isolation, backend.device, job)
+    venue.admit(workload)  # one clear line now, not every trial crashed later
     workload, profile = _with_data(workload, options.batch_sizes)
     notices = list(workload.notes)
     for notice in notices:
@@ -159,7 +156,7 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
                        "that hold over your dataset's batches")
         logger.info(notices[-1])
     return Target(options, backend, workload, budget, tuple(b for b in options.budgets if b != budget),
-                  _precisions(options.precisions, backend), isolation, profile, tuple(notices), job)
+                  _precisions(options.precisions, backend), isolation, venue, profile, tuple(notices), job)
 
 
 def _with_data(workload: Workload, batch_sizes: Sequence[int]) -> tuple[Workload, dict[str, Any] | None]:
@@ -339,8 +336,8 @@ def _checked_plans(workload: Workload, plans: Sequence[str], target: Target, *, 
     logger.info("checking %d checkpoint plan(s) on %s: one step with and without each, batch %d, fp32",
                 len(to_check), workload.name, batch_size)
     started = time.monotonic()
-    checks = run_checks(workload, to_check, batch_size=batch_size, device=target.device, seed=settings.seed,
-                        guard=settings.guard, isolation=target.isolation, timeout_s=settings.timeout_s)
+    checks = run_checks(workload, to_check, venue=target.venue, batch_size=batch_size, seed=settings.seed,
+                        guard=settings.guard, timeout_s=settings.timeout_s)
     logger.info("checked in %.1f s: %s", time.monotonic() - started, ", ".join(f"{c.plan} {c.status}" for c in checks))
     store_plan_checks(study_name, storage, workload_key=workload_key, key=key, checks=[c.to_dict() for c in checks])
     return checks
@@ -382,12 +379,11 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
     planned = {"grid": len(space), "optuna": min(len(space), options.n_trials or max(1, len(space) // 4))}.get(strategy.name)
     events.call("search_started", space_size=len(space), planned=planned, strategy=strategy.name,
                 budget_bytes=target.budget_bytes)
-    meter = target.local_meter()
     try:
-        return run_search(study.workload, space, strategy, device=target.device, meter=meter,
-                          budget_bytes=target.enforced_bytes, settings=options.trial_settings, study_name=study.name,
-                          storage=study.storage, workload_key=study.workload_key, isolation=target.isolation,
-                          on_trial=events.trial_done, on_trial_start=events.trial_started, job=target.job)
+        return run_search(study.workload, space, strategy, venue=target.venue, budget_bytes=target.enforced_bytes,
+                          settings=options.trial_settings, study_name=study.name, storage=study.storage,
+                          workload_key=study.workload_key, on_trial=events.trial_done,
+                          on_trial_start=events.trial_started)
     except SearchInterrupted as exc:
         return exc.result
     finally:
@@ -454,22 +450,15 @@ def probe(report: Report, target: Target, study: Study, events: "_Events") -> Re
         logger.info(notice)
         return dataclasses.replace(report, notices=report.notices + (notice,))
     candidates = probe_candidates(report.pareto, target.budget_bytes, options.headroom, settings.top)
-    common = {"device": target.device, "budget_bytes": target.budget_bytes, "headroom": options.headroom,
-              "settings": settings, "guard": options.guard}
+    passes = 2 if target.venue.slows_steps else 1  # a slowing meter: metered, then timed
     results: list[ProbeResult] = []
     try:
         for i, candidate in enumerate(candidates, 1):
             events.call("probe_started", candidate.config, i, len(candidates))
             logger.debug("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config, 100 * settings.fraction,
                          settings.epochs)
-            if target.job is not None:  # every rank trains its share of the slice under the job's wrapper
-                from autotune.execution.distributed import probe_everywhere
-
-                results.append(probe_everywhere(target.job, study.workload, candidate, **common))
-            elif target.isolation == "process":  # a crash or a sticky CUDA error rejects the candidate, no more
-                results.append(probe_isolated(study.workload, candidate, **common))
-            else:
-                results.append(run_probe(study.workload, candidate, **common))
+            work = ProbeWork(candidate, target.budget_bytes, options.headroom, settings, options.guard, passes)
+            results.append(target.venue.run(study.workload, work))
             events.probe_done(results[-1])
     except KeyboardInterrupt:  # the probe is incomplete: report what it did, marked partial
         raise Interrupted(dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict(),
@@ -497,15 +486,12 @@ def compare_library(report: Report, target: Target, facts: ModelFacts, study: St
     measured = {m.config: m for m in report.trials}
     ours_config = Config(rec.precision, ALL, rec.batch_size)  # every block recomputed, as the library's switch does
     logger.info("comparing %s with plan %s at %s, batch %d", method, ALL, rec.precision, rec.batch_size)
-    meter = target.local_meter()
-    run = functools.partial(run_one, device=target.device, meter=meter, budget_bytes=target.enforced_bytes,
-                            settings=target.options.trial_settings, isolation=target.isolation, job=target.job)
     try:
         lib = Workload.from_specs(**{**study.workload.spec, "library_checkpointing": True})  # rebuilt so in a worker
-        library = run(lib, Config(rec.precision, 0, rec.batch_size))
+        library = compare_library_trial(target, lib, Config(rec.precision, 0, rec.batch_size))
         ours = measured.get(ours_config)
         if ours is None or ours.memory_only:  # compared for speed too: a memory trial of the search is timed here
-            ours = run(study.workload, ours_config)
+            ours = compare_library_trial(target, study.workload, ours_config)
     except Exception as exc:  # noqa: BLE001 - an extra measurement: its failure must not cost the report
         return _with_notice(report, f"the comparison with {method} could not be made ({type(exc).__name__}: "
                                     f"{first_line(exc)})")
@@ -514,6 +500,11 @@ def compare_library(report: Report, target: Target, facts: ModelFacts, study: St
         "method": method, "precision": rec.precision, "batch_size": rec.batch_size, "library": _row(library),
         "autotune": {"segments": ALL, **_row(ours)}, "none": None if none is None else _row(none),
     })
+
+
+def compare_library_trial(target: Target, workload: Workload, config: Config) -> Measurement:
+    """One trial of the comparison, where the search's trials run and as they ran."""
+    return target.venue.run(workload, TrialWork(config, target.options.trial_settings, target.enforced_bytes))
 
 
 def _row(m: Measurement) -> dict[str, Any]:

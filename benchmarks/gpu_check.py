@@ -19,10 +19,10 @@ import torch
 
 import autotune
 from autotune.device import backend_for
-from autotune.execution.spawn import run_trial_isolated
+from autotune.execution.spawn import Spawned
 from autotune.meters.cuda import CudaMeter, nvml_handle
 from autotune.records import Config, TrialSettings
-from autotune.execution.trial import run_trial
+from autotune.execution.trial import TrialWork, run_trial
 from autotune.units import format_bytes
 from autotune.training.workload import Workload
 
@@ -100,8 +100,8 @@ def main() -> int:
 
     print("3. A device-side assert in a worker is a crashed trial; the next trial runs")
     crash_w = Workload.from_specs("tests.models:DeviceAssert")
-    crashed = run_trial_isolated(crash_w, Config("fp32", 0, 4), device=dev, budget_bytes=None, settings=settings)
-    after = run_trial_isolated(crash_w, Config("fp32", 0, 2), device=dev, budget_bytes=None, settings=settings)
+    crashed = Spawned(dev).run(crash_w, TrialWork(Config("fp32", 0, 4), settings, None))
+    after = Spawned(dev).run(crash_w, TrialWork(Config("fp32", 0, 2), settings, None))
     print(f"  batch 4: {crashed.status} ({crashed.error}); batch 2: {after.status}")
     check(crashed.status == "crashed" and "CUDA" in (crashed.error or ""), "the device-side assert is recorded as crashed")
     check(after.status == "ok", "a fresh worker trains the next trial")

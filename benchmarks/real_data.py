@@ -28,7 +28,8 @@ from autotune.device import backend_for
 from autotune.errors import is_oom
 from autotune.meters import TensorMeter
 from autotune.records import Config, TrialSettings
-from autotune.execution.trial import Trainer, run_trial
+from autotune.execution.trial import run_trial
+from autotune.training.trainer import Trainer
 from autotune.units import format_bytes, parse_size
 from autotune.training.workload import Workload, to_device
 

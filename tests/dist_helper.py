@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotune.execution import distributed
-from autotune.execution.distributed import Wrapping
+from autotune.execution import job as distributed
+from autotune.execution.wrapping import Wrapping
 from autotune.meters import TensorMeter
 from autotune.records import Config, TrialSettings
-from autotune.execution.trial import Trainer, run_trial
+from autotune.execution.trial import run_trial
+from autotune.training.trainer import Trainer
 from autotune.training.workload import Workload
 
 WIDTH, BLOCKS, GLOBAL_BATCH = 256, 4, 8

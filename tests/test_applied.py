@@ -62,7 +62,7 @@ def test_apply_refuses_what_it_cannot_use():
 
 
 def test_guard_rails_in_trials_clip_and_keep_fp32():
-    from autotune.execution.trial import Trainer
+    from autotune.training.trainer import Trainer
     from autotune.training.workload import Workload
 
     w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)

@@ -8,7 +8,7 @@ from autotune.training.data import random_indices, real_tokens, scan_items, wors
 from autotune.examples import TinyGPT, pad_collate, variable_token_loader
 from autotune.meters import TensorMeter
 from autotune.records import Config
-from autotune.execution.trial import Trainer
+from autotune.training.trainer import Trainer
 from autotune.training.workload import Workload, to_device
 from tests.models import _WithLengths, pad_images, varied_images
 

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from autotune.execution.distributed import Job, _Interrupted, _Refused, combine, rank_budget
+from autotune.execution.agreement import combine
+from autotune.execution.job import Job, RankInterrupted as _Interrupted, RankRefused as _Refused, rank_budget
 from autotune.errors import UsageError
 from autotune.options import Options
 from autotune.records import Config, Measurement, accumulation_plan
@@ -268,7 +269,7 @@ def test_the_outcome_is_the_ranks_in_the_order_oom_crashed_timeout_failed():
 
 
 def test_a_probe_candidate_is_accepted_only_when_every_rank_accepts_it():
-    from autotune.execution.distributed import combine_probe
+    from autotune.execution.agreement import combine_probe
     from autotune.records import ProbeResult
 
     def r(accepted=True, reason=None, peak=100, samples=64, rate=50.0):

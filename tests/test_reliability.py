@@ -18,7 +18,7 @@ import autotune.search.store
 from autotune.execution import spawn as isolation
 from autotune.meters import TensorMeter
 from autotune.records import Config, TrialSettings
-from autotune.execution.trial import run_trial
+from autotune.execution.trial import TrialWork, run_trial
 from autotune.training.workload import Workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,8 +81,7 @@ def test_isolated_trial_that_hangs_is_killed_at_the_time_limit(tmp_path, monkeyp
     monkeypatch.setattr(isolation, "STARTUP_GRACE_S", 5.0)
     w = Workload.from_specs("tests.models:Hangs")
     start = time.monotonic()
-    m = isolation.run_trial_isolated(w, Config("fp32", "0", 2), device="cpu", budget_bytes=None,
-                                     settings=TrialSettings(measure_steps=2, timeout_s=5.0))
+    m = isolation.Spawned("cpu").run(w, TrialWork(Config("fp32", "0", 2), TrialSettings(measure_steps=2, timeout_s=5.0), None))
     assert m.status == "timeout" and "killed" in m.error
     assert time.monotonic() - start < 60
 
@@ -91,7 +90,7 @@ def test_isolated_trial_measures_like_an_in_process_one():
     w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)
     settings = TrialSettings(measure_steps=2)
     here = run_trial(w, Config("bf16", "2", 4), device="cpu", meter=TensorMeter(budget_bytes=2**30), settings=settings)
-    there = isolation.run_trial_isolated(w, Config("bf16", "2", 4), device="cpu", budget_bytes=2**30, settings=settings)
+    there = isolation.Spawned("cpu").run(w, TrialWork(Config("bf16", "2", 4), settings, 2**30))
     assert there.status == "ok" and there.peak_bytes == here.peak_bytes and there.loss_first == here.loss_first
 
 
@@ -105,8 +104,7 @@ def test_an_isolated_trial_logs_its_steps_with_verbose(capfd):
     before = logger.level
     logger.setLevel(logging.DEBUG)
     try:
-        m = isolation.run_trial_isolated(w, Config("fp32", "0", 2), device="cpu", budget_bytes=2**30,
-                                         settings=TrialSettings(measure_steps=2))
+        m = isolation.Spawned("cpu").run(w, TrialWork(Config("fp32", "0", 2), TrialSettings(measure_steps=2), 2**30))
     finally:
         logger.setLevel(before)
     err = capfd.readouterr().err

@@ -1,8 +1,8 @@
 import optuna
 import pytest
-import torch
 
 from autotune.errors import UsageError
+from autotune.execution.venue import Here
 from autotune.meters import TensorMeter
 from autotune.analysis.pareto import pareto_front, recommend
 from autotune.records import Config, TrialSettings
@@ -21,10 +21,9 @@ def gpt(tiny_gpt_kwargs):
     return Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=tiny_gpt_kwargs)
 
 
-def search(gpt, storage, *, budget=BUDGET, study="s", key="k", space=SPACE, seen=None):
+def search(gpt, storage, *, budget=BUDGET, study="s", key="k", space=SPACE, seen=None, venue=None):
     return run_search(
-        gpt, space, GridStrategy(), device=torch.device("cpu"), meter=TensorMeter(budget_bytes=budget),
-        budget_bytes=budget, settings=QUICK, study_name=study, storage=storage, workload_key=key,
+        gpt, space, GridStrategy(), venue=venue or Here("cpu", TensorMeter(budget_bytes=budget)), budget_bytes=budget, settings=QUICK, study_name=study, storage=storage, workload_key=key,
         on_trial=(lambda m, reused: seen.append((m.config, reused))) if seen is not None else None,
     )
 
@@ -93,8 +92,8 @@ def test_auto_meters_the_bracket_and_times_only_the_envelope_completing_memory_t
     # Tiny GPT, 10 MiB: plan 0 fits batch 16, not 64; plan 2 neither at 64; "all" fits 64.
     space = SearchSpace(("fp32",), ("0", "2", "all"), (1, 4, 16, 64), blocks=4)
     budget = 10 * 2**20
-    result = run_search(gpt, space, make_strategy("auto", budgets=()), device=torch.device("cpu"),
-                        meter=TensorMeter(budget_bytes=budget), budget_bytes=budget, settings=QUICK, study_name="a",
+    result = run_search(gpt, space, make_strategy("auto", budgets=()), venue=Here("cpu", TensorMeter(budget_bytes=budget)),
+                        budget_bytes=budget, settings=QUICK, study_name="a",
                         storage=storage, workload_key="k")
     trials = optuna.load_study(study_name="a", storage=storage).get_trials()
     assert result.n_run == len(trials)
@@ -123,14 +122,16 @@ def test_a_trial_closed_by_another_worker_is_stored_anew_or_given_up_never_twice
     # given up with a notice: the search goes on, and no configuration is measured twice.
     import dataclasses
 
-    import autotune.search.loop
     from autotune.search.store import abandon, distributions, fingerprint, record, start_trial
 
     space = SearchSpace(("fp32",), (0,), (1, 4))
-    run_one = autotune.search.loop.run_one
 
-    def closed_meanwhile(workload, config, **kwargs):
-        m = run_one(workload, config, **kwargs)
+    class ClosedMeanwhile(Here):
+        def run(self, workload, work):
+            m, config = super().run(workload, work), work.config
+            return closed_meanwhile(m, config)
+
+    def closed_meanwhile(m, config):
         if config.batch_size == 1:
             study = optuna.load_study(study_name="s", storage=storage)
             (running,) = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
@@ -141,8 +142,7 @@ def test_a_trial_closed_by_another_worker_is_stored_anew_or_given_up_never_twice
                 record(study, other, m, {"settings_key": key, "budget_bytes": BUDGET, "timeout_s": None})
         return m
 
-    monkeypatch.setattr(autotune.search.loop, "run_one", closed_meanwhile)
-    result = search(gpt, storage, space=space)
+    result = search(gpt, storage, space=space, venue=ClosedMeanwhile("cpu", TensorMeter(budget_bytes=BUDGET)))
     trials = optuna.load_study(study_name="s", storage=storage).get_trials(deepcopy=False)
     measured = [t for t in trials if "measurement" in t.user_attrs]
     assert sorted(t.params["batch_size"] for t in measured) == [1, 4]  # once each
@@ -154,22 +154,20 @@ def test_a_trial_closed_by_another_worker_is_stored_anew_or_given_up_never_twice
 def test_the_search_freezes_the_heap_it_starts_with_and_leaves_it_as_it_found_it(gpt, storage, monkeypatch):
     import gc
 
-    import autotune.search.loop
+    frozen = []
 
-    run_one, frozen = autotune.search.loop.run_one, []
+    class Noting(Here):
+        def run(self, workload, work):
+            frozen.append(gc.get_freeze_count())
+            return super().run(workload, work)
 
-    def noting(*args, **kwargs):
-        frozen.append(gc.get_freeze_count())
-        return run_one(*args, **kwargs)
-
-    monkeypatch.setattr(autotune.search.loop, "run_one", noting)
     space = SearchSpace(("fp32",), (0,), (1,))
     gc.unfreeze()  # as a user's process is (the suite's conftest freezes its own)
     try:
-        search(gpt, storage, space=space, study="a")
+        search(gpt, storage, space=space, study="a", venue=Noting("cpu", TensorMeter(budget_bytes=BUDGET)))
         assert frozen[0] > 0 and gc.get_freeze_count() == 0  # frozen during the trials, not after
         gc.freeze()  # a process that froze its heap itself keeps it frozen
-        search(gpt, storage, space=space, study="b")
+        search(gpt, storage, space=space, study="b", venue=Noting("cpu", TensorMeter(budget_bytes=BUDGET)))
         assert gc.get_freeze_count() > 0
     finally:
         gc.collect()

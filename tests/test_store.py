@@ -391,7 +391,7 @@ def test_a_signal_inside_a_shielded_store_write_waits_for_its_end():
     import os
     import signal
 
-    from autotune.search.store import shielded
+    from autotune.signals import shielded
 
     done = []
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job's SIGINT may be ignored

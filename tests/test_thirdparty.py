@@ -122,10 +122,10 @@ def test_bad_third_party_configs_are_one_line_usage_errors():
 def test_a_comparison_that_fails_is_a_notice_and_the_report_is_kept(tmp_path, monkeypatch):
     _needs("transformers")
 
-    def failing(workload, config, **kwargs):
+    def failing(target, workload, config):
         raise RuntimeError("the library's switch broke")
 
-    monkeypatch.setattr("autotune.tuner.run_one", failing)
+    monkeypatch.setattr("autotune.tuner.compare_library_trial", failing)
     report = autotune.tune("autotune.thirdparty:gpt2", model_kwargs=GPT2, device="cpu", budget="40MiB", precisions="fp32",
                            segments="0,all", batch_sizes="1,2", measure_steps=1, probe=False,
                            storage=f"sqlite:///{tmp_path}/f.db", study="f")
@@ -136,13 +136,14 @@ def test_a_comparison_that_fails_is_a_notice_and_the_report_is_kept(tmp_path, mo
 def test_the_library_switch_survives_a_rebuild_from_the_spec_in_a_worker():
     _needs("transformers")
     from autotune.execution import spawn as isolation
+    from autotune.execution.trial import TrialWork
     from autotune.records import Config, TrialSettings
 
     spec = Workload.from_specs("autotune.thirdparty:gpt2", model_kwargs=GPT2).spec
     lib = Workload.from_specs(**{**spec, "library_checkpointing": True})
     settings = TrialSettings(measure_steps=1)
     here = autotune.run_trial(lib, Config("fp32", "0", 4), device="cpu", meter=TensorMeter(budget_bytes=2**30), settings=settings)
-    there = isolation.run_trial_isolated(lib, Config("fp32", "0", 4), device="cpu", budget_bytes=2**30, settings=settings)
+    there = isolation.Spawned("cpu").run(lib, TrialWork(Config("fp32", "0", 4), settings, 2**30))
     plain = autotune.run_trial(Workload.from_specs(**spec), Config("fp32", "0", 4), device="cpu",
                                meter=TensorMeter(budget_bytes=2**30), settings=settings)
     assert there.status == "ok" and there.peak_bytes == here.peak_bytes < plain.peak_bytes

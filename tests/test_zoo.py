@@ -327,7 +327,7 @@ def _steady_peak(workload: Workload, precision: str, batch_size: int, *, prime: 
                  plan: str = "0") -> tuple[int, list]:
     """The tensor meter's peak over ``steps`` steps of a fresh trainer, its state primed or not; and its losses."""
     from autotune.records import Config
-    from autotune.execution.trial import Trainer
+    from autotune.training.trainer import Trainer
 
     trainer = Trainer(workload, Config(precision, plan, batch_size), torch.device("cpu"))
     with TensorMeter().measure() as h:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import dataclasses
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -36,13 +37,15 @@ from autotune.records import (
     quantile,
     usable_bytes,
 )
-from autotune.execution.trial import Trainer, outcome
+from autotune.execution.agreement import combine_probe, probe_left_early
+from autotune.execution.work import Place, Work, outcome
+from autotune.training.trainer import Trainer
 from autotune.training.workload import Workload, to_device
 
 if TYPE_CHECKING:
-    from autotune.execution.distributed import Wrapping
+    from autotune.execution.wrapping import Wrapping
 
-__all__ = ["run_probe", "probe_isolated"]
+__all__ = ["run_probe", "ProbeWork"]
 
 MIN_LOSS_SCALE = 1.0  # below this, fp16 gradients overflow even unscaled: the scaler has collapsed
 
@@ -193,7 +196,7 @@ def run_probe(
     """Train ``trial``'s configuration over the probe's epochs in this process; return what happened.
 
     ``meter`` defaults to the device's, enforcing ``budget_bytes``. ``parallel``
-    (:mod:`autotune.execution.distributed`) makes this rank's part of a distributed probe: its share of the
+    (:mod:`autotune.execution.ranks`) makes this rank's part of a distributed probe: its share of the
     slice, under the job's wrapper.
     """
     if workload.dataset is None:
@@ -215,28 +218,6 @@ def run_probe(
     return candidate.result(started)
 
 
-def _probe_job(workload: Workload, *, trial: dict, **kwargs: Any) -> dict:
-    """The isolated worker's side of :func:`probe_isolated`."""
-    return run_probe(workload, Measurement.from_dict(trial), **kwargs).to_dict()
-
-
-def probe_isolated(workload: Workload, trial: Measurement, *, device: torch.device, budget_bytes: int | None,
-                   headroom: float, settings: ProbeSettings, guard: GuardRails) -> ProbeResult:
-    """:func:`run_probe` in a fresh worker process: a crash or a sticky CUDA error rejects the candidate, no more."""
-    from autotune.execution.spawn import run_isolated
-
-    kwargs = {"trial": trial.to_dict(), "device": str(device), "budget_bytes": budget_bytes, "headroom": headroom,
-              "settings": settings, "guard": guard}
-    passes = 2 if backend_for(device).meter_class.slows_steps else 1  # a slowing meter: metered, then timed
-    limit = settings.timeout_s * passes if settings.timeout_s else None
-    status, payload, seconds = run_isolated(workload, _probe_job, kwargs, name=f"autotune-probe-{trial.config.precision}"
-                                            f"-{trial.config.segments}-b{trial.config.batch_size}", timeout_s=limit)
-    if status == "result":
-        return ProbeResult.from_dict(payload)
-    return ProbeResult(config=trial.config, accepted=False, reason=f"{status}: the probe's {payload}",
-                       trial_peak_bytes=trial.peak_bytes, wall_s=seconds)
-
-
 def _epochs(loader: DataLoader, epochs: int, device: torch.device, deadline: float | None) -> Iterator[Any]:
     """The loader's batches, on the device, ``epochs`` times over; stops at the deadline."""
     for _ in range(epochs):
@@ -244,3 +225,44 @@ def _epochs(loader: DataLoader, epochs: int, device: torch.device, deadline: flo
             if deadline is not None and time.monotonic() > deadline:
                 raise TrialTimeoutError("the probe ran past its time limit (--trial-timeout)")
             yield to_device(batch, device)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeWork(Work):
+    """One candidate's probe as a piece of work (see :func:`run_probe`); with ``--parallel`` each rank trains its
+    share of the slice under the job's wrapper. In a worker, a crash or a sticky CUDA error rejects the candidate."""
+
+    trial: Measurement
+    budget_bytes: int | None  # the recommendation's budget, which the worst-case peak is judged against
+    headroom: float
+    settings: ProbeSettings
+    guard: GuardRails
+    passes: int = 1  # 2 where the meter slows steps (the candidate trains metered, then timed)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        c = self.trial.config
+        return f"autotune-probe-{c.precision}-{c.segments}-b{c.batch_size}"
+
+    @property
+    def timeout_s(self) -> float | None:
+        return self.settings.timeout_s * self.passes if self.settings.timeout_s else None
+
+    def run(self, workload: Workload, place: Place) -> ProbeResult:
+        budget = place.budget(self.budget_bytes)
+        return run_probe(workload, self.trial, device=place.device, meter=place.meter_for(self.budget_bytes),
+                         budget_bytes=budget, headroom=self.headroom, settings=self.settings, guard=self.guard,
+                         parallel=place.parallel)
+
+    def failed(self, status: str, error: str, seconds: float) -> ProbeResult:
+        return ProbeResult(config=self.trial.config, accepted=False, reason=f"{status}: the probe's {error}",
+                           trial_peak_bytes=self.trial.peak_bytes, wall_s=seconds)
+
+    def agree(self, parts: list[Any], job: Any) -> Any:
+        return combine_probe(parts, job)
+
+    def left_early(self, result: ProbeResult) -> bool:
+        return probe_left_early(result)
+
+    def decode(self, data: dict) -> ProbeResult:
+        return ProbeResult.from_dict(data)

@@ -1,11 +1,12 @@
-"""Run a trial in a fresh worker process, so that nothing one trial does can take the search down.
+"""The spawned-worker venue: each piece of work in a fresh process, so that nothing it does takes the search down.
 
-A trial that segfaults, hits a sticky CUDA error (an illegal memory access poisons the whole CUDA
-context), leaks, or fragments the caching allocator is confined to its own process: the worker is
-started with ``spawn`` (a clean interpreter and a fresh CUDA context), builds the workload again
-from its spec, runs :func:`~autotune.execution.trial.run_trial`, sends back the measurement and exits. A
-worker that dies is recorded as ``crashed`` with its exit code or signal; one that hangs past the
-trial's time limit (plus start-up time) is killed and recorded as ``timeout``.
+A trial, a probe candidate or the plan checks that segfault, hit a sticky CUDA error (an illegal
+memory access poisons the whole CUDA context), leak, or fragment the caching allocator are
+confined to their own process: the worker is started with ``spawn`` (a clean interpreter and a
+fresh CUDA context), builds the workload again from its spec, runs the work
+(:mod:`autotune.execution.work`), sends back its result and exits. A worker that dies is recorded
+as ``crashed`` with its exit code or signal; one that hangs past the work's time limit (plus
+start-up time) is killed and recorded as ``timeout``.
 """
 
 from __future__ import annotations
@@ -23,13 +24,11 @@ from typing import Any, Callable
 import torch
 
 from autotune._log import logger
-from autotune.device import backend_for
 from autotune.errors import UsageError, first_line
-from autotune.records import Config, Measurement, TrialSettings
-from autotune.execution.trial import run_trial
+from autotune.execution.work import Place, Venue, Work
 from autotune.training.workload import Workload
 
-__all__ = ["run_trial_isolated", "run_isolated", "check_picklable", "STARTUP_GRACE_S"]
+__all__ = ["Spawned", "run_isolated", "check_picklable", "STARTUP_GRACE_S"]
 
 STARTUP_GRACE_S = 120.0  # importing torch and building a CUDA context can take this long on a busy machine
 _POLL_S = 1.0
@@ -53,13 +52,6 @@ def _worker(conn: Any, spec: dict, job: Callable[..., Any], job_kwargs: dict, lo
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"))
     finally:
         conn.close()
-
-
-def _trial_job(workload: Workload, *, config: Config, device: str, budget_bytes: int | None,
-               settings: TrialSettings, timed: bool = True, metered: bool = True) -> dict:
-    meter = backend_for(device).meter(budget_bytes)
-    return run_trial(workload, config, device=device, meter=meter, settings=settings, timed=timed,
-                     metered=metered).to_dict()
 
 
 class _MainFinder(pickle.Pickler):
@@ -166,23 +158,22 @@ def run_isolated(workload: Workload, job: Callable[..., Any], job_kwargs: dict, 
     return "result", payload, seconds
 
 
-def run_trial_isolated(
-    workload: Workload,
-    config: Config,
-    *,
-    device: torch.device | str,
-    budget_bytes: int | None,
-    settings: TrialSettings,
-    timed: bool = True,
-    metered: bool = True,
-) -> Measurement:
-    """Run one trial in a fresh spawned process and return its measurement (see :func:`run_isolated`)."""
-    outcome, payload, seconds = run_isolated(
-        workload, _trial_job, {"config": config, "device": str(device), "budget_bytes": budget_bytes, "settings": settings,
-                               "timed": timed, "metered": metered},
-        name=f"autotune-trial-{config.precision}-{config.segments}-b{config.batch_size}", timeout_s=settings.timeout_s)
-    if outcome == "result":
-        return Measurement.from_dict(payload)
-    if outcome == "crashed":
-        payload = f"the trial's {payload}"  # "the trial's worker process killed by SIGKILL"
-    return Measurement(config=config, status=outcome, wall_s=seconds, error=payload, timed=timed)
+def _run_work(workload: Workload, *, work: Work, device: str) -> Any:
+    """The worker's side of :class:`Spawned`: the work at this worker's place, encoded for the pipe."""
+    return work.encode(work.run(workload, Place(torch.device(device))))
+
+
+class Spawned(Venue):
+    """Each piece of work in a fresh spawned worker process (see the module docstring)."""
+
+    kind = "process"
+
+    def admit(self, workload: Workload) -> None:
+        check_picklable(workload)  # one clear line now, not every trial crashed later
+
+    def run(self, workload: Workload, work: Work) -> Any:
+        status, payload, seconds = run_isolated(workload, _run_work, {"work": work, "device": str(self.device)},
+                                                name=work.name, timeout_s=work.timeout_s)
+        if status == "result":
+            return work.decode(payload)
+        return work.failed(status, payload, seconds)

@@ -1,8 +1,13 @@
-"""One real, short training run of one configuration: its peak memory, step time and outcome."""
+"""One real, short training run of one configuration: its peak memory, step time and outcome.
+
+:func:`run_trial` runs it in this process; :class:`TrialWork` is the same trial as a piece of work
+that any venue runs (:mod:`autotune.execution.venue`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -11,143 +16,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autotune._log import logger
-from autotune.training.applied import Applied, prepare
-from autotune.training.data import real_tokens
-from autotune.device import Backend, backend_for
-from autotune.errors import TrialTimeoutError, UsageError, first_line, is_device_crash, is_oom
+from autotune.device import backend_for
+from autotune.errors import TrialTimeoutError
+from autotune.execution.agreement import combine
+from autotune.execution.work import Place, Work, outcome
 from autotune.meters import Meter
-from autotune.records import Config, GuardRails, Measurement, TrialSettings, settled, timing_fields
+from autotune.records import Config, Measurement, TrialSettings, settled, timing_fields
+from autotune.training.data import real_tokens
+from autotune.training.trainer import Trainer
 from autotune.training.workload import Workload, to_device
 
 if TYPE_CHECKING:
-    from autotune.execution.distributed import Wrapping
+    from autotune.execution.wrapping import Wrapping
 
-__all__ = ["Trainer", "run_trial", "outcome"]
-
-
-def outcome(exc: Exception) -> tuple[str, str]:
-    """Return the (status, error) a trial records for ``exc``; re-raise bad input (:class:`UsageError`).
-
-    The one place that decides what a failure is: trials, the probe and isolated workers agree.
-    """
-    if isinstance(exc, UsageError):
-        raise exc
-    if isinstance(exc, TrialTimeoutError):
-        return "timeout", str(exc)
-    if is_oom(exc):
-        return "oom", first_line(exc)
-    if is_device_crash(exc):  # a sticky CUDA error: the device is unusable, as if the worker had died
-        return "crashed", f"{type(exc).__name__}: {first_line(exc)}"
-    return "failed", f"{type(exc).__name__}: {first_line(exc)}"
-
-
-class Trainer:
-    """One configuration's training state: a fresh model prepared as :func:`autotune.apply` does, AdamW.
-
-    Used by trials and the probe. Each step is the loop a user of :func:`autotune.apply` runs
-    (autocast, backward through the GradScaler, :meth:`Applied.step`); the trainer records losses,
-    the loss-scale history, skipped steps and (when asked) gradient norms.
-    """
-
-    def __init__(self, workload: Workload, config: Config, device: torch.device, *, lr: float = 1e-4, seed: int = 0,
-                 guard: GuardRails = GuardRails(), record_grad_norm: bool = False,
-                 parallel: "Wrapping | None" = None) -> None:
-        self.workload, self.config, self.device, self.guard = workload, config, device, guard
-        self.parallel = parallel  # --parallel: the trial's process group and wrapper
-        self.backend: Backend = backend_for(device)
-        self.lr, self.seed, self.record_grad_norm = lr, seed, record_grad_norm
-        self.losses: list[float] = []
-        self.run: Applied | None = None
-        self.plan: dict[str, Any] = {}
-
-    def build(self, *, prime: bool = True) -> None:
-        """Build the model (seeded), prepare it (fp32 modules, checkpoint plan), make the optimizer and its state.
-
-        With ``prime`` the optimizer's state exists before the first step (:meth:`prime`), so that
-        step already holds what every later step holds: one metered step sees the steady peak.
-        """
-        torch.manual_seed(self.seed)
-        model = self.workload.build_model()
-        self.run = prepare(model, precision=self.config.precision, segments=self.config.segments,
-                           chain=self.workload.chain, guard=self.guard, device_type=self.device.type,
-                           micro_batch_size=self.config.batch_size, record_loss_scale=True,
-                           record_grad_norm=self.record_grad_norm)
-        self.plan = self.run.plan
-        model.to(self.device)
-        self.module = model  # the user's module (batches come from its example_batch), under any wrapper
-        if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
-            self.run.model = self.parallel.wrap(model, self.workload.chain.blocks if self.workload.chain else ())
-        self.optimizer = torch.optim.AdamW(self.run.model.parameters(), lr=self.lr)  # FSDP2's: the shards
-        if prime:
-            self.prime()
-
-    def prime(self) -> None:
-        """Create the optimizer's state with a step that changes nothing, then make it a fresh optimizer's again.
-
-        AdamW creates its moments in its first step, so without this the first step of a trial
-        peaks lower than every later one (and in fp16 a step the GradScaler skips creates none).
-        The step here runs on zero gradients at learning rate 0: parameters and moments stay
-        exactly as they were (zero), and the step counters go back to 0, so training goes on
-        bitwise as from a fresh optimizer.
-        """
-        groups = self.optimizer.param_groups
-        for group in groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-        rates = [group["lr"] for group in groups]
-        for group in groups:
-            group["lr"] = 0.0
-        self.optimizer.step()
-        for group, lr in zip(groups, rates):
-            group["lr"] = lr
-        for state in self.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"].zero_()
-            elif "step" in state:
-                state["step"] = 0
-        self.optimizer.zero_grad(set_to_none=True)
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.run.model
-
-    @property
-    def uses_scaler(self) -> bool:
-        return self.run is not None and self.run.scaler is not None
-
-    @property
-    def scales(self) -> list[float]:
-        """fp16: the GradScaler's scale after each step."""
-        return self.run.loss_scales if self.run is not None else []
-
-    @property
-    def skipped(self) -> int:
-        """fp16: steps the GradScaler skipped (inf/NaN gradients)."""
-        return self.run.skipped_steps if self.run is not None else 0
-
-    @property
-    def grad_norms(self) -> list[float]:
-        return self.run.grad_norms if self.run is not None else []
-
-    def release(self) -> None:
-        """Drop the model, optimizer, scaler and batch; keep the records."""
-        if self.run is not None:
-            self.run.model = self.run.scaler = None
-        for name in ("optimizer", "batch", "module"):
-            self.__dict__.pop(name, None)
-
-    def step(self, batch: Any) -> None:
-        """One optimizer step on ``batch`` (already on the device)."""
-        with self.run.autocast():
-            loss = self.workload.loss(self.run.model, batch)
-        self.run.backward(loss)
-        self.run.step(self.optimizer)
-        self.losses.append(float(loss.detach()))
-
-    def timed_step(self, batch: Any) -> float:
-        """One step, timed to completion on the device; return its seconds."""
-        return self.backend.timed(lambda: self.step(batch))
+__all__ = ["TrialWork", "run_trial"]
 
 
 class _Run(Trainer):
@@ -213,7 +95,7 @@ def run_trial(
     ``timed=False`` makes a memory trial: the metered steps only, no timed steps (no samples/s).
     ``metered=False`` (for a meter that slows steps, the tensor meter) times without the meter: the
     timing that completes an earlier memory trial of the configuration (:func:`records.completed`).
-    ``parallel`` (:mod:`autotune.execution.distributed`) trains this rank's part of a distributed trial.
+    ``parallel`` (:mod:`autotune.execution.ranks`) trains this rank's part of a distributed trial.
     Out-of-memory, time-outs, a crashed device and errors in the user's model are outcomes (status
     ``oom``, ``timeout``, ``crashed``, ``failed``), not exceptions; bad input (:class:`UsageError`)
     and ``KeyboardInterrupt`` propagate. Memory is released before returning.
@@ -274,3 +156,40 @@ def _measurement(config: Config, status: str, error: str | None, records: tuple,
         wall_s=time.monotonic() - started,
         timed=timed,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialWork(Work):
+    """A trial as a piece of work: ``config`` trained under ``budget_bytes`` (see :func:`run_trial`)."""
+
+    config: Config
+    settings: TrialSettings
+    budget_bytes: int | None  # the budget the trial runs under (each rank's own share in a --parallel job)
+    timed: bool = True
+    metered: bool = True
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"autotune-trial-{self.config.precision}-{self.config.segments}-b{self.config.batch_size}"
+
+    @property
+    def timeout_s(self) -> float | None:
+        return self.settings.timeout_s
+
+    def run(self, workload: Workload, place: Place) -> Measurement:
+        return run_trial(workload, self.config, device=place.device, meter=place.meter_for(self.budget_bytes),
+                         settings=self.settings, timed=self.timed, metered=self.metered, parallel=place.parallel)
+
+    def failed(self, status: str, error: str, seconds: float) -> Measurement:
+        if status == "crashed":
+            error = f"the trial's {error}"  # "the trial's worker process killed by SIGKILL"
+        return Measurement(config=self.config, status=status, wall_s=seconds, error=error, timed=self.timed)
+
+    def agree(self, parts: list[Any], job: Any) -> Any:
+        return combine(parts, job)
+
+    def left_early(self, result: Measurement) -> bool:
+        return result.status != "ok"
+
+    def decode(self, data: dict) -> Measurement:
+        return Measurement.from_dict(data)

@@ -16,6 +16,7 @@ between those two plan-free runs. A plan that differs more, or whose step fails,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Iterable
 
@@ -24,12 +25,13 @@ import torch
 from autotune.plans.checkpointing import apply_plan
 from autotune.device import backend_for
 from autotune.errors import UsageError, first_line
+from autotune.execution.work import Place, Venue, Work
 from autotune.plans import is_off
 from autotune.training.precision import keep_in_fp32
 from autotune.records import GuardRails, PlanCheck
 from autotune.training.workload import Workload, to_device
 
-__all__ = ["PlanCheck", "NOISE_MULTIPLE", "check_plans", "run_checks", "compare_steps"]
+__all__ = ["PlanCheck", "NOISE_MULTIPLE", "CheckWork", "check_plans", "run_checks", "compare_steps"]
 
 NOISE_MULTIPLE = 8.0  # a plan may differ by this many times the plan-free step's own run-to-run noise
 
@@ -130,21 +132,41 @@ def check_plans(workload: Workload, plans: Iterable[str], *, batch_size: int, de
     return checks
 
 
-def _check_job(workload: Workload, **kwargs: Any) -> list[dict[str, Any]]:
-    """The isolated worker's side of :func:`run_checks`."""
-    return [c.to_dict() for c in check_plans(workload, **kwargs)]
+@dataclasses.dataclass(frozen=True)
+class CheckWork(Work):
+    """The plan checks as one piece of work (see :func:`check_plans`). In a ``--parallel`` job the leader runs
+    them alone: a plan's exactness does not depend on the wrapper (the tests check it under DDP and FSDP2)."""
+
+    plans: tuple[str, ...]
+    batch_size: int
+    seed: int
+    guard: GuardRails
+    limit_s: float | None = None
+    name = "autotune-plan-check"
+    every_rank = False
+
+    @property
+    def timeout_s(self) -> float | None:
+        return self.limit_s
+
+    def run(self, workload: Workload, place: Place) -> list[PlanCheck]:
+        return check_plans(workload, self.plans, batch_size=self.batch_size, device=place.device, seed=self.seed,
+                           guard=self.guard)
+
+    def failed(self, status: str, error: str, seconds: float) -> list[PlanCheck]:
+        return [PlanCheck(p, "failed", self.batch_size, error=f"the check's {error}") for p in self.plans]
+
+    def encode(self, result: list[PlanCheck]) -> list[dict[str, Any]]:
+        return [c.to_dict() for c in result]
+
+    def decode(self, data: list[dict[str, Any]]) -> list[PlanCheck]:
+        return [PlanCheck.from_dict(c) for c in data]
 
 
-def run_checks(workload: Workload, plans: Iterable[str], *, batch_size: int, device: torch.device, seed: int,
-               guard: GuardRails, isolation: str, timeout_s: float | None) -> list[PlanCheck]:
-    """:func:`check_plans` where trials run: in this process, or (``isolation="process"``) in a fresh worker."""
-    plans = [p for p in dict.fromkeys(plans) if not is_off(p)]
-    kwargs = {"plans": plans, "batch_size": batch_size, "device": str(device), "seed": seed, "guard": guard}
-    if isolation != "process" or not plans:
-        return check_plans(workload, **kwargs)
-    from autotune.execution.spawn import run_isolated
-
-    outcome, payload, _ = run_isolated(workload, _check_job, kwargs, name="autotune-plan-check", timeout_s=timeout_s)
-    if outcome == "result":
-        return [PlanCheck.from_dict(c) for c in payload]
-    return [PlanCheck(p, "failed", batch_size, error=f"the check's {payload}") for p in plans]
+def run_checks(workload: Workload, plans: Iterable[str], *, venue: Venue, batch_size: int, seed: int,
+               guard: GuardRails, timeout_s: float | None) -> list[PlanCheck]:
+    """:func:`check_plans` where the search's trials run (``venue``)."""
+    plans = tuple(p for p in dict.fromkeys(plans) if not is_off(p))
+    if not plans:
+        return []
+    return venue.run(workload, CheckWork(plans, batch_size, seed, guard, timeout_s))

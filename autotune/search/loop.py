@@ -2,8 +2,8 @@
 
 Each round reads the store (:func:`autotune.search.workers.survey`: measurements to reuse, trials other
 workers run now), asks the strategy for a configuration, claims it (:func:`autotune.search.workers.claim`)
-and runs it as a real training trial, in this process or in a fresh worker
-(:mod:`autotune.execution.spawn`), then records it (:mod:`autotune.search.store`).
+and runs it as a real training trial at the venue it was given (:mod:`autotune.execution.venue`:
+this process, a fresh worker, every rank of a job), then records it (:mod:`autotune.search.store`).
 
 * **Resume.** Finished trials are reused when they were measured the same way (trial settings,
   and for an OOM a budget at least as large). A trial left RUNNING by a process that is gone is
@@ -23,26 +23,23 @@ import contextlib
 import dataclasses
 import gc
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import optuna
-import torch
 
 from autotune._log import logger
 from autotune.errors import AutotuneError
-from autotune.meters import Meter
+from autotune.execution.trial import TrialWork
+from autotune.execution.work import Venue
 from autotune.records import Config, Measurement, TrialSettings, completed, retimed
 from autotune.search.space import SearchSpace
-from autotune.search.store import abandon, distributions, fingerprint, open_study, quiet_optuna, record, shielded
+from autotune.search.store import abandon, distributions, fingerprint, open_study, quiet_optuna, record
+from autotune.signals import shielded
 from autotune.search.strategies import Proposal, Strategy
-from autotune.execution.trial import run_trial
 from autotune.search.workers import Heartbeat, Waiter, claim, survey
 from autotune.training.workload import Workload
 
-if TYPE_CHECKING:
-    from autotune.execution.distributed import Job
-
-__all__ = ["SearchResult", "SearchInterrupted", "run_search", "run_one"]
+__all__ = ["SearchResult", "SearchInterrupted", "run_search"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,24 +61,6 @@ class SearchInterrupted(AutotuneError):
     def __init__(self, result: SearchResult) -> None:
         super().__init__("interrupted; finished trials are kept in the store")
         self.result = result
-
-
-def run_one(workload: Workload, config: Config, *, device: torch.device, meter: Meter, budget_bytes: int | None,
-            settings: TrialSettings, isolation: str, timed: bool = True, metered: bool = True,
-            job: "Job | None" = None) -> Measurement:
-    """Run one trial in this process with ``meter``, or (``isolation="process"``) in a fresh worker, or
-    (``job``, on rank 0 of a ``--parallel`` job) on every rank of the job."""
-    if job is not None:
-        from autotune.execution.distributed import run_everywhere
-
-        return run_everywhere(job, workload, config, device=device, budget_bytes=budget_bytes, settings=settings,
-                              timed=timed, metered=metered)
-    if isolation == "process":
-        from autotune.execution.spawn import run_trial_isolated
-
-        return run_trial_isolated(workload, config, device=device, budget_bytes=budget_bytes, settings=settings,
-                                  timed=timed, metered=metered)
-    return run_trial(workload, config, device=device, meter=meter, settings=settings, timed=timed, metered=metered)
 
 
 class _Loop:
@@ -216,25 +195,22 @@ def run_search(
     space: SearchSpace,
     strategy: Strategy,
     *,
-    device: torch.device,
-    meter: Meter,
+    venue: Venue,
     budget_bytes: int | None,
     settings: TrialSettings,
     study_name: str,
     storage: str,
     workload_key: str,
-    isolation: str = "none",
     on_trial: Callable[[Measurement, bool], None] | None = None,
     on_trial_start: Callable[[Config], None] | None = None,
-    job: "Job | None" = None,
 ) -> SearchResult:
     """Run the strategy's proposals as trials in the study until it is done; return every measurement.
 
-    ``isolation`` is ``"none"`` (trials run in this process with ``meter``) or ``"process"``
-    (each trial in a fresh worker process). ``on_trial(measurement, reused)`` is called once for
-    each measurement as it becomes known, ``reused`` when it comes from the store; ``job`` (rank 0 of a
-    ``--parallel`` job) runs each trial on every rank;
-    ``on_trial_start(config)`` when this worker starts measuring one.
+    Each trial runs at ``venue`` (this process, a fresh worker, every rank of a job) under
+    ``budget_bytes``, the largest budget (a smaller one is judged by the peaks measured).
+    ``on_trial(measurement, reused)`` is called once for each measurement as it becomes known,
+    ``reused`` when it comes from the store; ``on_trial_start(config)`` when this worker starts
+    measuring one.
     """
     started = time.monotonic()
     loop = _Loop(open_study(study_name, storage, workload_key=workload_key, space=space), storage, space,
@@ -261,11 +237,10 @@ def run_search(
                     on_trial_start(config)
 
                 def run(**kind: bool) -> Measurement:
-                    return run_one(workload, config, device=device, meter=meter, budget_bytes=budget_bytes,
-                                   settings=settings, isolation=isolation, job=job, **kind)
+                    return venue.run(workload, TrialWork(config, settings, budget_bytes, **kind))
 
                 with Heartbeat(loop.study, loop.trial):
-                    loop.finished = loop.measure(proposal, run, meter.slows_steps)
+                    loop.finished = loop.measure(proposal, run, venue.slows_steps)
                 loop.keep(loop.finished)
     except KeyboardInterrupt:
         loop.interrupted()

@@ -1,0 +1,54 @@
+"""How a model trains on one trial's process group: DDP, or FSDP2 on each repeated block and the root.
+
+Mixed precision is autocast under both wrappers, as in a single process: FSDP2's
+``MixedPrecisionPolicy`` (parameters cast for the all-gather) is not searched, and each trial's
+``distributed.mixed_precision`` says so.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from autotune.execution.job import Job
+
+__all__ = ["Wrapping"]
+
+
+class Wrapping:
+    """One trial's process group, and how a model trains on it: the wrapper, and agreed step times."""
+
+    def __init__(self, job: "Job", group: Any, device: torch.device) -> None:
+        self.job, self.group, self.device = job, group, device
+
+    def wrap(self, model: nn.Module, blocks: tuple[str, ...]) -> nn.Module:
+        """``model`` (on its device, plan applied) under DDP, or FSDP2 on each of ``blocks`` and the root."""
+        if self.job.wrapper == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            return DistributedDataParallel(model, device_ids=ids, process_group=self.group)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+        # A mesh named for this trial: meshes of equal ranks and names are equal, and DTensor's caches (the
+        # sharding plans of clip_grad_norm_, of the GradScaler's unscale_) would hand a later trial the group
+        # of an earlier one, destroyed by then ("Could not resolve the process group registered under ...").
+        mesh = DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=(f"trial{self.job.trials}",))
+        for path in blocks:
+            fully_shard(model.get_submodule(path), mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def slowest(self, seconds: float, late: bool) -> tuple[float, bool]:
+        """The slowest rank's time of this step, and whether any rank would run past its time limit next."""
+        on = self.device if self.job.backend == "nccl" else torch.device("cpu")
+        both = torch.tensor([seconds, float(late)], dtype=torch.float64, device=on)
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return float(both[0]), bool(both[1])

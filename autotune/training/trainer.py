@@ -1,0 +1,126 @@
+"""One configuration's training state, as trials and the probe train it: the user's model, prepared, and AdamW."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from autotune.device import Backend, backend_for
+from autotune.records import Config, GuardRails
+from autotune.training.applied import Applied, prepare
+from autotune.training.workload import Workload
+
+if TYPE_CHECKING:
+    from autotune.execution.wrapping import Wrapping
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """One configuration's training state: a fresh model prepared as :func:`autotune.apply` does, AdamW.
+
+    Used by trials and the probe. Each step is the loop a user of :func:`autotune.apply` runs
+    (autocast, backward through the GradScaler, :meth:`Applied.step`); the trainer records losses,
+    the loss-scale history, skipped steps and (when asked) gradient norms.
+    """
+
+    def __init__(self, workload: Workload, config: Config, device: torch.device, *, lr: float = 1e-4, seed: int = 0,
+                 guard: GuardRails = GuardRails(), record_grad_norm: bool = False,
+                 parallel: "Wrapping | None" = None) -> None:
+        self.workload, self.config, self.device, self.guard = workload, config, device, guard
+        self.parallel = parallel  # --parallel: the trial's process group and wrapper
+        self.backend: Backend = backend_for(device)
+        self.lr, self.seed, self.record_grad_norm = lr, seed, record_grad_norm
+        self.losses: list[float] = []
+        self.run: Applied | None = None
+        self.plan: dict[str, Any] = {}
+
+    def build(self, *, prime: bool = True) -> None:
+        """Build the model (seeded), prepare it (fp32 modules, checkpoint plan), make the optimizer and its state.
+
+        With ``prime`` the optimizer's state exists before the first step (:meth:`prime`), so that
+        step already holds what every later step holds: one metered step sees the steady peak.
+        """
+        torch.manual_seed(self.seed)
+        model = self.workload.build_model()
+        self.run = prepare(model, precision=self.config.precision, segments=self.config.segments,
+                           chain=self.workload.chain, guard=self.guard, device_type=self.device.type,
+                           micro_batch_size=self.config.batch_size, record_loss_scale=True,
+                           record_grad_norm=self.record_grad_norm)
+        self.plan = self.run.plan
+        model.to(self.device)
+        self.module = model  # the user's module (batches come from its example_batch), under any wrapper
+        if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
+            self.run.model = self.parallel.wrap(model, self.workload.chain.blocks if self.workload.chain else ())
+        self.optimizer = torch.optim.AdamW(self.run.model.parameters(), lr=self.lr)  # FSDP2's: the shards
+        if prime:
+            self.prime()
+
+    def prime(self) -> None:
+        """Create the optimizer's state with a step that changes nothing, then make it a fresh optimizer's again.
+
+        AdamW creates its moments in its first step, so without this the first step of a trial
+        peaks lower than every later one (and in fp16 a step the GradScaler skips creates none).
+        The step here runs on zero gradients at learning rate 0: parameters and moments stay
+        exactly as they were (zero), and the step counters go back to 0, so training goes on
+        bitwise as from a fresh optimizer.
+        """
+        groups = self.optimizer.param_groups
+        for group in groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        rates = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = 0.0
+        self.optimizer.step()
+        for group, lr in zip(groups, rates):
+            group["lr"] = lr
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"].zero_()
+            elif "step" in state:
+                state["step"] = 0
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.run.model
+
+    @property
+    def uses_scaler(self) -> bool:
+        return self.run is not None and self.run.scaler is not None
+
+    @property
+    def scales(self) -> list[float]:
+        """fp16: the GradScaler's scale after each step."""
+        return self.run.loss_scales if self.run is not None else []
+
+    @property
+    def skipped(self) -> int:
+        """fp16: steps the GradScaler skipped (inf/NaN gradients)."""
+        return self.run.skipped_steps if self.run is not None else 0
+
+    @property
+    def grad_norms(self) -> list[float]:
+        return self.run.grad_norms if self.run is not None else []
+
+    def release(self) -> None:
+        """Drop the model, optimizer, scaler and batch; keep the records."""
+        if self.run is not None:
+            self.run.model = self.run.scaler = None
+        for name in ("optimizer", "batch", "module"):
+            self.__dict__.pop(name, None)
+
+    def step(self, batch: Any) -> None:
+        """One optimizer step on ``batch`` (already on the device)."""
+        with self.run.autocast():
+            loss = self.workload.loss(self.run.model, batch)
+        self.run.backward(loss)
+        self.run.step(self.optimizer)
+        self.losses.append(float(loss.detach()))
+
+    def timed_step(self, batch: Any) -> float:
+        """One step, timed to completion on the device; return its seconds."""
+        return self.backend.timed(lambda: self.step(batch))
