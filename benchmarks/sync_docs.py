@@ -56,10 +56,25 @@ def pages(root: Path = ROOT) -> List[Path]:
     return found + sorted((root / "docs").rglob("*.md"))
 
 
+def _fenced(text: str) -> List[range]:
+    """The offsets of the page's fenced code blocks, where an include line is an example, not a block."""
+    spans, start, at = [], None, 0
+    for line in text.split("\n"):
+        if _FENCE.match(line.lstrip(" ")):
+            if start is None:
+                start = at
+            else:
+                spans.append(range(start, at + len(line)))
+                start = None
+        at += len(line) + 1
+    return spans + ([range(start, len(text))] if start is not None else [])
+
+
 def blocks(page: Path) -> Iterator[Block]:
     text = page.read_text(encoding="utf-8")
-    matches = list(_BLOCK.finditer(text))
-    opened = [m.start() for m in _OPEN.finditer(text)]
+    fenced = _fenced(text)
+    matches = [m for m in _BLOCK.finditer(text) if not any(m.start() in span for span in fenced)]
+    opened = [m.start() for m in _OPEN.finditer(text) if not any(m.start() in span for span in fenced)]
     if len(opened) != len(matches):
         closed = {m.start() for m in matches}
         line = next(text.count("\n", 0, at) + 1 for at in opened if at not in closed)

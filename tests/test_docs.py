@@ -196,12 +196,13 @@ def test_a_stale_include_block_is_named_then_synced(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "results" / "x.md").write_text("# X\n\n| a |\n|---|\n| 2 |\n", encoding="utf-8")
     page = tmp_path / "docs" / "p.md"
-    page.write_text("# P\n\n## Figures\n\n<!-- include: results/x.md shift-headings=2 -->\n| a |\n|---|\n| 1 |\n"
-                    "<!-- end include -->\n\nafter\n", encoding="utf-8")
-    assert sync.check(tmp_path) == ["docs/p.md:5: the copy of results/x.md is stale"]
+    example = "```\n<!-- include: results/x.md -->\nan example in a fence: not a block\n<!-- end include -->\n```\n"
+    page.write_text(example + "# P\n\n## Figures\n\n<!-- include: results/x.md shift-headings=2 -->\n| a |\n|---|\n"
+                    "| 1 |\n<!-- end include -->\n\nafter\n", encoding="utf-8")
+    assert sync.check(tmp_path) == ["docs/p.md:10: the copy of results/x.md is stale"]
     assert sync.main(["--check", "--root", str(tmp_path)]) == 1
     assert sync.main(["--root", str(tmp_path)]) == 0
-    assert page.read_text(encoding="utf-8") == (
+    assert page.read_text(encoding="utf-8") == example + (
         "# P\n\n## Figures\n\n<!-- include: results/x.md shift-headings=2 -->\n### X\n\n| a |\n|---|\n| 2 |\n"
         "<!-- end include -->\n\nafter\n")
     assert sync.check(tmp_path) == []
