@@ -1,12 +1,16 @@
 """The docs: every relative link of README.md and docs/ resolves (a ``#anchor`` into a Markdown file to one of its
 headings, by GitHub's rules), the README stays a short front page, its quick start's test command is the one CI
-runs, and every include block holds its result file as it is now (benchmarks/sync_docs.py). Needs no torch."""
+runs, the flag reference has every flag of ``python -m autotune --help``, and every include block holds its result
+file as it is now (benchmarks/sync_docs.py). Needs no torch."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
@@ -138,6 +142,20 @@ def test_the_readmes_test_command_is_what_ci_runs():
     got = [w for w in shlex.split(ci_install) if w.startswith("torch==") or w == "-e" or w.startswith(".")]
     assert got == wanted
     assert run.strip() in ci.split("\n")
+
+
+def test_the_flag_reference_has_every_flag():
+    """Every flag ``python -m autotune --help`` and ``python -m autotune show --help`` print has a row in
+    docs/usage.md's flag table."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    helps = [subprocess.run([sys.executable, "-m", "autotune", *args, "--help"], cwd=ROOT, env=env, check=True,
+                            capture_output=True, text=True, timeout=120).stdout for args in ([], ["show"])]
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", "\n".join(helps))) - {"--help"}
+    rows = [line.split("|")[1] for line in (ROOT / "docs" / "usage.md").read_text("utf-8").split("\n")
+            if line.startswith("| `--")]
+    documented = set(re.findall(r"`(--[a-z][a-z0-9-]*)", "\n".join(rows)))
+    assert "--parallel" in flags
+    assert sorted(flags - documented) == []
 
 
 def test_every_include_block_matches_its_result_file():
