@@ -1,0 +1,242 @@
+"""The docs: every relative link of README.md and docs/ resolves (a ``#anchor`` into a Markdown file to one of its
+headings, by GitHub's rules), the README stays a short front page, its quick start's test command is the one CI
+runs, the flag reference has every flag of ``python -m autotune --help``, and every include block holds its result
+file as it is now (benchmarks/sync_docs.py). Needs no torch."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README_MAX_LINES = 250
+
+_FENCE = re.compile(r"^ {0,3}(```|~~~)")
+_CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
+_INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^()\s<>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s.*)?$")
+_HTML_TARGET = re.compile(r"<(?:a|img)\b[^>]*?\s(?:href|src)=\"([^\"]+)\"", re.IGNORECASE)
+_HTML_ID = re.compile(r"<a\b[^>]*?\s(?:name|id)=\"([^\"]+)\"", re.IGNORECASE)
+_HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$")
+_EXTERNAL = re.compile(r"^(?:[a-zA-Z][a-zA-Z0-9+.-]*:|//)")
+
+
+def doc_pages(root: Path = ROOT) -> List[Path]:
+    return [root / "README.md"] + sorted((root / "docs").rglob("*.md"))
+
+
+def _prose_lines(text: str, blank_code: bool = True) -> List[Tuple[int, str]]:
+    """(line number, line) outside fenced code blocks, inline code spans blanked out unless ``blank_code`` is
+    false (a heading keeps the text of its code spans)."""
+    lines, fenced = [], False
+    for number, line in enumerate(text.split("\n"), 1):
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append((number, _CODE_SPAN.sub(lambda m: " " * len(m.group(0)), line) if blank_code else line))
+    return lines
+
+
+def links(text: str) -> List[Tuple[int, str]]:
+    """(line number, target) of every Markdown link, image, reference definition and HTML href/src in prose."""
+    found = []
+    for number, line in _prose_lines(text):
+        for pattern in (_INLINE_LINK, _REFERENCE, _HTML_TARGET):
+            found += [(number, m.group(1)) for m in pattern.finditer(line)]
+    return found
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's anchor for a heading's text: markup dropped, lowercase, punctuation other than '-' and '_' dropped,
+    each space a '-'."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link or image: its text
+    text = re.sub(r"<[^>]+>", "", text)  # HTML tags
+    text = text.replace("`", "").lower()
+    return "".join(ch for ch in text if ch.isalnum() or ch in "-_ ").replace(" ", "-")
+
+
+def anchors(text: str) -> Set[str]:
+    """Every anchor a page has: its headings' slugs (the second of a name gets '-1', the third '-2', ...) and the
+    names and ids of its HTML anchors."""
+    seen: Dict[str, int] = {}
+    found = set()
+    for _, line in _prose_lines(text, blank_code=False):
+        heading = _HEADING.match(line)
+        if heading:
+            slug = github_slug(heading.group(2))
+            found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+        found.update(m.group(1) for m in _HTML_ID.finditer(line))
+    return found
+
+
+def broken_links(page: Path, root: Path = ROOT) -> List[str]:
+    """One line per relative link of ``page`` that leaves the repository, names no file, or names an anchor its
+    Markdown file does not have."""
+    broken = []
+    text = page.read_text(encoding="utf-8")
+    for number, target in links(text):
+        if _EXTERNAL.match(target):
+            continue
+        path, _, anchor = target.partition("#")
+        where = f"{page.relative_to(root)}:{number}: {target}"
+        resolved = (page.parent / path).resolve() if path else page.resolve()
+        if not resolved.is_relative_to(root.resolve()):
+            broken.append(f"{where}: leaves the repository")
+        elif not resolved.exists():
+            broken.append(f"{where}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors_of(resolved):
+            broken.append(f"{where}: {resolved.relative_to(root.resolve())} has no heading '#{anchor}'")
+    return broken
+
+
+def _anchors_of(path: Path) -> Set[str]:
+    return anchors(path.read_text(encoding="utf-8"))
+
+
+def _sync_docs():
+    spec = importlib.util.spec_from_file_location("sync_docs", ROOT / "benchmarks" / "sync_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the repository's docs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", doc_pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    broken = broken_links(page)
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_docs_pages_exist_and_the_readme_links_to_every_one():
+    pages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
+    assert len(pages) > 1
+    targets = {(ROOT / t.partition("#")[0]).resolve() for _, t in links((ROOT / "README.md").read_text("utf-8"))}
+    assert [p for p in pages if (ROOT / p).resolve() not in targets] == []
+
+
+def test_the_readme_is_a_short_front_page():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines < README_MAX_LINES, f"README.md has {lines} lines: move detail to docs/"
+
+
+def test_the_readmes_test_command_is_what_ci_runs():
+    """CI installs the same torch and extras as the quick start's test command, then runs the same pytest."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = next(line for line in readme.split("\n") if line.startswith("pip install") and "pytest" in line)
+    install, _, run = command.partition(" && ")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    ci_install = next(line for line in ci.split("\n") if "pip install" in line and "torch==" in line and "-e" in line)
+    wanted = [w for w in shlex.split(install) if w.startswith("torch==") or w == "-e" or w.startswith(".")]
+    got = [w for w in shlex.split(ci_install) if w.startswith("torch==") or w == "-e" or w.startswith(".")]
+    assert got == wanted
+    assert run.strip() in ci.split("\n")
+
+
+def test_the_flag_reference_has_every_flag():
+    """Every flag ``python -m autotune --help`` and ``python -m autotune show --help`` print has a row in
+    docs/usage.md's flag table."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    helps = [subprocess.run([sys.executable, "-m", "autotune", *args, "--help"], cwd=ROOT, env=env, check=True,
+                            capture_output=True, text=True, timeout=120).stdout for args in ([], ["show"])]
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", "\n".join(helps))) - {"--help"}
+    rows = [line.split("|")[1] for line in (ROOT / "docs" / "usage.md").read_text("utf-8").split("\n")
+            if line.startswith("| `--")]
+    documented = set(re.findall(r"`(--[a-z][a-z0-9-]*)", "\n".join(rows)))
+    assert "--parallel" in flags
+    assert sorted(flags - documented) == []
+
+
+def test_every_include_block_matches_its_result_file():
+    stale = _sync_docs().check(ROOT)
+    assert not stale, "run python benchmarks/sync_docs.py:\n" + "\n".join(stale)
+
+
+def test_the_docs_include_result_files_by_block():
+    """The tables of results/*.md reach the docs only through include blocks."""
+    sync = _sync_docs()
+    included = {b.source for page in sync.pages(ROOT) for b in sync.blocks(page)}
+    assert {"results/claims-cpu.md", "results/search_efficiency-cpu.md", "results/selective-cpu.md",
+            "results/real_data-cpu.md", "results/workers_under_load-cpu.md"} <= included
+
+
+# --- the checks themselves can fail --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heading, slug", [
+    ("Probe, training plan and `autotune.apply`", "probe-training-plan-and-autotuneapply"),
+    ("Distributed training: DDP and FSDP under torchrun", "distributed-training-ddp-and-fsdp-under-torchrun"),
+    ("What is measured, and how", "what-is-measured-and-how"),
+    ("`show`: a saved report again", "show-a-saved-report-again"),
+    ("Parallel workers under load, measured", "parallel-workers-under-load-measured"),
+    ("zoo gpt_neox: fp32, batch 32, 4 blocks", "zoo-gpt_neox-fp32-batch-32-4-blocks"),
+    ("A - B", "a---b"),
+    ("[Linked](x.md) heading", "linked-heading"),
+])
+def test_github_anchor_rules(heading, slug):
+    assert github_slug(heading) == slug
+
+
+def test_a_broken_link_or_anchor_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# Top\n\n## Same\n\n## Same\n", encoding="utf-8")
+    page = tmp_path / "docs" / "page.md"
+    page.write_text(
+        "# Page\n\n"
+        "[ok](../README.md#same-1) [self](#page) [web](https://example.org/x) [dir](../docs)\n"
+        "[gone](missing.md) [bad anchor](../README.md#nowhere) [out](../../elsewhere.md)\n"
+        "`[in code](missing-too.md)`\n"
+        "```\n[in a fence](missing-as-well.md)\n```\n"
+        "[ref]: nothing.md\n",
+        encoding="utf-8")
+    assert broken_links(page, tmp_path) == [
+        "docs/page.md:4: missing.md: no such file",
+        "docs/page.md:4: ../README.md#nowhere: README.md has no heading '#nowhere'",
+        "docs/page.md:4: ../../elsewhere.md: leaves the repository",
+        "docs/page.md:9: nothing.md: no such file",
+    ]
+
+
+def test_a_stale_include_block_is_named_then_synced(tmp_path):
+    sync = _sync_docs()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "results" / "x.md").write_text("# X\n\n| a |\n|---|\n| 2 |\n", encoding="utf-8")
+    page = tmp_path / "docs" / "p.md"
+    example = "```\n<!-- include: results/x.md -->\nan example in a fence: not a block\n<!-- end include -->\n```\n"
+    page.write_text(example + "# P\n\n## Figures\n\n<!-- include: results/x.md shift-headings=2 -->\n| a |\n|---|\n"
+                    "| 1 |\n<!-- end include -->\n\nafter\n", encoding="utf-8")
+    assert sync.check(tmp_path) == ["docs/p.md:10: the copy of results/x.md is stale"]
+    assert sync.main(["--check", "--root", str(tmp_path)]) == 1
+    assert sync.main(["--root", str(tmp_path)]) == 0
+    assert page.read_text(encoding="utf-8") == example + (
+        "# P\n\n## Figures\n\n<!-- include: results/x.md shift-headings=2 -->\n### X\n\n| a |\n|---|\n| 2 |\n"
+        "<!-- end include -->\n\nafter\n")
+    assert sync.check(tmp_path) == []
+    assert sync.main(["--check", "--root", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("block, error", [
+    ("<!-- include: results/none.md -->\n<!-- end include -->\n", "results/none.md, which does not exist"),
+    ("<!-- include: results/x.md -->\ntext\n", "without its '<!-- end include -->' line"),
+    ("<!-- include: results/x.md levels=2 -->\n<!-- end include -->\n", "unknown option 'levels=2'"),
+])
+def test_an_include_block_that_cannot_be_synced_is_an_error(tmp_path, block, error):
+    sync = _sync_docs()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "x.md").write_text("x\n", encoding="utf-8")
+    (tmp_path / "README.md").write_text("# R\n\n" + block, encoding="utf-8")
+    with pytest.raises(sync.IncludeError, match=re.escape(error)):
+        sync.check(tmp_path)
+    assert sync.main(["--check", "--root", str(tmp_path)]) == 2
