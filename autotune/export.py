@@ -20,7 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from autotune.errors import UsageError
-from autotune.plans import ALL, SELECTIVE_POLICIES, canonical, is_off, is_selective
+from autotune.plans import Plan
 from autotune.records import GROWTH_INTERVAL, INIT_LOSS_SCALE
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class _Context:
     """What every exporter needs from the report."""
 
     precision: str
-    segments: str  # the checkpoint plan's name
+    plan: Plan  # the checkpoint plan
     micro: int  # the recommendation's batch size, one micro-batch
     steps: int  # gradient accumulation steps: the report's accumulation plan, else 1
     chain: dict[str, Any]
@@ -61,28 +61,13 @@ class _Context:
     @property
     def recomputes(self) -> bool:
         """Whether the plan recomputes any block (``0`` and ``1`` do not)."""
-        return not is_off(self.segments)
-
-    @property
-    def every_n(self) -> int | None:
-        """N where the plan is transformers' ``every_n_layers`` (``all`` is N = 1), else None."""
-        if self.segments == ALL:
-            return 1
-        return int(self.segments[5:]) if self.segments.startswith("every") else None
+        return not self.plan.off
 
     @property
     def plan_text(self) -> str:
         length = self.chain.get("length")
         where = " + ".join(self.chain.get("containers") or [self.chain.get("path") or ""]) or "the model"
-        blocks = f"the {length} blocks of {where}" if length else "the model's blocks"
-        if self.segments == ALL:
-            return f"checkpoint plan all (every one of {blocks} recomputed)"
-        if self.every_n:
-            return f"checkpoint plan {self.segments} (every {self.every_n}th of {blocks} recomputed)"
-        if is_selective(self.segments):
-            return (f"selective checkpoint plan {self.segments} (every one of {blocks} wrapped, with a per-operation "
-                    f"policy: {SELECTIVE_POLICIES[self.segments]})")
-        return f"checkpoint plan {self.segments} ({self.segments} segments over {blocks}, the last not recomputed)"
+        return self.plan.describe(f"the {length} blocks of {where}" if length else "the model's blocks")
 
 
 def parse_frameworks(text: str | Iterable[str]) -> tuple[str, ...]:
@@ -107,7 +92,7 @@ def export(report: Report, framework: str) -> dict[str, Any]:
     accumulation = report.accumulation or {}
     ctx = _Context(
         precision=rec.precision,
-        segments=canonical(rec.segments),
+        plan=Plan(rec.segments),
         micro=rec.batch_size,
         steps=int(accumulation.get("accumulation_steps") or 1),
         chain=report.workload.get("chain") or {},
@@ -154,11 +139,11 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         )
     elif ctx.recomputes:
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}  # autotune's checkpoints are non-reentrant
-        if ctx.every_n and ctx.every_n > 1:
-            args["gradient_checkpointing_kwargs"]["every_n_layers"] = ctx.every_n
+        if ctx.plan.every and ctx.plan.every > 1:
+            args["gradient_checkpointing_kwargs"]["every_n_layers"] = ctx.plan.every
             notes.append(f"every_n_layers needs transformers 5.24 or later: earlier releases pass it on to "
                          f"torch.utils.checkpoint, which refuses it")
-        elif not ctx.every_n:
+        elif not ctx.plan.every:
             notes.append(
                 f"autotune measured {ctx.plan_text}; TrainingArguments has no setting for it, so this export turns "
                 f"on gradient_checkpointing, which checkpoints every layer of a transformers model (plan all): the "
@@ -261,7 +246,7 @@ _BUILDERS: dict[str, Callable[[_Context, list[str]], dict[str, Any]]] = {
 
 def _common_notes(ctx: _Context, report: Report, framework: str) -> list[str]:
     notes = []
-    if ctx.segments == "1":
+    if ctx.plan == "1":
         notes.append("segments 1 recomputes nothing (the last segment is never recomputed): "
                      "no checkpointing is exported")
     name = NAMES[framework]

@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autotune.errors import UsageError
-from autotune.plans import is_off, plan_order
+from autotune.plans import Plan, plan_order
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
 
@@ -206,15 +206,7 @@ def _style_handles(report: Report, colors: dict[str, Any]) -> list[Any]:
     from matplotlib.patches import Patch
 
     return ([Line2D([], [], linestyle="none", marker=_marker(p), color="0.35", label=p) for p in _precisions(report)]
-            + [Patch(color=c, label=_plan_label(s)) for s, c in colors.items()])
-
-
-def _plan_label(plan: str) -> str:
-    if is_off(plan):
-        return "no checkpointing"
-    if plan == "all" or plan.startswith("every"):
-        return f"recompute {plan}"
-    return f"{plan} segments"
+            + [Patch(color=c, label=Plan(s).label) for s, c in colors.items()])
 
 
 def _unit(report: Report) -> tuple[str, float]:

@@ -15,7 +15,7 @@ import statistics
 from typing import Any
 
 from autotune.errors import UsageError
-from autotune.plans import canonical
+from autotune.plans import Plan
 
 __all__ = [
     "PRECISION_NAMES", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "STATUSES", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
@@ -33,19 +33,33 @@ class Config:
     """One point of the search space: how a single trial trains."""
 
     precision: str  # "fp32", "fp16" or "bf16"
-    segments: str  # the checkpoint plan's name (autotune.plans): "0" is off, "2", "all", "every2", ...
+    plan: Plan  # the checkpoint plan (autotune.plans): "0" is off, "2", "all", "every2", ...
     batch_size: int  # samples per optimizer step
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "segments", canonical(self.segments))  # Config("fp32", 2, 8): plan "2"
+        object.__setattr__(self, "plan", Plan(self.plan))  # Config("fp32", 2, 8): plan "2"
+
+    @property
+    def segments(self) -> Plan:
+        """The plan under its name in the JSON and the flags (``--segments``)."""
+        return self.plan
 
     @property
     def variant(self) -> tuple[str, str]:
         """The (precision, checkpoint plan) pair: configurations that differ only in batch size."""
-        return (self.precision, self.segments)
+        return (self.precision, self.plan)
 
     def __str__(self) -> str:
-        return f"{self.precision} segments={self.segments} batch={self.batch_size}"
+        return f"{self.precision} segments={self.plan} batch={self.batch_size}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as the JSON and the trial store name it: precision, segments, batch_size."""
+        return {"precision": self.precision, "segments": str(self.plan), "batch_size": self.batch_size}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Config":
+        """The inverse of :meth:`to_dict` (a trial's parameters in the store)."""
+        return cls(data["precision"], data["segments"], int(data["batch_size"]))
 
 
 def settled(times: list[float] | tuple[float, ...], steps: int, share: float) -> bool:
@@ -202,8 +216,8 @@ class Measurement:
         return "memory+time" if self.timed else "memory"
 
     @property
-    def segments(self) -> str:
-        return self.config.segments
+    def segments(self) -> Plan:
+        return self.config.plan
 
     @property
     def batch_size(self) -> int:
@@ -365,6 +379,7 @@ def _flatten_config(data: dict[str, Any], *, floats: tuple[str, ...]) -> dict[st
     Strict JSON has no NaN or inf: the ``floats`` fields keep them as text ("nan", "inf").
     """
     config = data.pop("config")
+    config = {"precision": config["precision"], "segments": str(config["plan"]), "batch_size": config["batch_size"]}
     for key in floats:
         if data.get(key) is not None and not math.isfinite(data[key]):
             data[key] = str(data[key])
@@ -374,7 +389,7 @@ def _flatten_config(data: dict[str, Any], *, floats: tuple[str, ...]) -> dict[st
 def _unflatten_config(cls: type, data: dict[str, Any], *, floats: tuple[str, ...]) -> tuple[Config, dict[str, Any]]:
     """The inverse of :func:`_flatten_config`: the Config and the keyword arguments ``cls`` knows."""
     data = dict(data)
-    config = Config(data.pop("precision"), canonical(data.pop("segments")), int(data.pop("batch_size")))
+    config = Config(data.pop("precision"), Plan(data.pop("segments")), int(data.pop("batch_size")))
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in data.items() if k in fields}
     for key in floats:

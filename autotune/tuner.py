@@ -31,7 +31,7 @@ from autotune.errors import Interrupted, UsageError, first_line
 from autotune.options import Options
 from autotune.analysis.pareto import probe_candidates
 from autotune.plans.check import run_checks
-from autotune.plans import ALL, auto_plans, check_plan_fits, is_off
+from autotune.plans import ALL, Plan, auto_plans
 from autotune.training.precision import keep_in_fp32
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
@@ -308,7 +308,7 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
 def _plans(segments: tuple[str, ...] | None, chain: Chain | None, model_class: str, notices: list[str]) -> tuple[str, ...]:
     """Resolve ``--segments`` (None: auto) against the model's blocks: the plan names to search."""
     if chain is None:
-        if segments and not all(is_off(n) for n in segments):
+        if segments and not all(Plan(n).off for n in segments):
             raise UsageError(f"{model_class} has no repeated blocks to checkpoint: use --segments 0")
         if segments is None:
             notices.append(f"{model_class} has no repeated blocks: checkpointing is not tried (segments 0 only)")
@@ -317,14 +317,14 @@ def _plans(segments: tuple[str, ...] | None, chain: Chain | None, model_class: s
     if segments is None:
         return tuple(auto_plans(chain.length))
     for name in segments:
-        check_plan_fits(name, chain.length, chain.describe())
+        Plan(name).fits(chain.length, chain.describe())
     return segments
 
 
 def _checked_plans(workload: Workload, plans: Sequence[str], target: Target, *, study_name: str, storage: str,
                    workload_key: str) -> list[PlanCheck]:
     """Check every plan on the model (one step with and without it), or reuse the checks stored in the study."""
-    to_check = [p for p in dict.fromkeys(plans) if not is_off(p)]
+    to_check = [p for p in dict.fromkeys(map(Plan, plans)) if not p.off]
     if not to_check:
         return []
     settings, batch_size = target.options.trial_settings, min(target.options.batch_sizes)

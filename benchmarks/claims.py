@@ -152,7 +152,7 @@ def selective_rows(spec: str, kwargs: dict | None, precision: str, batch_size: i
     from autotune.plans.checkpointing import find_chain
     from autotune.meters import TensorMeter
     from autotune.plans.check import check_plans
-    from autotune.plans import SELECTIVE, check_plan_fits
+    from autotune.plans import SELECTIVE, Plan
     from autotune.records import Config, TrialSettings
     from autotune.execution.trial import run_trial
     from autotune.training.workload import Workload
@@ -164,7 +164,7 @@ def selective_rows(spec: str, kwargs: dict | None, precision: str, batch_size: i
     plans = ["0"]
     for name in (*BLOCK_PLANS, *SELECTIVE):
         try:
-            check_plan_fits(name, w.chain.length, "the model")
+            Plan(name).fits(w.chain.length, "the model")
             plans.append(name)
         except autotune.UsageError:
             pass

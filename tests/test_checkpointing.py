@@ -2,7 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.plans.checkpointing import apply_plan, find_chain, order_chain, plan_blocks, remove_plan
+from autotune.plans import Plan
+from autotune.plans.checkpointing import apply_plan, find_chain, order_chain, remove_plan
 from autotune.errors import AutotuneError, UsageError
 from autotune.examples import ResNetish, TinyGPT
 from autotune.meters import TensorMeter
@@ -117,7 +118,7 @@ def test_every_plan_trains_exactly_the_same_model(name):
             assert torch.equal(grads[key], grad), f"plan {plan}: gradient of {key}"
         for key, buffer in want[2].items():
             assert torch.equal(buffers[key], buffer), f"plan {plan}: buffer {key}"
-        assert len(applied.recomputed) == len(plan_blocks(chain, plan))
+        assert len(applied.recomputed) == len(Plan(plan).blocks(chain.length))
 
 
 def test_batch_norm_statistics_are_updated_once_per_step():
@@ -147,7 +148,7 @@ def test_blocks_inside_blocks_are_not_blocks_and_every_container_counts():
     ordered = order_chain(model, chain, lambda: model(torch.randn(2, 8)))
     assert ordered.blocks == ("encoder.0", "encoder.1", "encoder.2", "decoder.0", "decoder.1")
     assert ordered.ordered_by == "forward"
-    assert plan_blocks(ordered, "2") == ["encoder.0", "encoder.1", "encoder.2"]
+    assert [ordered.blocks[i] for i in Plan("2").blocks(ordered.length)] == ["encoder.0", "encoder.1", "encoder.2"]
 
     class Experts(nn.Module):  # a block holding a list of experts: the layers are the blocks, not the experts
         def __init__(self):

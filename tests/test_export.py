@@ -39,7 +39,7 @@ def variant(report: autotune.Report, precision: str, segments: str, target: int 
             **guard: object) -> autotune.Report:
     """The report with its recommended trial alone, as ``precision`` and ``segments``, planned for ``target``."""
     rec = report.recommendation
-    trial = dataclasses.replace(rec, config=dataclasses.replace(rec.config, precision=precision, segments=segments))
+    trial = dataclasses.replace(rec, config=dataclasses.replace(rec.config, precision=precision, plan=segments))
     return dataclasses.replace(report, trials=(trial,), probe=None, target_batch_size=target,
                                guard=dataclasses.replace(report.guard, **guard))
 

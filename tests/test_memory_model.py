@@ -166,7 +166,7 @@ def test_the_recompute_share_line_is_drawn_through_block_plans_and_places_select
     model = MemoryModel.fit(trials, [("fp32", "2"), ("fp32", "sac-linear")], blocks=4)
     assert model.lines[("fp32", "2")].per_sample_bytes == pytest.approx(60)
     # ... and an unmeasured selective plan sits on that line at its prior share.
-    assert model.lines[("fp32", "sac-linear")].per_sample_bytes == pytest.approx(100 - 80 * SELECTIVE["sac-linear"])
+    assert model.lines[("fp32", "sac-linear")].per_sample_bytes == pytest.approx(100 - 80 * SELECTIVE["sac-linear"].prior)
 
 
 def test_the_recompute_share_line_is_fitted_to_every_measured_plan():

@@ -1,8 +1,31 @@
 import pytest
 
 from autotune.errors import UsageError
-from autotune.plans import (SELECTIVE, auto_plans, canonical, check_plan_fits, is_selective, needs_no_more_memory,
-                            parse_plans, plan_order, recompute_fraction, recomputed_blocks)
+from autotune.plans import SELECTIVE, Plan, auto_plans, parse_plans, plan_order
+
+
+def canonical(name):
+    return Plan(name)
+
+
+def recomputed_blocks(name, length):
+    return Plan(name).blocks(length)
+
+
+def recompute_fraction(name, length):
+    return Plan(name).recompute_share(length)
+
+
+def needs_no_more_memory(a, b, length):
+    return Plan(a).needs_no_more_memory_than(b, length)
+
+
+def check_plan_fits(name, length, where):
+    Plan(name).fits(length, where)
+
+
+def is_selective(name):
+    return Plan(name).selective is not None
 
 
 def test_names():

@@ -87,7 +87,7 @@ def test_reports_of_schema_version_1_still_load_show_and_apply(tmp_path, caplog)
     assert out.returncode == 0 and "recommendation: bf16, segments 0" in out.stdout
     from autotune.examples import TinyGPT
 
-    trial = dataclasses.replace(old.recommendation, config=dataclasses.replace(old.recommendation.config, segments=2))
+    trial = dataclasses.replace(old.recommendation, config=dataclasses.replace(old.recommendation.config, plan=2))
     with caplog.at_level("WARNING", logger="autotune"):
         run = autotune.apply(TinyGPT(), dataclasses.replace(old, trials=(trial,), probe=None))
     assert run.segments == "2" and run.plan["recomputed_blocks"] == list(range(6))

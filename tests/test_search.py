@@ -106,7 +106,7 @@ def test_auto_meters_the_bracket_and_times_only_the_envelope_completing_memory_t
     assert completions  # the climb reached a point first measured for its memory only
     for m in completions:
         source = trials[m.memory_from]
-        assert source.user_attrs["figures"] == "memory" and Config(**source.params) == m.config
+        assert source.user_attrs["figures"] == "memory" and Config.from_dict(source.params) == m.config
         assert m.peak_bytes == source.user_attrs["measurement"]["peak_bytes"] and m.samples_per_s > 0
     # what the front and the recommendation read has both figures; a configuration with memory only is not on it
     rec = recommend(result.measurements, budget)

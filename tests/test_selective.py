@@ -8,7 +8,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from autotune.plans.checkpointing import apply_plan, find_chain, remove_plan
 from autotune.meters import TensorMeter
 from autotune.plans.check import check_plans
-from autotune.plans import SELECTIVE, auto_plans, canonical, recomputed_blocks
+from autotune.plans import SELECTIVE, Plan, auto_plans
 from autotune.records import Config, TrialSettings
 from autotune.plans.selective import make_policy
 from autotune.execution.trial import run_trial
@@ -24,8 +24,8 @@ def _workload(model="autotune.examples:TinyGPT", **kwargs):
 
 
 def test_selective_plans_are_named_and_wrap_every_block():
-    assert [canonical(n.upper()) for n in SELECTIVE] == list(SELECTIVE)
-    assert all(recomputed_blocks(n, 6) == tuple(range(6)) for n in SELECTIVE)
+    assert [Plan(n.upper()) for n in SELECTIVE] == list(SELECTIVE)
+    assert all(Plan(n).blocks(6) == tuple(range(6)) for n in SELECTIVE)
     assert set(SELECTIVE) <= set(auto_plans(4))  # searched with the block plans
 
 

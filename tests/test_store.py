@@ -281,7 +281,7 @@ def study(tmp_path):
 
 
 def ask(study, config):
-    study.enqueue_trial(dataclasses.asdict(config))
+    study.enqueue_trial(config.to_dict())
     return study.ask(distributions(SPACE))
 
 
@@ -334,7 +334,7 @@ def test_start_trial_writes_a_running_trial_with_its_parameters_and_attributes_a
     queued, started = study.get_trials(deepcopy=False)
     assert queued.state == TrialState.WAITING
     assert started.number == trial.number == 1 and started.state == TrialState.RUNNING
-    assert config_of(started) == config == Config(**started.params) and started.user_attrs == {"worker": "host:ns:1"}
+    assert config_of(started) == config == Config.from_dict(started.params) and started.user_attrs == {"worker": "host:ns:1"}
     assert record(study, trial, ok(config), {"settings_key": "s"})  # the live trial stores like one from ask()
     assert study.get_trials(deepcopy=False)[1].state == TrialState.COMPLETE
 

@@ -13,7 +13,7 @@ import pytest
 from autotune.errors import UsageError
 from autotune.analysis.memory_model import MemoryModel
 from autotune.analysis.pareto import batch_limits, recommend
-from autotune.plans import needs_no_more_memory, recompute_fraction
+from autotune.plans import Plan
 from autotune.records import Config, Measurement
 from autotune.search.space import SearchSpace
 from autotune.search.strategies import AutoStrategy, GridStrategy, OptunaStrategy, make_strategy
@@ -28,7 +28,7 @@ SPACE = SearchSpace(("fp32", "bf16"), ("0", "every4", "2", "4", "8", "all"), tup
 
 def linear(config):
     """Like TinyGPT on the CPU: recomputed blocks keep a little of their activations, bf16 roughly halves them."""
-    r = recompute_fraction(config.segments, BLOCKS)
+    r = Plan(config.segments).recompute_share(BLOCKS)
     per_sample = 18 * MiB * (1.0 - 0.9 * r + 0.05 * math.sqrt(r))
     per_sample *= 0.55 if config.precision == "bf16" else 1.0
     return 8 * MiB + per_sample * config.batch_size
@@ -37,7 +37,7 @@ def linear(config):
 def speed(config):
     """Samples/s that peak at batch 16 (a CPU's caches), lower with more recompute and in fp32."""
     base = 40.0 / (1 + abs(math.log2(config.batch_size) - 4) * 0.15)
-    r = recompute_fraction(config.segments, BLOCKS)
+    r = Plan(config.segments).recompute_share(BLOCKS)
     return base * (1.0 - 0.25 * r) * (1.2 if config.precision == "bf16" else 1.0)
 
 
@@ -122,7 +122,7 @@ def test_bracketing_measures_the_largest_fit_and_measures_or_implies_the_next_si
             assert above not in auto and row["min_oom_batch_size"] == above.batch_size
             source = next(c for c in auto if str(c) == row["min_oom_implied_by"])
             assert auto[source].status == "oom" and source.batch_size == above.batch_size
-            assert needs_no_more_memory(source.segments, above.segments, BLOCKS)
+            assert Plan(source.segments).needs_no_more_memory_than(above.segments, BLOCKS)
         else:
             assert auto[above].status == "oom"
     assert implied >= 1  # nested plans with the same limit

@@ -51,7 +51,7 @@ def here(pid):
 
 def running(study, config, **user_attrs):
     """A RUNNING trial of ``config`` with ``user_attrs``, as read back from the store."""
-    study.enqueue_trial(dataclasses.asdict(config))
+    study.enqueue_trial(config.to_dict())
     trial = study.ask(DIST)
     for key, value in user_attrs.items():
         trial.set_user_attr(key, value)
@@ -59,7 +59,7 @@ def running(study, config, **user_attrs):
 
 
 def finished(study, m, settings_key="s", budget=None):
-    study.enqueue_trial(dataclasses.asdict(m.config))
+    study.enqueue_trial(m.config.to_dict())
     trial = study.ask(DIST)
     record(study, trial, m, {"settings_key": settings_key, "budget_bytes": budget, "timeout_s": None})
 
@@ -144,7 +144,7 @@ def test_a_small_stale_limit_is_read_when_judging(study, monkeypatch):
 
 def test_claim_starts_a_trial_stamped_with_this_worker(study):
     trial = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
-    assert trial is not None and Config(**trial.params) == A
+    assert trial is not None and Config.from_dict(trial.params) == A
     (t,) = study.get_trials(deepcopy=False)
     assert t.state == TrialState.RUNNING and t.user_attrs["worker"] == worker_id()
     assert abs(t.user_attrs["heartbeat"] - time.time()) < 3600
@@ -155,7 +155,7 @@ def test_a_configuration_running_under_a_lower_numbered_trial_is_not_claimed_aga
     assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None) is None
     assert states(study) == {first.number: (TrialState.RUNNING, None)}  # seen before claiming: nothing written
     other = claim(study, B, DIST, settings_key="s", budget_bytes=None, timeout_s=None)  # another configuration is free
-    assert other is not None and Config(**other.params) == B
+    assert other is not None and Config.from_dict(other.params) == B
 
 
 def test_a_configuration_finished_in_a_reusable_way_is_not_claimed(study):
@@ -185,11 +185,11 @@ def test_an_oom_under_a_smaller_budget_is_claimed_again(study):
 def test_claim_leaves_the_queue_alone(study):
     # Claims once went through Optuna's queue (enqueue_trial + ask): ask() popped another worker's configuration,
     # or one that worker had popped and closed meanwhile (UpdateFinishedTrialError from ask, a worker's exit 1).
-    study.enqueue_trial(dataclasses.asdict(B))  # a queued trial, of another tool or an older autotune
+    study.enqueue_trial(B.to_dict())  # a queued trial, of another tool or an older autotune
     trial = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
-    assert Config(**trial.params) == A
+    assert Config.from_dict(trial.params) == A
     waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-    assert [t.system_attrs["fixed_params"] for t in waiting] == [dataclasses.asdict(B)]
+    assert [t.system_attrs["fixed_params"] for t in waiting] == [B.to_dict()]
 
 
 @pytest.mark.parametrize("other_first", [True, False])
@@ -244,7 +244,7 @@ def test_a_measurement_stored_since_the_workers_look_closes_its_claim(study, mon
 
 def test_a_timeout_under_todays_limit_takes_the_configuration_as_the_survey_reads_it(study):
     # The claim judges a stored trial as the survey does: a time-out under the same limit is a measurement.
-    study.enqueue_trial(dataclasses.asdict(A))
+    study.enqueue_trial(A.to_dict())
     record(study, study.ask(DIST), Measurement(A, "timeout", error="cut"), {"settings_key": "s", "timeout_s": 30.0})
     assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=30.0) is None
     assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=60.0) is not None  # a longer limit
@@ -292,7 +292,7 @@ def test_survey_abandons_another_machines_trial_once_its_heartbeat_stops(study, 
 
 def test_survey_abandons_a_queued_trial_that_was_never_stamped(study, monkeypatch):
     monkeypatch.setattr(workers, "STALE_S", 0.0)
-    study.enqueue_trial(dataclasses.asdict(B))
+    study.enqueue_trial(B.to_dict())
     taken = study.ask()  # a worker took it from the queue and died before writing anything
     stamps = {}
     _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps)

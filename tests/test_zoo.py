@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.plans.checkpointing import apply_plan, find_chain, iter_wrapped, order_chain, remove_plan
+from autotune.plans.checkpointing import _APPLIED, apply_plan, find_chain, order_chain, remove_plan
 from autotune.meters import TensorMeter
 from autotune.plans.check import check_plans
-from autotune.plans import auto_plans, needs_no_more_memory, recomputed_blocks
+from autotune.plans import Plan, auto_plans
 from autotune.thirdparty import library_checkpointing
 from autotune.training.workload import Workload
 
@@ -147,8 +147,8 @@ def test_every_offered_plan_is_bitwise_exact(member, plan):
     reference = _reference(member.name)
     model = _build(member.name)
     applied = apply_plan(model, plan, chain)
-    assert applied.recomputed == recomputed_blocks(plan, chain.length)
-    assert {id(m) for m in iter_wrapped(model)} == {id(model.get_submodule(chain.blocks[i])) for i in applied.recomputed}
+    assert applied.recomputed == Plan(plan).blocks(chain.length)
+    assert {id(m) for m in model.modules() if m in _APPLIED} == {id(model.get_submodule(chain.blocks[i])) for i in applied.recomputed}
     got = _train_step(member.name, model)
     diffs = _differences(reference, got)
     assert not diffs, f"plan {plan} on {member.name} is not bitwise exact:\n  " + "\n  ".join(diffs[:15])
@@ -156,7 +156,7 @@ def test_every_offered_plan_is_bitwise_exact(member, plan):
         if key.endswith("num_batches_tracked"):
             assert int(value) == 1, key
     remove_plan(model)
-    assert not list(iter_wrapped(model))
+    assert not [m for m in model.modules() if m in _APPLIED]
 
 
 @pytest.mark.parametrize("member", [p for p in MEMBERS if p.values[0].library])
@@ -379,7 +379,7 @@ def _order_violations(workload: Workload, precision: str, batch_size: int, lengt
     """The pairs of plans known to need no more memory one than the other, and those whose peaks say otherwise."""
     plans = auto_plans(length)
     peaks = {plan: _steady_peak(workload, precision, batch_size, prime=True, steps=1, plan=plan)[0] for plan in plans}
-    pairs = [(a, b) for a in plans for b in plans if a != b and needs_no_more_memory(a, b, length)]
+    pairs = [(a, b) for a in plans for b in plans if a != b and Plan(a).needs_no_more_memory_than(b, length)]
     return pairs, [f"{a} {peaks[a]} > {b} {peaks[b]}" for a, b in pairs if peaks[a] > peaks[b]]
 
 
@@ -395,7 +395,7 @@ def test_the_plan_order_holds_on_the_bundled_models(spec, kwargs, precision):
 @pytest.mark.parametrize("member", MEMBERS)
 def test_plans_known_to_need_no_more_memory_do_not(member, precision):
     # The search takes a plan's out-of-memory at a batch size as the failure of every plan that needs at least
-    # as much (plans.needs_no_more_memory): nested recomputed blocks, all below the selective plans, sac-linear
+    # as much (Plan.needs_no_more_memory_than): nested recomputed blocks, all below the selective plans, sac-linear
     # and sac-lean below sac-matmul. Every such pair, measured: one primed step, the trial's peak.
     _require(member)
     pairs, wrong = _order_violations(Workload.from_specs(member.build), precision, member.batch_size, member.length)

@@ -12,7 +12,7 @@ The model fits that line to the measured peaks and predicts plans not measured y
   scaled by the ratio the two precisions show on plans measured in both (before there is one, by
   the ratio of their element sizes); else from the line checkpointing draws within one
   precision, per-sample cost against the share ``r`` of blocks a plan recomputes
-  (:func:`autotune.plans.recompute_fraction`): ``a(r) = a0 + a1 r``, fitted to that precision's
+  (:meth:`autotune.plans.Plan.recompute_share`): ``a(r) = a0 + a1 r``, fitted to that precision's
   measured plans (one plan: a prior that a recomputed block keeps 15% of its activations).
 
 The model only guides the search; every limit it reports as measured was measured.
@@ -25,7 +25,7 @@ import math
 import statistics
 from typing import Callable, Iterable
 
-from autotune.plans import is_selective, recompute_fraction
+from autotune.plans import Plan
 from autotune.records import Measurement
 
 __all__ = ["MemoryLine", "MemoryModel"]
@@ -197,11 +197,11 @@ def _borrowed_slope(variant: Variant, slopes: dict[Variant, float], blocks: int 
     def along_shape(of: str) -> float | None:  # the recompute-share line of precision `of`, at this plan
         # The line is drawn through block plans (their share is exact); a selective plan's share is a prior.
         mine = {s: a for (p, s), a in slopes.items() if p == of}
-        drawn = {s: a for s, a in mine.items() if not is_selective(s)} or mine
-        own = {recompute_fraction(s, blocks): a for s, a in drawn.items()}
+        drawn = {s: a for s, a in mine.items() if not Plan(s).selective} or mine
+        own = {Plan(s).recompute_share(blocks): a for s, a in drawn.items()}
         if not own:
             return None
-        value = _shape_fit(own)(recompute_fraction(name, blocks))
+        value = _shape_fit(own)(Plan(name).recompute_share(blocks))
         return value if math.isfinite(value) and value > 0 else min(own.values())
 
     for q in others:  # the same plan in another precision, scaled

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
-from autotune.plans import needs_no_more_memory
+from autotune.plans import Plan
 from autotune.records import Config, Measurement, ProbeResult, usable_bytes
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def implied_failures(measurements: Iterable[Measurement], limit: float | None, p
                      blocks: int | None) -> dict[Config, Config]:
     """Configurations not measured that are known not to fit ``limit``: {implied: the measured trial implying it}.
 
-    A plan that needs no more memory than another (:func:`autotune.plans.needs_no_more_memory`)
+    A plan that needs no more memory than another (:meth:`autotune.plans.Plan.needs_no_more_memory_than`)
     and ran out of memory at a batch size means the other does not fit there either. Only the
     failing side of a bracket is ever implied; every largest fitting batch is a measured trial.
     """
@@ -96,7 +96,7 @@ def implied_failures(measurements: Iterable[Measurement], limit: float | None, p
         for plan in plans:
             config = Config(m.precision, plan, m.batch_size)
             if (config not in measured and config not in implied and plan != m.segments
-                    and needs_no_more_memory(m.segments, plan, blocks)):
+                    and Plan(m.segments).needs_no_more_memory_than(plan, blocks)):
                 implied[config] = m.config
     return implied
 

@@ -242,7 +242,7 @@ class ProbeWork(Work):
     @property
     def name(self) -> str:  # type: ignore[override]
         c = self.trial.config
-        return f"autotune-probe-{c.precision}-{c.segments}-b{c.batch_size}"
+        return f"autotune-probe-{c.precision}-{c.plan}-b{c.batch_size}"
 
     @property
     def timeout_s(self) -> float | None:

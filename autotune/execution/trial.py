@@ -170,7 +170,7 @@ class TrialWork(Work):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return f"autotune-trial-{self.config.precision}-{self.config.segments}-b{self.config.batch_size}"
+        return f"autotune-trial-{self.config.precision}-{self.config.plan}-b{self.config.batch_size}"
 
     @property
     def timeout_s(self) -> float | None:

@@ -1,4 +1,4 @@
-"""Checkpoint plan names: which of a model's L blocks a plan recomputes in the backward pass.
+"""Checkpoint plans: which of a model's L blocks a plan recomputes in the backward pass, and how.
 
 A plan is named in ``--segments`` and stored under that name in trials and reports. Every plan
 is a set of blocks, each recomputed on its own with exactly the arguments of its own call
@@ -12,145 +12,202 @@ is a set of blocks, each recomputed on its own with exactly the arguments of its
   transformers and timm do this).
 * ``everyN`` (``every2``, ``every4``, ...): blocks 0, N, 2N, ...: transformers' ``every_n_layers``.
   A smooth trade-off between memory and recompute time.
-* ``sac-matmul``, ``sac-linear``, ``sac-lean``: selective plans (:mod:`autotune.plans.selective`).
-  Every block is wrapped, and inside it a per-operation policy keeps the outputs of matmuls
-  (all of them; only the linear layers'; every other linear one) and recomputes the rest: a
-  point between no checkpointing and recomputing whole blocks.
+* ``sac-matmul``, ``sac-linear``, ``sac-lean``: selective plans (:data:`SELECTIVE`). Every block
+  is wrapped, and inside it a per-operation policy (:mod:`autotune.plans.selective`) keeps the
+  outputs of some operations and recomputes the rest: a point between no checkpointing and
+  recomputing whole blocks.
 
-This module holds no torch: the search strategies and the memory model read plans through it.
+:class:`Plan` is a plan's name that knows its blocks, its recompute share, its label and its
+description; everything else asks it. A new kind of plan is a case here and, if it is applied
+differently, in :func:`autotune.plans.checkpointing.apply_plan`. This module holds no torch: the
+search strategies and the memory model read plans through it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Iterable
 
 from autotune.errors import UsageError
 
-__all__ = ["NONE", "ALL", "SELECTIVE", "SELECTIVE_POLICIES", "canonical", "parse_plans", "recomputed_blocks", "recompute_fraction",
-           "needs_no_more_memory", "plan_order", "auto_plans", "check_plan_fits", "is_off", "is_selective"]
+__all__ = ["Plan", "Selective", "NONE", "ALL", "SELECTIVE", "parse_plans", "plan_order", "auto_plans"]
 
 NONE = "0"
 ALL = "all"
 _EVERY = re.compile(r"^every(\d+)$")
-# Selective plans, with the share of a block's activation memory each is expected to free (a prior for
-# the memory model and the plans' order; measured on TinyGPT, fp32, batch 16: README "Selective plans").
-SELECTIVE = {"sac-matmul": 0.15, "sac-lean": 0.2, "sac-linear": 0.75}
-SELECTIVE_POLICIES = {  # what each keeps (autotune.plans.selective has the policies), for the JSON and the exports' notes
-    "sac-matmul": "keep matmul, convolution and attention outputs; recompute the rest",
-    "sac-linear": "keep the linear layers' outputs; recompute attention and the element-wise work",
-    "sac-lean": "keep attention, convolution and every other linear layer's outputs; recompute the rest",
+
+
+@dataclasses.dataclass(frozen=True)
+class Selective:
+    """A selective plan: which operations' outputs it keeps (the rest is recomputed), as groups of aten ops.
+
+    The groups (:mod:`autotune.plans.selective`): ``linear`` (``mm``/``addmm``), ``batched``
+    (``bmm``/``baddbmm``), ``attention`` (the fused attention kernels), ``convolution``.
+    """
+
+    prior: float  # the share of a block's activation memory it is expected to free: the memory model's prior
+    keeps: str  # what it keeps, in words (the JSON and the exports' notes)
+    save: tuple[str, ...]  # groups whose every output is kept
+    alternate: tuple[str, ...] = ()  # groups of which every other output is kept (counted per pass)
+
+
+# The selective plans, listed once. Priors measured on TinyGPT, fp32, batch 16 (docs/plans.md, "Selective plans").
+SELECTIVE = {
+    "sac-matmul": Selective(0.15, "keep matmul, convolution and attention outputs; recompute the rest",
+                            ("linear", "batched", "attention", "convolution")),
+    "sac-lean": Selective(0.2, "keep attention, convolution and every other linear layer's outputs; recompute the rest",
+                          ("batched", "attention", "convolution"), alternate=("linear",)),
+    "sac-linear": Selective(0.75, "keep the linear layers' outputs; recompute attention and the element-wise work",
+                            ("linear",)),
 }
 _HINT = "0 (off), a segment count such as 2, all, everyN such as every2, sac-matmul, sac-linear, sac-lean, or auto"
 
 
-def canonical(name: str | int) -> str:
-    """Return the plan's canonical name (``"0"``, ``"3"``, ``"all"``, ``"every2"``); raise UsageError if unknown.
+class Plan(str):
+    """A checkpoint plan: its canonical name (a ``str``: ``"0"``, ``"3"``, ``"all"``, ``"every2"``, ``"sac-linear"``).
 
-    Integers (reports of schema version 1 stored segment counts as numbers) are accepted.
+    ``Plan(" ALL ")`` is ``"all"``; an unknown name raises :class:`UsageError`. Integers (reports of
+    schema version 1 stored segment counts as numbers) are accepted.
     """
-    text = str(name).strip().lower()
-    if text.isdigit():
-        return str(int(text))
-    if text == ALL or text in SELECTIVE:
-        return text
-    match = _EVERY.match(text)
-    if match and int(match.group(1)) >= 1:
-        return f"every{int(match.group(1))}"
-    raise UsageError(f"unknown checkpoint plan {str(name)!r} in --segments: write {_HINT}")
+
+    def __new__(cls, name: str | int) -> "Plan":
+        if isinstance(name, Plan):
+            return name
+        text = str(name).strip().lower()
+        if text.isdigit():
+            text = str(int(text))
+        elif text not in (ALL, *SELECTIVE):
+            match = _EVERY.match(text)
+            if not match or int(match.group(1)) < 1:
+                raise UsageError(f"unknown checkpoint plan {str(name)!r} in --segments: write {_HINT}")
+            text = f"every{int(match.group(1))}"
+        return super().__new__(cls, text)
+
+    def __getnewargs__(self) -> tuple[str]:
+        return (str(self),)
+
+    @property
+    def off(self) -> bool:
+        """True for plans that recompute nothing whatever the model (``0`` and ``1``)."""
+        return self in (NONE, "1")
+
+    @property
+    def selective(self) -> Selective | None:
+        """The per-operation policy of a selective plan (``sac-*``), else None."""
+        return SELECTIVE.get(self)
+
+    @property
+    def every(self) -> int | None:
+        """N for ``everyN`` (transformers' ``every_n_layers``; ``all`` is N = 1), else None."""
+        if self == ALL:
+            return 1
+        match = _EVERY.match(self)
+        return int(match.group(1)) if match else None
+
+    @property
+    def segments(self) -> int | None:
+        """N for a segment count ``N``, else None."""
+        return int(self) if self.isdigit() else None
+
+    def blocks(self, length: int) -> tuple[int, ...]:
+        """The indices (in forward order) of the blocks this plan recomputes, for a model of ``length`` blocks."""
+        if self.selective or self == ALL:  # a selective plan wraps every block; its policy decides per operation
+            return tuple(range(length))
+        if self.every:
+            return tuple(range(0, length, self.every))
+        segments = int(self)
+        if segments <= 1 or length == 0:
+            return ()
+        segments = min(segments, length)
+        last_start = length - (length // segments)  # the last segment holds length // segments blocks
+        return tuple(range(last_start))
+
+    def recompute_share(self, length: int | None) -> float:
+        """The share of the blocks this plan recomputes (0 to 1), the memory model's prior; without ``length``
+        a guess from the name. For a selective plan: the share of activation memory it is expected to free."""
+        if self.selective:
+            return self.selective.prior
+        if length:
+            return len(self.blocks(length)) / length
+        if self.every:
+            return 1.0 / self.every
+        return 0.0 if int(self) <= 1 else (int(self) - 1) / int(self)
+
+    def needs_no_more_memory_than(self, other: str, length: int | None) -> bool:
+        """Whether this plan is known to need no more memory than ``other`` at any batch size (a partial order).
+
+        Block plans whose recomputed blocks are nested are ordered: recomputing a superset of the
+        other's blocks keeps less. ``all`` recomputes every operation of every block, so it keeps less
+        than any selective plan; a selective plan that keeps a subset of another's outputs keeps less.
+        Selective plans and the other block plans are not ordered (a kept matmul output may be one no
+        block plan holds). Without ``length`` only a plan and itself.
+        """
+        other = Plan(other)
+        if self == other:
+            return True
+        if not length:
+            return False
+        mine, theirs = self.selective, other.selective
+        if mine and theirs:
+            return set(mine.save) | set(mine.alternate) <= set(theirs.save) and mine.save != theirs.save
+        if mine or theirs:
+            return theirs is not None and len(self.blocks(length)) == length  # this plan recomputes every block
+        return set(other.blocks(length)) <= set(self.blocks(length))
+
+    def fits(self, length: int, where: str) -> None:
+        """Raise UsageError when this plan asks for more segments or a wider stride than ``length`` blocks have."""
+        number = self.segments if self.segments is not None else (self.every if self != ALL else None)
+        if number is not None and number > length:
+            raise UsageError(f"--segments {self} is more than the {length} blocks of {where}: use at most {length}")
+
+    @property
+    def label(self) -> str:
+        """A short label for tables and plots: ``no checkpointing``, ``segments 4``, ``every 2nd block``, ..."""
+        if self.off:
+            return "no checkpointing"
+        if self == ALL:
+            return "all blocks"
+        if self.selective:
+            return f"selective {self}"
+        if self.every:
+            return f"every {_ordinal(self.every)} block"
+        return f"segments {self}"
+
+    def describe(self, blocks: str) -> str:
+        """One line saying what the plan recomputes of ``blocks`` (e.g. ``"12 blocks (transformer.h)"``)."""
+        if self.off:
+            return f"checkpoint plan {self}: nothing recomputed"
+        if self == ALL:
+            return f"checkpoint plan all (every one of {blocks} recomputed)"
+        if self.selective:
+            return (f"selective checkpoint plan {self} (every one of {blocks} wrapped, with a per-operation policy: "
+                    f"{self.selective.keeps})")
+        if self.every:
+            return f"checkpoint plan {self} (every {self.every}th of {blocks} recomputed)"
+        return f"checkpoint plan {self} ({self} segments over {blocks}, the last not recomputed)"
 
 
-def parse_plans(text: str) -> tuple[str, ...] | None:
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def parse_plans(text: str) -> tuple[Plan, ...] | None:
     """Parse ``--segments``: ``"auto"`` (``None``, resolved against the model's blocks) or a list ``"0,2,all"``."""
     if text.strip() == "auto":
         return None
-    names = tuple(dict.fromkeys(canonical(part) for part in text.split(",") if part.strip()))
+    names = tuple(dict.fromkeys(Plan(part) for part in text.split(",") if part.strip()))
     if not names:
         raise UsageError(f"--segments {text!r} is empty: write {_HINT}")
     return names
 
 
-def is_selective(name: str) -> bool:
-    """True for the per-operation plans (``sac-*``)."""
-    return name in SELECTIVE
-
-
-def is_off(name: str) -> bool:
-    """True for plans that recompute nothing whatever the model (``0`` and ``1``)."""
-    return name in (NONE, "1")
-
-
-def recomputed_blocks(name: str, length: int) -> tuple[int, ...]:
-    """The indices (in forward order) of the blocks plan ``name`` recomputes, for a model of ``length`` blocks."""
-    name = canonical(name)
-    if name == ALL or name in SELECTIVE:  # a selective plan wraps every block; its policy decides per operation
-        return tuple(range(length))
-    match = _EVERY.match(name)
-    if match:
-        return tuple(range(0, length, int(match.group(1))))
-    segments = int(name)
-    if segments <= 1 or length == 0:
-        return ()
-    segments = min(segments, length)
-    last_start = length - (length // segments)  # the last segment holds length // segments blocks
-    return tuple(range(last_start))
-
-
-def recompute_fraction(name: str, length: int | None) -> float:
-    """The share of the blocks plan ``name`` recomputes (0 to 1); without ``length`` a guess from the name.
-
-    For a selective plan: the share of activation memory it is expected to free, a prior (every
-    block is wrapped, but only part of each is recomputed).
-    """
-    name = canonical(name)
-    if name in SELECTIVE:
-        return SELECTIVE[name]
-    if length:
-        return len(recomputed_blocks(name, length)) / length
-    if name == ALL:
-        return 1.0
-    match = _EVERY.match(name)
-    if match:
-        return 1.0 / int(match.group(1))
-    segments = int(name)
-    return 0.0 if segments <= 1 else (segments - 1) / segments
-
-
-def needs_no_more_memory(a: str, b: str, length: int | None) -> bool:
-    """Whether plan ``a`` is known to need no more memory than plan ``b`` at any batch size (a partial order).
-
-    Block plans whose recomputed blocks are nested are ordered: recomputing a superset of ``b``'s
-    blocks keeps less. ``all`` recomputes every operation of every block, so it keeps less than any
-    selective plan; a selective plan that keeps a subset of another's outputs (``sac-linear`` and
-    ``sac-lean`` of ``sac-matmul``'s) keeps less. Selective plans and the other block plans are not
-    ordered (a kept matmul output may be one no block plan holds). Without ``length`` only ``a == b``.
-    """
-    a, b = canonical(a), canonical(b)
-    if a == b:
-        return True
-    if not length:
-        return False
-    if is_selective(a) or is_selective(b):
-        if is_selective(a) and is_selective(b):
-            return b == "sac-matmul" and a in ("sac-linear", "sac-lean")
-        return is_selective(b) and len(recomputed_blocks(a, length)) == length  # a recomputes every block
-    return set(recomputed_blocks(b, length)) <= set(recomputed_blocks(a, length))
-
-
-def plan_order(names, length: int | None) -> list[str]:
+def plan_order(names: Iterable[str], length: int | None) -> list[Plan]:
     """``names`` from the least recompute to the most (and so, roughly, fastest and largest first)."""
-    return sorted(names, key=lambda n: (recompute_fraction(n, length), n != NONE, n))
+    return sorted(map(Plan, names), key=lambda n: (n.recompute_share(length), n != NONE, n))
 
 
-def check_plan_fits(name: str, length: int, where: str) -> None:
-    """Raise UsageError when plan ``name`` asks for more segments or a wider stride than ``length`` blocks have."""
-    name = canonical(name)
-    match = _EVERY.match(name)
-    number = int(match.group(1)) if match else (int(name) if name.isdigit() else None)
-    if number is not None and number > length:
-        raise UsageError(f"--segments {name} is more than the {length} blocks of {where}: use at most {length}")
-
-
-def auto_plans(length: int) -> list[str]:
+def auto_plans(length: int) -> list[Plan]:
     """The spread of plans ``--segments auto`` tries for ``length`` blocks, least recompute first.
 
     ``0``, ``every4`` (a quarter of the blocks), the powers of two below ``length`` as segment
@@ -158,11 +215,11 @@ def auto_plans(length: int) -> list[str]:
     same blocks as an earlier one are left out. Then the selective plans.
     """
     if length < 1:
-        return [NONE]
-    names = [NONE, "every4", *(str(2**k) for k in range(1, length.bit_length()) if 2**k < length), ALL]
-    seen: dict[tuple[int, ...], str] = {}
-    for name in names:
-        if name.startswith("every") and int(name[5:]) > length:
+        return [Plan(NONE)]
+    names = [Plan(n) for n in (NONE, "every4", *(str(2**k) for k in range(1, length.bit_length()) if 2**k < length), ALL)]
+    seen: dict[tuple[int, ...], Plan] = {}
+    for plan in names:
+        if plan.every and plan.every > length:
             continue
-        seen.setdefault(recomputed_blocks(name, length), name)
+        seen.setdefault(plan.blocks(length), plan)
     return plan_order([*seen.values(), *SELECTIVE], length)

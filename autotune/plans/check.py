@@ -26,7 +26,7 @@ from autotune.plans.checkpointing import apply_plan
 from autotune.device import backend_for
 from autotune.errors import UsageError, first_line
 from autotune.execution.work import Place, Venue, Work
-from autotune.plans import is_off
+from autotune.plans import Plan
 from autotune.training.precision import keep_in_fp32
 from autotune.records import GuardRails, PlanCheck
 from autotune.training.workload import Workload, to_device
@@ -100,7 +100,7 @@ def check_plans(workload: Workload, plans: Iterable[str], *, batch_size: int, de
     ``batch_size`` in fp32. A reference step that fails fails every plan's check.
     """
     device = torch.device(device)
-    plans = [p for p in dict.fromkeys(plans) if not is_off(p)]
+    plans = [p for p in dict.fromkeys(map(Plan, plans)) if not p.off]
     if not plans:
         return []
     blocks: dict[str, tuple[str, ...]] = dict.fromkeys(plans, ())
@@ -166,7 +166,7 @@ class CheckWork(Work):
 def run_checks(workload: Workload, plans: Iterable[str], *, venue: Venue, batch_size: int, seed: int,
                guard: GuardRails, timeout_s: float | None) -> list[PlanCheck]:
     """:func:`check_plans` where the search's trials run (``venue``)."""
-    plans = tuple(p for p in dict.fromkeys(plans) if not is_off(p))
+    plans = tuple(p for p in dict.fromkeys(map(Plan, plans)) if not p.off)
     if not plans:
         return []
     return venue.run(workload, CheckWork(plans, batch_size, seed, guard, timeout_s))

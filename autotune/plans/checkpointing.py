@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -45,11 +45,11 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from autotune.errors import AutotuneError, UsageError
-from autotune.plans import SELECTIVE_POLICIES, canonical, check_plan_fits, is_off, is_selective, recomputed_blocks
+from autotune.plans import Plan
 from autotune.plans.selective import make_policy
 
-__all__ = ["Chain", "AppliedPlan", "find_chain", "order_chain", "apply_plan", "remove_plan", "plan_blocks", "restore_buffers",
-           "selective_contexts", "iter_wrapped"]
+__all__ = ["Chain", "AppliedPlan", "find_chain", "order_chain", "apply_plan", "remove_plan", "restore_buffers",
+           "selective_contexts"]
 
 # The recompute contexts a block's checkpoint gets: a function of the block's call state returning
 # (forward context, recompute context), as torch's ``context_fn`` does.
@@ -97,8 +97,9 @@ class AppliedPlan:
     def to_dict(self) -> dict[str, Any]:
         data = {"name": self.name, "recomputed_blocks": list(self.recomputed),
                 "chain_length": self.chain.length if self.chain else None}
-        if is_selective(self.name):  # every block wrapped; inside each, the policy keeps part of the forward
-            data["policy"] = SELECTIVE_POLICIES[self.name]
+        selective = Plan(self.name).selective
+        if selective:  # every block wrapped; inside each, the policy keeps part of the forward
+            data["policy"] = selective.keeps
         return data
 
 
@@ -173,19 +174,19 @@ def apply_plan(model: nn.Module, plan: str | int, chain: Chain | None = None, *,
     policy inside the buffer restore).
     Returns what was done; ``0`` leaves the model unchanged.
     """
-    name = canonical(plan)
-    if is_off(name):
+    name = Plan(plan)
+    if name.off:
         return AppliedPlan(name, chain)
     chain = chain if chain is not None else find_chain(model)
     if chain is None:
         raise UsageError(f"{type(model).__name__} has no repeated blocks to checkpoint: use --segments 0")
-    check_plan_fits(name, chain.length, chain.describe())
-    indices = recomputed_blocks(name, chain.length)
+    name.fits(chain.length, chain.describe())
+    indices = name.blocks(chain.length)
     blocks = [model.get_submodule(chain.blocks[i]) for i in indices]
     if any(block in _APPLIED for block in blocks):
         raise UsageError(f"{type(model).__name__} already has a checkpoint plan: call remove_plan(model) first")
     if contexts is None:
-        contexts = functools.partial(selective_contexts, name) if is_selective(name) else restore_buffers
+        contexts = functools.partial(selective_contexts, name) if name.selective else restore_buffers
     for block in blocks:
         _Recompute(block, contexts).install()
     return AppliedPlan(name, chain, indices)
@@ -317,13 +318,3 @@ class _Recompute:
         else:
             module.forward = self.previous
         del _APPLIED[module]
-
-
-def plan_blocks(chain: Chain, plan: str) -> list[str]:
-    """The paths of the blocks ``plan`` recomputes (for reports and messages)."""
-    return [chain.blocks[i] for i in recomputed_blocks(plan, chain.length)]
-
-
-def iter_wrapped(model: nn.Module) -> Iterable[nn.Module]:
-    """The blocks of ``model`` a plan is applied to now."""
-    return (m for m in model.modules() if m in _APPLIED)

@@ -6,6 +6,8 @@ but inside the checkpoint a policy decides per operation whether its output is k
 backward pass or recomputed (torch's :func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts`,
 as torchtitan's per-op mode and Megatron's selective recompute do):
 
+The plans are listed once, as groups of operations kept (:data:`autotune.plans.SELECTIVE`):
+
 * ``sac-matmul``: keep every matrix multiplication, convolution and attention kernel's output;
   recompute the element-wise work (activations, norms, softmax, dropout, residual sums).
 * ``sac-linear``: keep only the linear layers' outputs (``addmm``/``mm``); recompute attention
@@ -28,7 +30,9 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-__all__ = ["POLICIES", "make_policy"]
+from autotune.plans import SELECTIVE
+
+__all__ = ["make_policy"]
 
 aten = torch.ops.aten
 
@@ -49,38 +53,25 @@ _ATTENTION = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_ef
                   "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
                   "_flash_attention_forward", "_efficient_attention_forward")
 _CONVOLUTION = _ops("convolution", "cudnn_convolution", "mkldnn_convolution")
-_MATMUL = _LINEAR | _BATCHED | _ATTENTION | _CONVOLUTION
-
-
-def _keep(ops: frozenset) -> Callable[..., CheckpointPolicy]:
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if func in ops else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-def _lean() -> Callable[..., CheckpointPolicy]:
-    """Keep attention and convolutions, and every other linear matmul: counted per pass, so the
-    recompute keeps exactly what the forward pass kept."""
-    counts = {False: 0, True: 0}
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if func in _LINEAR:
-            counts[ctx.is_recompute] += 1
-            return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if func in _MATMUL else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-# Each makes a fresh policy per checkpointed call (the lean policy counts within one call).
-POLICIES: dict[str, Callable[[], Callable[..., CheckpointPolicy]]] = {
-    "sac-matmul": lambda: _keep(_MATMUL),
-    "sac-linear": lambda: _keep(_LINEAR),
-    "sac-lean": _lean,
-}
+_GROUPS = {"linear": _LINEAR, "batched": _BATCHED, "attention": _ATTENTION, "convolution": _CONVOLUTION}
 
 
 def make_policy(name: str) -> Callable[..., CheckpointPolicy]:
-    """A fresh policy of selective plan ``name`` for one checkpointed call (``policy_fn`` of torch's SAC)."""
-    return POLICIES[name]()
+    """A fresh policy of selective plan ``name`` for one checkpointed call (``policy_fn`` of torch's SAC).
+
+    It keeps the outputs of the plan's ``save`` groups and every other output of its ``alternate``
+    groups, counted per pass, so the recompute keeps exactly what the forward pass kept; the rest
+    is recomputed.
+    """
+    plan = SELECTIVE[name]
+    save = frozenset().union(*(_GROUPS[g] for g in plan.save))
+    alternate = frozenset().union(*(_GROUPS[g] for g in plan.alternate))
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in alternate:
+            counts[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy

@@ -11,7 +11,7 @@ from typing import Any
 
 from autotune.analysis.memory_model import MemoryModel
 from autotune.analysis.pareto import batch_limits, choose, pareto_front, recommend
-from autotune.plans import canonical
+from autotune.plans import Plan
 from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan
 from autotune.units import format_bytes
 
@@ -35,11 +35,11 @@ def _from_version_1(data: dict[str, Any]) -> dict[str, Any]:
     search = dict(data["search"])
     space = dict(search.get("space") or {})
     if "segments" in space:
-        space["segments"] = [canonical(s) for s in space["segments"]]
+        space["segments"] = [Plan(s) for s in space["segments"]]
     search["space"] = {**space, "blocks": (data["workload"].get("chain") or {}).get("length")}
     library = data.get("library_checkpointing")
     if library and "autotune" in library:
-        library = {**library, "autotune": {**library["autotune"], "segments": canonical(library["autotune"]["segments"])}}
+        library = {**library, "autotune": {**library["autotune"], "segments": Plan(library["autotune"]["segments"])}}
     return {**data, "search": search, "library_checkpointing": library}
 
 
@@ -135,7 +135,7 @@ class Report:
             "probe": None if self.probe is None else {
                 "settings": self.probe_settings,
                 "candidates": [r.to_dict() for r in self.probe],
-                "chosen": None if recommendation is None else dataclasses.asdict(recommendation.config),
+                "chosen": None if recommendation is None else recommendation.config.to_dict(),
             },
             "memory_model": self.memory_model.to_list(),
             "budgets": [self.for_budget(b) for b in self.budgets],

@@ -6,7 +6,7 @@ import dataclasses
 import re
 
 from autotune.errors import UsageError
-from autotune.plans import canonical, parse_plans, plan_order
+from autotune.plans import Plan, parse_plans, plan_order
 from autotune.records import PRECISION_NAMES, Config
 
 __all__ = ["Config", "SearchSpace", "parse_batch_sizes", "parse_segments", "parse_precisions"]
@@ -22,7 +22,7 @@ class SearchSpace:
     blocks: int | None = None  # L, the model's repeated blocks the plans count in (None: no blocks)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "segments", tuple(canonical(s) for s in self.segments))
+        object.__setattr__(self, "segments", tuple(Plan(s) for s in self.segments))
         for name, values in (("precisions", self.precisions), ("segments", self.segments), ("batch sizes", self.batch_sizes)):
             if not values:
                 raise UsageError(f"the search space is empty: no {name} to try")

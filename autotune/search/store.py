@@ -10,7 +10,6 @@ private API (the study's storage and id) is used in two places, :func:`start_tri
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -26,7 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune._log import logger
 from autotune.errors import UsageError, first_line
-from autotune.plans import canonical
+from autotune.plans import Plan
 from autotune.records import Config, Measurement
 from autotune.search.space import SearchSpace
 
@@ -178,7 +177,7 @@ def config_of(trial: FrozenTrial) -> Config | None:
     """
     params = trial.params if len(trial.params) == 3 else trial.system_attrs.get("fixed_params", {})
     try:
-        return Config(params["precision"], canonical(params["segments"]), int(params["batch_size"]))
+        return Config(params["precision"], Plan(params["segments"]), int(params["batch_size"]))
     except (KeyError, TypeError, ValueError, UsageError):
         return None
 
@@ -195,7 +194,7 @@ def start_trial(study: optuna.Study, config: Config, distributions: dict, user_a
     """
     template = FrozenTrial(
         number=-1, state=TrialState.RUNNING, value=None, datetime_start=datetime.now(), datetime_complete=None,
-        params=dataclasses.asdict(config), distributions=distributions, user_attrs=user_attrs, system_attrs={},
+        params=config.to_dict(), distributions=distributions, user_attrs=user_attrs, system_attrs={},
         intermediate_values={}, trial_id=-1)
     trial_id = study._storage.create_new_trial(study._study_id, template_trial=template)
     return optuna.Trial(study, trial_id)

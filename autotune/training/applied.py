@@ -22,7 +22,7 @@ from torch import nn
 from autotune._log import logger
 from autotune.plans.checkpointing import Chain, apply_plan
 from autotune.errors import UsageError
-from autotune.plans import canonical, is_off
+from autotune.plans import Plan
 from autotune.training.precision import get_mode, keep_in_fp32
 from autotune.records import GuardRails, Measurement, accumulation_plan
 from autotune.report import Report
@@ -119,7 +119,7 @@ def _recommendation_fields(recommendation: Any) -> _Recommended:
 
 def _require_checked(plan: str, checks: list | None) -> None:
     """Refuse a plan whose check on the model failed; say so when there is no check to go by."""
-    if is_off(plan):
+    if Plan(plan).off:
         return
     check = next((c for c in checks or () if c.get("plan") == plan), None)
     if check is None:
@@ -152,7 +152,7 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
     if device_type is None:
         first = next(model.parameters(), None)
         device_type = first.device.type if first is not None else "cpu"
-    segments = canonical(fields["segments"])
+    segments = Plan(fields["segments"])
     _require_checked(segments, source.checks)
     chain = Chain.from_dict(source.chain) if source.chain else None
     missing = [path for path in (chain.blocks if chain else ()) if not _has_submodule(model, path)]
@@ -179,7 +179,7 @@ def prepare(model: nn.Module, *, precision: str, segments: str, chain: Chain | N
     return Applied(
         model=model,
         precision=mode.name,
-        segments=canonical(segments),
+        segments=Plan(segments),
         micro_batch_size=micro_batch_size,
         accumulation_steps=accumulation_steps,
         scaler=mode.grad_scaler(device_type),

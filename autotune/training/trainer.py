@@ -44,7 +44,7 @@ class Trainer:
         """
         torch.manual_seed(self.seed)
         model = self.workload.build_model()
-        self.run = prepare(model, precision=self.config.precision, segments=self.config.segments,
+        self.run = prepare(model, precision=self.config.precision, segments=self.config.plan,
                            chain=self.workload.chain, guard=self.guard, device_type=self.device.type,
                            micro_batch_size=self.config.batch_size, record_loss_scale=True,
                            record_grad_norm=self.record_grad_norm)

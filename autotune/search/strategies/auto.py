@@ -7,7 +7,7 @@ the measurements alone, so a resumed search or a second worker picks up where th
 1. **Bracket** every plan's boundary under the budget, exactly at the resolution of the batch
    sizes: the largest size that fits is a measured trial, and so is the next size up (which does
    not fit) unless a plan that needs no more memory failed at that size
-   (:func:`autotune.plans.needs_no_more_memory`; the limits name the trial that implies it). Plans
+   (:meth:`autotune.plans.Plan.needs_no_more_memory_than`; the limits name the trial that implies it). Plans
    go from the most recompute to the least, so such failures come first. The next trial of a plan
    is the size the model predicts to be the largest that fits, inside the bracket still open
    (before any peak is known: the middle size, whose activations outweigh the fixed part, then
@@ -66,9 +66,9 @@ def _dominates(fast: str, slow: str, measured: Mapping[Config, Measurement], mod
                variants: list[tuple[str, str]], smallest: int, largest: int) -> bool:
     """Whether precision ``fast`` beats ``slow`` on both axes: faster in every configuration measured in both
     (at least one), and predicted to need no more memory in any plan at any batch size."""
-    pairs = [(m.samples_per_s, measured[Config(fast, c.segments, c.batch_size)].samples_per_s)
+    pairs = [(m.samples_per_s, measured[Config(fast, c.plan, c.batch_size)].samples_per_s)
              for c, m in measured.items() if c.precision == slow and m.samples_per_s is not None
-             and Config(fast, c.segments, c.batch_size) in measured]
+             and Config(fast, c.plan, c.batch_size) in measured]
     if not pairs or any(q is None or q <= s for s, q in pairs):
         return False
     for _, segments in (pl for pl in variants if pl[0] == slow):
@@ -238,7 +238,7 @@ class AutoStrategy(Strategy):
             return None
         if not speeds:  # start at the largest batch of the plan with the least recompute, where training usually starts
             first = view.ordered[0]
-            return next((c for c in reversed(envelope) if c.segments == first), envelope[-1])
+            return next((c for c in reversed(envelope) if c.plan == first), envelope[-1])
         # Hill climbing: measure the neighbours of the fastest point until both are measured and slower.
         # (A step to the neighbour costs one trial; a bisection would cost more where the maximum sits
         # near the largest batch, as it does on GPUs.) The larger neighbour first.

@@ -55,13 +55,13 @@ class OptunaStrategy(Strategy):
                 self._shadow.tell(trial, self._values(m, budget_bytes))
             else:
                 self._shadow.add_trial(optuna.trial.create_trial(
-                    params={"precision": config.precision, "segments": config.segments, "batch_size": config.batch_size},
+                    params={"precision": config.precision, "segments": config.plan, "batch_size": config.batch_size},
                     distributions=distributions, values=self._values(m, budget_bytes)))
         if len(measured) >= limit or len(measured.keys() | pending) >= len(space):  # pending: measured ones too
             return None
         for _ in range(10 * len(space)):
             trial = self._shadow.ask(distributions)
-            config = Config(**trial.params)
+            config = Config.from_dict(trial.params)
             if config in measured:
                 self._shadow.tell(trial, self._values(measured[config], budget_bytes))
             elif config in pending or config in self._asked:
