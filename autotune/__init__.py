@@ -33,7 +33,7 @@ from autotune.report import Report, load
 from autotune.search.space import SearchSpace
 from autotune.units import format_bytes, parse_size
 
-__version__ = "0.1.0"
+from autotune._version import __version__
 
 # Names whose modules import torch: loaded on first use.
 _LAZY = {

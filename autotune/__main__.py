@@ -16,141 +16,22 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
+from autotune.cli.parser import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_NOTHING_FITS,
+    EXIT_OK,
+    EXIT_USAGE,
+    build_parser,
+    build_show_parser,
+    follower,
+    options_from,
+)
 from autotune.errors import AutotuneError, UsageError, first_line
 
-if TYPE_CHECKING:
-    from autotune.options import Options
-
-__all__ = ["main", "build_parser"]
-
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130  # SIGTERM: 143
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit code 2, like our own usage errors
-        self.exit(EXIT_USAGE, None if _follower() else f"autotune: error: {message} (see --help)\n")
-
-
-def _follower() -> bool:
-    """A torchrun rank other than 0: rank 0 alone speaks (one line of bad input, the table) and writes the JSON."""
-    return os.environ.get("RANK", "0") != "0"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="python -m autotune",
-        description="Measure precision modes, gradient-checkpoint plans and batch sizes of a PyTorch model "
-        "on this machine, and recommend the fastest configuration that fits a memory budget.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    w = p.add_argument_group("workload")
-    w.add_argument("--model", required=True, metavar="MODULE:ATTR",
-                   help="an nn.Module class or a factory returning one, e.g. autotune.examples:TinyGPT")
-    w.add_argument("--model-kwargs", metavar="JSON", default=None, help="keyword arguments for the model, as a JSON object")
-    w.add_argument("--data", metavar="MODULE:ATTR", default=None,
-                   help="a map-style Dataset (or a factory for one) of (input, target) tuples or dicts; "
-                   "default: the model's example_batch(batch_size) method")
-    w.add_argument("--loss", metavar="MODULE:ATTR", default=None,
-                   help="loss(output, target) for models whose output holds no loss")
-    s = p.add_argument_group("search space and budget")
-    s.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    s.add_argument("--budget", default=None, metavar="SIZE",
-                   help="memory budget such as 24GiB or 512MiB (default: the device's total memory)")
-    s.add_argument("--budgets", default=None, metavar="SIZE,SIZE",
-                   help="more budgets, e.g. 8GiB,24GiB,80GiB: a recommendation for each from the same trials "
-                   "(trials run under the largest)")
-    s.add_argument("--headroom", type=float, default=0.1,
-                   help="share of the budget the recommendation leaves free")
-    s.add_argument("--precisions", default="auto",
-                   help="comma-separated fp32,fp16,bf16; auto: the modes the device runs well")
-    s.add_argument("--segments", default="auto", metavar="PLANS",
-                   help="checkpoint plans, e.g. 0,2,every2,all: 0 is off, N recomputes the blocks of the first N-1 of N "
-                   "segments, everyN every N-th block, all every block; auto: a spread from 0 to all")
-    s.add_argument("--batch-sizes", default="1..512",
-                   help="a range A..B (the powers of two in it) or a list such as 8,16,24")
-    r = p.add_argument_group("search and trials")
-    r.add_argument("--strategy", default="auto",
-                   help="auto: fit each plan's memory line, bracket its largest batch, climb throughput; "
-                   "grid: every point of the space; optuna: NSGA-II within --n-trials")
-    r.add_argument("--n-trials", type=int, default=None, metavar="N",
-                   help="trial budget of --strategy optuna (default: a quarter of the space)")
-    r.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per trial on CUDA (on the CPU one metered step, the optimizer's "
-                   "state primed before it)")
-    r.add_argument("--measure-steps", type=int, default=5, help="at most this many timed steps per trial: timing stops once the last 3 lie within 2%% "
-                   "of their median; the median is reported with the spread")
-    r.add_argument("--settle-steps", type=int, default=3, metavar="N",
-                   help="timing stops early once the last N steps lie within 2%% of their median; 0 times all "
-                   "--measure-steps steps")
-    r.add_argument("--trial-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="stop a trial running longer than this (status timeout)")
-    r.add_argument("--isolation", default="auto", choices=("auto", "process", "none"),
-                   help="process: each trial in a fresh worker process (a crash or a sticky CUDA error stays there); "
-                   "none: in this process; auto: process on CUDA, none on CPU")
-    r.add_argument("--parallel", default="none", choices=("none", "ddp", "fsdp"),
-                   help="under torchrun: ddp or fsdp runs every trial on every rank under DistributedDataParallel or "
-                   "FSDP2 (fully_shard on each repeated block), batch sizes per rank; none: the ranks are independent "
-                   "workers sharing the study")
-    r.add_argument("--storage", default=None, metavar="URL",
-                   help="Optuna storage URL for the trial store (default: sqlite:///results/<study>.db)")
-    r.add_argument("--study", default=None, help="study name (default: derived from the model and device)")
-    b = p.add_argument_group("probe, training plan and guard rails")
-    b.add_argument("--no-probe", action="store_true",
-                   help="skip the probe (the top candidates training an epoch over a slice of --data)")
-    b.add_argument("--probe-top", type=int, default=3, help="Pareto candidates to probe, fastest first")
-    b.add_argument("--probe-epochs", type=int, default=1, help="epochs each candidate trains in the probe")
-    b.add_argument("--probe-fraction", type=float, default=0.1, help="share of --data (drawn at random) the probe trains on")
-    b.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes in the probe")
-    b.add_argument("--target-batch-size", type=int, default=None, metavar="N",
-                   help="batch size to train with: adds gradient-accumulation steps so micro x steps >= N")
-    b.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
-                   help="clip the global gradient norm (after unscaling fp16) in trials, probe and apply")
-    b.add_argument("--fp32-modules", default="", metavar="NAME,NAME",
-                   help="module class names kept outside autocast, e.g. LayerNorm,Softmax")
-    b.add_argument("--no-library-compare", action="store_true",
-                   help="skip measuring the model library's own per-layer checkpointing (Hugging Face, timm) "
-                   "beside autotune's plan")
-    o = p.add_argument_group("output")
-    o.add_argument("--out", default=None, metavar="PATH", help="JSON report path (default: results/<study>.json)")
-    _output_flags(o)
-    o.add_argument("--quiet", action="store_true", help="print only the final table and errors")
-    o.add_argument("--verbose", action="store_true", help="log each trial as it starts and each of its steps")
-    return p
-
-
-def _output_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--export", action="append", default=[], metavar="FRAMEWORK[,FRAMEWORK]",
-                       help="also write the recommendation for hf (TrainingArguments), lightning (Trainer), deepspeed "
-                       "(config) or accelerate (Accelerator), next to the JSON as <stem>.<framework>.json; repeatable")
-    group.add_argument("--plot", action="store_true",
-                       help="also write <stem>.pareto.png and <stem>.memory.png next to the JSON (needs matplotlib)")
-
-
-def build_show_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m autotune show", description="Print a saved report's table and recommendation again; "
-                "optionally export it or plot it.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("report", metavar="REPORT.json", help="a JSON report written by autotune")
-    _output_flags(p.add_argument_group("output"))
-    return p
-
-
-def options_from(args: argparse.Namespace) -> "Options":
-    """The :class:`~autotune.options.Options` the flags say: the same object ``autotune.tune`` builds."""
-    from autotune.options import Options
-
-    return Options(
-        model=args.model, model_kwargs=args.model_kwargs, data=args.data, loss=args.loss, device=args.device,
-        budget=args.budget, headroom=args.headroom, precisions=args.precisions, segments=args.segments,
-        batch_sizes=args.batch_sizes, strategy=args.strategy, n_trials=args.n_trials, budgets=args.budgets,
-        warmup_steps=args.warmup_steps, measure_steps=args.measure_steps, settle_steps=args.settle_steps,
-        trial_timeout=args.trial_timeout,
-        storage=args.storage, study=args.study, isolation=args.isolation, probe=not args.no_probe,
-        probe_top=args.probe_top, probe_epochs=args.probe_epochs, probe_fraction=args.probe_fraction,
-        num_workers=args.num_workers, target_batch_size=args.target_batch_size, clip_grad_norm=args.clip_grad_norm,
-        fp32_modules=args.fp32_modules, compare_library=not args.no_library_compare, parallel=args.parallel,
-    )
-
+__all__ = ["main", "build_parser", "options_from"]
 
 def _outputs(args: argparse.Namespace) -> tuple[tuple[str, ...], bool]:
     """Check --export and --plot before any work: unknown frameworks or a missing matplotlib are bad input."""
@@ -194,14 +75,12 @@ def show(argv: Sequence[str]) -> int:
             raise UsageError(f"{args.report} is not an autotune report ({type(exc).__name__}: {first_line(exc)})") from None
         print(report.table())
         for path in _write_outputs(report, args.report, frameworks, plot):
-            print(f"autotune: wrote {path}", file=sys.stderr)
+            _say(f"wrote {path}")
         if frameworks and report.recommendation is None:
-            print("autotune: nothing to export: the report has no recommendation", file=sys.stderr)
-    except UsageError as exc:
-        print(f"autotune: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(f"autotune: error: {exc.filename or args.report}: {exc.strerror or exc}", file=sys.stderr)
+            _say("nothing to export: the report has no recommendation")
+    except (UsageError, OSError) as exc:
+        _say(f"error: {exc}" if isinstance(exc, UsageError) else
+             f"error: {exc.filename or args.report}: {exc.strerror or exc}")
         return EXIT_USAGE
     return EXIT_OK if report.recommendation is not None else EXIT_NOTHING_FITS
 
@@ -231,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from autotune.cli.progress import Progress
 
     try:
-        if args.parallel != "none" and _follower():
+        if args.parallel != "none" and follower():
             logging.getLogger("autotune").setLevel(logging.ERROR)  # rank 0 speaks for the job
             with _sigterm_as_interrupt() as stopped:
                 return _follow(args, stopped)
@@ -311,17 +190,20 @@ def _ended_early(args: argparse.Namespace) -> Iterator[None]:
         raise
 
 
+def _say(message: str) -> None:
+    print(f"autotune: {message}", file=sys.stderr)
+
+
 def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
+    """Rank 0 (or the only process): tune, then print the table and write the report, exports and plots."""
     import autotune
     from autotune.tuner import run
 
-    def how() -> str:
-        return "stopped by SIGTERM" if stopped else "interrupted"
-
+    how = "stopped by SIGTERM" if stopped else "interrupted"
     try:
         options = options_from(args)  # bad options: every rank of a --parallel job says so alike, before joining
         with _ended_early(args):
-            frameworks, plot = _outputs(args)
+            outputs = _outputs(args)
             _check_writable(args.out or os.path.join("results", "report.json"), create_folder=not args.out)
         report = run(options, progress=progress)
     except autotune.Interrupted as exc:
@@ -329,46 +211,46 @@ def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
             wrote = f"wrote the partial report to {_write(exc.report, args.out)}"
         except (OSError, ValueError) as write_exc:
             wrote = f"could not write the partial report ({write_exc})"
-        print(f"autotune: {how()} after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
-              f"{exc.report.search['storage']}: run the same command to continue", file=sys.stderr)
+        _say(f"{how} after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
+             f"{exc.report.search['storage']}: run the same command to continue")
         return _interrupted_code(stopped)
-    except UsageError as exc:
-        print(f"autotune: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except AutotuneError as exc:
-        print(f"autotune: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+    except (UsageError, AutotuneError) as exc:
+        _say(f"error: {exc}")
+        return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR
     except Exception as exc:  # noqa: BLE001 - a trial store or library failing mid-search: one line, not a traceback
         if args.verbose:
             import traceback
 
             traceback.print_exc()
-        print(f"autotune: error: {type(exc).__name__}: {first_line(exc)} (finished trials are kept in the store; "
-              f"--verbose shows the traceback)", file=sys.stderr)
+        _say(f"error: {type(exc).__name__}: {first_line(exc)} (finished trials are kept in the store; --verbose shows "
+             f"the traceback)")
         return EXIT_ERROR
     except KeyboardInterrupt:  # before the search started: nothing measured
-        print(f"autotune: {how()}", file=sys.stderr)
+        _say(how)
         return _interrupted_code(stopped)
+    return _finish(args, report, *outputs)
+
+
+def _finish(args: argparse.Namespace, report: Any, frameworks: tuple[str, ...], plot: bool) -> int:
+    """Write the report, print its table, write exports and plots; the exit code says whether anything fits."""
     try:
         out = _write(report, args.out)
     except (OSError, ValueError) as exc:
         print(report.table())
-        print(f"autotune: error: cannot write the report: {getattr(exc, 'strerror', None) or exc}; the trials are kept in "
-              f"{report.search['storage']}, so run again with another --out", file=sys.stderr)
+        _say(f"error: cannot write the report: {getattr(exc, 'strerror', None) or exc}; the trials are kept in "
+             f"{report.search['storage']}, so run again with another --out")
         return EXIT_ERROR
     print(report.table())
-    if not args.quiet:
-        print(f"autotune: wrote {out}", file=sys.stderr)
     try:
-        written = _write_outputs(report, out, frameworks, plot)
+        written = [out, *_write_outputs(report, out, frameworks, plot)]
     except (OSError, UsageError) as exc:
-        print(f"autotune: error: the report is written ({out}) but its exports or plots are not: {exc}", file=sys.stderr)
+        _say(f"error: the report is written ({out}) but its exports or plots are not: {exc}")
         return EXIT_ERROR
     if not args.quiet:
         for path in written:
-            print(f"autotune: wrote {path}", file=sys.stderr)
+            _say(f"wrote {path}")
     if frameworks and report.recommendation is None:
-        print("autotune: nothing to export: no configuration fits (see below)", file=sys.stderr)
+        _say("nothing to export: no configuration fits (see below)")
     if report.recommendation is None:
         print(_nothing_fits_hint(report), file=sys.stderr)
         return EXIT_NOTHING_FITS

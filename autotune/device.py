@@ -177,7 +177,7 @@ class Backend:
         """Describe the machine the trials run on, for the report."""
         import optuna
 
-        from autotune import __version__
+        from autotune._version import __version__
 
         return {"autotune_version": __version__, "torch_version": torch.__version__, "optuna_version": optuna.__version__,
                 "python_version": platform.python_version(), "platform": platform.platform(),

@@ -1,7 +1,8 @@
 """The options of one tuning run: one frozen object, built by the CLI and by ``autotune.tune`` alike.
 
 Every flag of ``python -m autotune`` is a field here with the same meaning (``--trial-timeout``
-is ``trial_timeout``). Values are checked and parsed when the object is made, so bad input fails
+is ``trial_timeout``): its default, help, choices and group are stated once, on the field
+(:func:`option`), and the parser is built from them. Values are checked and parsed when the object is made, so bad input fails
 with one line before anything is built; sizes become bytes, lists become tuples. No torch: the
 device is resolved by the first stage of :func:`autotune.tuner.run`.
 """
@@ -14,60 +15,135 @@ from typing import Any, Callable, Sequence
 
 from autotune.errors import UsageError
 from autotune.plans import parse_plans
-from autotune.records import GuardRails, ProbeSettings, TrialSettings
+from autotune.records import Budget, GuardRails, ProbeSettings, TrialSettings
 from autotune.search.space import parse_batch_sizes, parse_precisions
 from autotune.search.strategies import make_strategy
 from autotune.units import parse_size
 
-__all__ = ["Options", "ISOLATION_MODES", "PARALLEL_MODES"]
+__all__ = ["Options", "Flag", "option", "ISOLATION_MODES", "PARALLEL_MODES"]
 
 ISOLATION_MODES = ("auto", "process", "none")
 PARALLEL_MODES = ("none", "ddp", "fsdp")  # autotune.execution.ranks
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-    """How to tune: what to train, within what budget, over which space, and how trials and the probe run."""
+class Flag:
+    """How an option is spelled on the command line (the flag, its help, its group); the default is the field's."""
 
-    model: str | type | Callable[..., Any]  # "MODULE:ATTR", or the class or factory itself
-    model_kwargs: str | dict | None = None  # keyword arguments for the model ("d_model=256,n_layers=4" or a dict)
-    data: Any = None  # "MODULE:ATTR", a Dataset or a factory of one: limits then hold for its batches
-    loss: str | Callable | None = None  # "MODULE:ATTR" or loss(model, batch); default: the model's own
-    device: Any = None  # "cpu", "cuda", "cuda:1", a torch.device; default: CUDA when available
-    budget: str | int | None = None  # bytes or a size ("24GiB"); default: the largest of budgets, else the device
-    headroom: float = 0.1  # the share of the budget a recommendation leaves free
-    precisions: str | Sequence[str] | None = None  # "fp32,bf16"; None or "auto": what the device runs well
-    segments: str | Sequence[Any] | None = "auto"  # checkpoint plans ("0,2,all,every2"); "auto": a spread
-    batch_sizes: str | Sequence[int] = "1..512"  # a range of powers of two, or a list
-    strategy: str = "auto"  # auto (bracket each limit with the memory model), grid, optuna
-    n_trials: int | None = None  # the optuna strategy's trial budget (default: a quarter of the space)
-    budgets: str | Sequence[str | int] | None = None  # more budgets to recommend for, from the same trials
-    warmup_steps: int = 2  # untimed steps per trial
-    measure_steps: int = 5  # at most this many timed steps per trial (fewer once they settle); the median is kept
-    settle_steps: int = 3  # timing stops once this many last steps lie within 2% of their median (0: never early)
-    trial_timeout: float | None = 300.0  # seconds before a trial is cut (status timeout)
-    storage: str | None = None  # an Optuna storage URL; default: results/<study>.db
-    study: str | None = None  # the study's name; default: MODEL[-hash of options]-DEVICE
-    results_dir: str = "results"  # where the default storage lives
-    isolation: str = "auto"  # process (each trial in a fresh worker), none, auto (process on CUDA)
-    probe: bool = True  # with data: train the best candidates an epoch over a slice of it
-    probe_top: int = 3  # candidates probed, fastest first
-    probe_epochs: int = 1
-    probe_fraction: float = 0.1  # the share of the data the probe trains on
-    num_workers: int = 0  # the probe's DataLoader workers
-    target_batch_size: int | None = None  # adds a gradient-accumulation plan reaching this batch
-    clip_grad_norm: float | None = None  # guard rail: clip the global gradient norm (after unscaling fp16)
-    fp32_modules: str | Sequence[str] = ()  # guard rail: module class names kept outside autocast
-    compare_library: bool = True  # measure the library's own checkpointing switch beside autotune's plan
-    parallel: str = "none"  # ddp or fsdp: every trial on every torchrun rank under that wrapper; none: independent
+    help: str
+    group: str
+    metavar: str | None = None
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    negate: str | None = None  # a bool option set off by this flag ("--no-probe"), else --NAME
+    default_text: str | None = None  # how --help shows a None default ("auto: ...")
+    required: bool = False
+
+    def flag(self, name: str) -> str:
+        return self.negate or "--" + name.replace("_", "-")
+
+
+def option(default: Any, help: str, *, group: str, **flag: Any) -> Any:
+    """A field of :class:`Options` with its default and its flag: the one place both are stated."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(help, group, **flag)})
+
+
+WORKLOAD, SPACE, TRIALS, PROBE = "workload", "search space and budget", "search and trials", \
+    "probe, training plan and guard rails"
+_TRIAL, _PROBE = TrialSettings(), ProbeSettings()  # the settings' defaults are the flags' defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How to tune: what to train, within what budget, over which space, and how trials and the probe run.
+
+    Each field is a flag of ``python -m autotune`` (:func:`autotune.cli.parser.build_parser` reads them).
+    """
+
+    model: str | type | Callable[..., Any] = option(
+        None, "an nn.Module class or a factory returning one, e.g. autotune.examples:TinyGPT", group=WORKLOAD,
+        metavar="MODULE:ATTR", required=True)
+    model_kwargs: str | dict | None = option(
+        None, "keyword arguments for the model, as a JSON object (or a dict)", group=WORKLOAD, metavar="JSON")
+    data: Any = option(
+        None, "a map-style Dataset (or a factory for one) of (input, target) tuples or dicts; limits then hold for its "
+        "batches", group=WORKLOAD, metavar="MODULE:ATTR", default_text="the model's example_batch(batch_size) method")
+    loss: str | Callable | None = option(
+        None, "loss(output, target) for models whose output holds no loss", group=WORKLOAD, metavar="MODULE:ATTR",
+        default_text="the output itself, its .loss or ['loss'], or the model's loss(output, target)")
+    device: Any = option(None, "cpu, cuda or cuda:N", group=SPACE, default_text="cuda if available, else cpu")
+    budget: str | int | None = option(
+        None, "memory budget such as 24GiB or 512MiB", group=SPACE, metavar="SIZE",
+        default_text="the largest of --budgets, else the device's total memory")
+    budgets: str | Sequence[str | int] | None = option(
+        None, "more budgets, e.g. 8GiB,24GiB,80GiB: a recommendation for each from the same trials (trials run under "
+        "the largest)", group=SPACE, metavar="SIZE,SIZE")
+    headroom: float = option(0.1, "share of the budget the recommendation leaves free", group=SPACE, type=float)
+    precisions: str | Sequence[str] | None = option(
+        None, "comma-separated fp32,fp16,bf16", group=SPACE, default_text="auto: the modes the device runs well")
+    segments: str | Sequence[Any] | None = option(
+        "auto", "checkpoint plans, e.g. 0,2,every2,all,sac-linear: 0 is off, N recomputes the blocks of the first N-1 "
+        "of N segments, everyN every N-th block, all every block, sac-* per operation; auto: a spread from 0 to all",
+        group=SPACE, metavar="PLANS")
+    batch_sizes: str | Sequence[int] = option(
+        "1..512", "a range A..B (the powers of two in it) or a list such as 8,16,24", group=SPACE)
+    strategy: str = option(
+        "auto", "auto: fit each plan's memory line, bracket its largest batch, climb throughput; grid: every point of "
+        "the space; optuna: NSGA-II within --n-trials", group=TRIALS)
+    n_trials: int | None = option(None, "trial budget of --strategy optuna", group=TRIALS, metavar="N", type=int,
+                                  default_text="a quarter of the space")
+    warmup_steps: int = option(
+        _TRIAL.warmup_steps, "untimed steps per trial on CUDA (on the CPU one metered step, the optimizer's state "
+        "primed before it, whatever this says)", group=TRIALS, type=int)
+    measure_steps: int = option(
+        _TRIAL.measure_steps, "at most this many timed steps per trial (fewer once they settle); the median is "
+        "reported with the spread", group=TRIALS, type=int)
+    settle_steps: int = option(
+        _TRIAL.settle_steps, "timing stops early once the last N steps lie within 2%% of their median; 0 times all "
+        "--measure-steps steps", group=TRIALS, metavar="N", type=int)
+    trial_timeout: float | None = option(
+        _TRIAL.timeout_s, "stop a trial running longer than this (status timeout)", group=TRIALS, metavar="SECONDS",
+        type=float)
+    isolation: str = option(
+        "auto", "process: each trial in a fresh worker process (a crash or a sticky CUDA error stays there); none: in "
+        "this process; auto: process on CUDA, none on CPU", group=TRIALS, choices=ISOLATION_MODES)
+    parallel: str = option(
+        "none", "under torchrun: ddp or fsdp runs every trial on every rank under DistributedDataParallel or FSDP2 "
+        "(fully_shard on each repeated block), batch sizes per rank; none: the ranks are independent workers sharing "
+        "the study", group=TRIALS, choices=PARALLEL_MODES)
+    storage: str | None = option(None, "Optuna storage URL for the trial store", group=TRIALS, metavar="URL",
+                                 default_text="sqlite:///results/<study>.db")
+    study: str | None = option(None, "study name", group=TRIALS, default_text="derived from the model and device")
+    results_dir: str = "results"  # where the default storage lives (Python only: the CLI's --out says where the JSON goes)
+    probe: bool = option(True, "skip the probe (the top candidates training an epoch over a slice of --data)",
+                         group=PROBE, negate="--no-probe")
+    probe_top: int = option(_PROBE.top, "Pareto candidates to probe, fastest first", group=PROBE, type=int)
+    probe_epochs: int = option(_PROBE.epochs, "epochs each candidate trains in the probe", group=PROBE, type=int)
+    probe_fraction: float = option(_PROBE.fraction, "share of --data (drawn at random) the probe trains on",
+                                   group=PROBE, type=float)
+    num_workers: int = option(_PROBE.num_workers, "DataLoader worker processes in the probe", group=PROBE, type=int)
+    target_batch_size: int | None = option(
+        None, "batch size to train with: adds gradient-accumulation steps so micro x steps >= N", group=PROBE,
+        metavar="N", type=int)
+    clip_grad_norm: float | None = option(
+        _TRIAL.guard.clip_grad_norm, "clip the global gradient norm (after unscaling fp16) in trials, probe and apply",
+        group=PROBE, metavar="NORM", type=float)
+    fp32_modules: str | Sequence[str] = option(
+        _TRIAL.guard.fp32_modules, "module class names kept outside autocast, e.g. LayerNorm,Softmax", group=PROBE,
+        metavar="NAME,NAME")
+    compare_library: bool = option(
+        True, "skip measuring the model library's own per-layer checkpointing (Hugging Face, timm) beside autotune's "
+        "plan", group=PROBE, negate="--no-library-compare")
 
     def __post_init__(self) -> None:
+        if self.model is None:
+            raise UsageError("no model: pass --model MODULE:ATTR (or autotune.tune(model))")
         self._check_numbers()
         make_strategy(self.strategy, n_trials=self.n_trials)  # an unknown name or a misplaced --n-trials fails here
         if self.isolation not in ISOLATION_MODES:
-            raise UsageError(f"unknown --isolation {self.isolation!r}: choose auto, process or none")
+            raise UsageError(f"unknown --isolation {self.isolation!r}: choose {', '.join(ISOLATION_MODES)}")
         if self.parallel not in PARALLEL_MODES:
-            raise UsageError(f"unknown --parallel {self.parallel!r}: choose none, ddp or fsdp")
+            raise UsageError(f"unknown --parallel {self.parallel!r}: choose {', '.join(PARALLEL_MODES)}")
         if self.parallel != "none" and self.isolation == "process":
             raise UsageError(f"--parallel {self.parallel} runs each trial in every rank's own process (a worker per "
                              f"trial would have to join the job's process group): leave --isolation at auto or none")
@@ -107,6 +183,11 @@ class Options:
         return GuardRails(clip_grad_norm=self.clip_grad_norm, fp32_modules=self.fp32_modules)
 
     @property
+    def memory(self) -> Budget:
+        """The budgets as one value (no limit without --budget or --budgets)."""
+        return Budget(self.budget, self.budgets, self.headroom)
+
+    @property
     def trial_settings(self) -> TrialSettings:
         return TrialSettings(warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
                              settle_steps=self.settle_steps, timeout_s=self.trial_timeout, guard=self.guard)
@@ -116,10 +197,6 @@ class Options:
         return ProbeSettings(top=self.probe_top, epochs=self.probe_epochs, fraction=self.probe_fraction,
                              num_workers=self.num_workers, seed=0, timeout_s=self.trial_timeout)
 
-    @property
-    def all_budgets(self) -> tuple[int, ...]:
-        """The budget and the extra budgets; trials run under the largest, the others are judged by their peaks."""
-        return () if self.budget is None else (self.budget, *self.budgets)
 
 
 def _as_tuple(value: str | Sequence | None, parse: Callable[[str], tuple | None]) -> tuple | None:

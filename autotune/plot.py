@@ -108,7 +108,6 @@ def memory_figure(report: Report) -> Figure:
     require_matplotlib()
     import numpy as np
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import NullLocator
 
     precisions = _precisions(report) or ["fp32"]
     fig, axes = _figure(len(precisions), width=max(4.6 * len(precisions) + 2.2, 9.0))
@@ -143,17 +142,7 @@ def memory_figure(report: Report) -> Figure:
                        linewidths=2, zorder=4, gid="recommendation")
         if not trials:
             ax.text(0.96, 0.04, f"no {p} trial measured", transform=ax.transAxes, ha="right", va="bottom", color="0.35")
-        ax.set_xscale("log", base=2)
-        if 0 < len(all_sizes) <= 12:
-            ax.set_xticks(all_sizes, [str(b) for b in all_sizes])
-            ax.xaxis.set_minor_locator(NullLocator())
-        if all_sizes:
-            ax.set_xlim(min(all_sizes) / 1.25, max(all_sizes) * 1.25)
-        ax.set_yscale("log")
-        _memory_ticks(ax.yaxis)
-        ax.grid(True, which="major", alpha=0.3)
-        ax.set_title(p)
-        ax.set_xlabel("batch size (log2 scale)")
+        _batch_axes(ax, all_sizes, p)
     peaks = [m.peak_bytes / scale for m in measured] + [b / scale for b in (report.budget_bytes, *report.budgets) if b]
     if peaks:  # extrapolated fits may run off the top; the measurements and budgets decide the range
         axes[0].set_ylim(min(peaks) / 1.3, max(peaks) * 1.3)
@@ -168,6 +157,23 @@ def memory_figure(report: Report) -> Figure:
 
 
 # -- shared pieces ---------------------------------------------------------------------------------
+
+
+def _batch_axes(ax: Any, sizes: list[int], title: str) -> None:
+    """Batch sizes along x (log2, each size a tick when few), peak memory along y (log)."""
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log", base=2)
+    if 0 < len(sizes) <= 12:
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.xaxis.set_minor_locator(NullLocator())
+    if sizes:
+        ax.set_xlim(min(sizes) / 1.25, max(sizes) * 1.25)
+    ax.set_yscale("log")
+    _memory_ticks(ax.yaxis)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.set_title(title)
+    ax.set_xlabel("batch size (log2 scale)")
 
 
 def _figure(ncols: int, *, width: float) -> tuple[Figure, Sequence[Axes]]:

@@ -18,7 +18,7 @@ from autotune.errors import UsageError
 from autotune.plans import Plan
 
 __all__ = [
-    "PRECISION_NAMES", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "STATUSES", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
+    "Budget", "PRECISION_NAMES", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "STATUSES", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
     "ProbeResult", "PlanCheck", "settled", "timing_fields", "completed", "retimed", "quantile", "usable_bytes", "accumulation_plan",
 ]
 
@@ -129,6 +129,34 @@ def quantile(values: list[float] | list[int], q: float) -> Any:
 def usable_bytes(budget_bytes: int | None, headroom: float) -> float | None:
     """Return what a recommendation may use of ``budget_bytes``: the budget less its headroom share."""
     return None if budget_bytes is None else budget_bytes * (1.0 - headroom)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """The memory budgets of one run, in bytes: the recommendation's, the extra ones, and the headroom.
+
+    ``bytes`` is the budget a recommendation is made for; trials run under :attr:`enforced`, the
+    largest of all (a smaller budget is judged by the peaks measured, from the same trials).
+    """
+
+    bytes: int | None  # the recommendation's budget; None: no limit
+    extra: tuple[int, ...] = ()  # more budgets recommended for (--budgets), without the budget itself
+    headroom: float = 0.1  # the share of a budget a recommendation leaves free
+
+    @property
+    def enforced(self) -> int | None:
+        """The budget trials run under: the largest."""
+        return None if self.bytes is None else max((self.bytes, *self.extra))
+
+    @property
+    def usable(self) -> float | None:
+        """What a recommendation may use of :attr:`bytes`: the budget less its headroom share."""
+        return usable_bytes(self.bytes, self.headroom)
+
+    @property
+    def all(self) -> tuple[int, ...]:
+        """The budget and the extra budgets (none without a budget)."""
+        return () if self.bytes is None else (self.bytes, *self.extra)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ def test_values_are_parsed_once_into_bytes_and_tuples():
     o = Options(model="m:M", budget="1GiB", budgets="2GiB,1GiB,512MiB", batch_sizes="4..16", precisions="bf16,fp32",
                 segments="0,2,all", fp32_modules="LayerNorm, Softmax")
     assert o.budget == 2**30 and o.budgets == (2**29, 2**31)  # the budget itself is not repeated
-    assert o.all_budgets == (2**30, 2**29, 2**31)
+    assert o.memory.all == (2**30, 2**29, 2**31) and o.memory.enforced == 2**31
     assert o.batch_sizes == (4, 8, 16) and o.precisions == ("bf16", "fp32") and o.segments == ("0", "2", "all")
     assert o.fp32_modules == ("LayerNorm", "Softmax")
     assert o.guard.fp32_modules == ("LayerNorm", "Softmax") and o.trial_settings.timeout_s == 300.0

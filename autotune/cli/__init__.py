@@ -1,5 +1,9 @@
-"""The command line's presentation: progress lines and the bar while a search runs.
+"""The command line's presentation: its parsers, the progress lines and bar, and the table a run prints.
 
-``python -m autotune`` itself is :mod:`autotune.__main__`. May import anything below the tuner;
-nothing in the package imports it.
+* :mod:`~autotune.cli.parser`: the flags, built from :class:`autotune.options.Options`.
+* :mod:`~autotune.cli.progress`: progress on stderr while a search runs.
+* :mod:`~autotune.cli.table`: the text table of a report (``Report.table()``).
+
+``python -m autotune`` itself is :mod:`autotune.__main__`. May import the options, records,
+units and the analysis; imports no torch.
 """

@@ -1,19 +1,23 @@
-"""The result of a search: JSON with a versioned schema, a pandas DataFrame and a text table."""
+"""The result of a search: the :class:`Report` record and its JSON, with a versioned schema and its migration.
+
+What a report says is derived, not stored: its front, limits and recommendation come from the
+trials through :mod:`autotune.analysis`. Beside it: the pandas frame (:mod:`autotune.report.frame`)
+and atomic file writing (:mod:`autotune.report.files`); the text table is the command line's
+(:mod:`autotune.cli.table`). Nothing here imports torch.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import tempfile
 from typing import Any
 
 from autotune.analysis.memory_model import MemoryModel
 from autotune.analysis.pareto import batch_limits, choose, pareto_front, recommend
 from autotune.plans import Plan
 from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan
-from autotune.units import format_bytes
+from autotune.report.files import write_atomically
 
 __all__ = ["SCHEMA_VERSION", "Report", "load"]
 
@@ -22,8 +26,6 @@ __all__ = ["SCHEMA_VERSION", "Report", "load"]
 #    oom_needed_bytes; probe candidates peak_reserved_bytes_max.
 SCHEMA_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
-
-TABLE_COLUMNS = ["precision", "segments", "batch_size", "status", "peak_bytes", "step_s", "samples_per_s"]
 
 
 def _from_version_1(data: dict[str, Any]) -> dict[str, Any]:
@@ -163,17 +165,7 @@ class Report:
         """Return the report as JSON text; with ``path``, also write it there (atomically)."""
         text = json.dumps(self.to_dict(), indent=indent, allow_nan=False)
         if path is not None:
-            path = os.fspath(path)
-            # A temporary file of its own: parallel workers may write the same report at once.
-            fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path) or ".")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text + "\n")
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            write_atomically(path, text + "\n")  # parallel workers may write the same report at once
         return text
 
     @classmethod
@@ -207,107 +199,15 @@ class Report:
 
     def to_dataframe(self):
         """Return one row per trial (pandas), with ``feasible``, ``pareto`` and ``recommended`` flags."""
-        import pandas as pd
+        from autotune.report.frame import to_dataframe
 
-        pareto = {m.config for m in self.pareto}
-        rec = self.recommendation
-        rows = []
-        for m in self.trials:
-            row = {k: v for k, v in m.to_dict().items() if k not in ("step_times_s", "loss_scale_history", "plan")}
-            row.update(feasible=m.fits(self.budget_bytes), pareto=m.config in pareto,
-                       recommended=rec is not None and m.config == rec.config)
-            rows.append(row)
-        columns = TABLE_COLUMNS + [c for c in (rows[0] if rows else {}) if c not in TABLE_COLUMNS]
-        return pd.DataFrame(rows, columns=columns)
+        return to_dataframe(self)
 
     def table(self) -> str:
         """Return a human-readable summary: every trial, the limits, the front and the recommendation."""
-        lines = [f"{'precision':<9} {'segments':>8} {'batch':>6} {'status':<7} {'peak':>11} {'step_s':>8} {'samples/s':>10}  "]
-        pareto = {m.config for m in self.pareto}
-        rec = self.recommendation
-        for m in self.trials:
-            mark = "<- recommended" if rec is not None and m.config == rec.config else ("pareto" if m.config in pareto else "")
-            if m.memory_only:
-                mark = "memory trial (not timed)"
-            step = f"{m.step_s:.4f}" if m.step_s is not None else "-"
-            sps = f"{m.samples_per_s:.1f}" if m.samples_per_s is not None else "-"
-            lines.append(
-                f"{m.precision:<9} {m.segments:>8} {m.batch_size:>6} {m.status:<7} {format_bytes(m.peak_bytes):>11} "
-                f"{step:>8} {sps:>10}  {mark}".rstrip()
-            )
-        lines.append("")
-        if self.distributed:
-            d = self.distributed
-            lines.append(f"distributed: {d['wrapper']}, world size {d['world_size']} ({d['backend']}); batch sizes and "
-                         f"peaks are per rank (the largest rank's), samples/s are the whole job's")
-        lines.append("largest batch that fits, per precision and segments: " + ", ".join(
-            f"{row['precision']}/{row['segments']}: {row['max_batch_size'] if row['max_batch_size'] is not None else 'none'}"
-            for row in self.limits
-        ))
-        implied = [row for row in self.limits if "min_oom_implied_by" in row]
-        if implied:
-            lines.append(f"{len(implied)} of these limits end where a plan that needs no more memory ran out of it at the "
-                         f"next size (no trial of its own): " + ", ".join(
-                             f"{row['precision']}/{row['segments']} by {row['min_oom_implied_by']}" for row in implied))
-        budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
-        if self.data:
-            d = self.data
-            read = "every item" if d["method"] == "exhaustive" else (
-                "its lengths attribute" if d["method"] == "lengths" else f"a random sample of {d['read']}")
-            lines.append(f"data: {d['items']} items (sizes from {read}): p50 {d['p50']}, p90 {d['p90']}, max {d['max']} "
-                         f"({d['size_unit']}); memory measured on the worst batch of each size, steps timed on random "
-                         f"batches")
-        for r in self.probe or ():
-            verdict = "accepted" if r.accepted else f"rejected: {r.reason}"
-            speed = f", {r.samples_per_s:.1f} samples/s" if r.samples_per_s else ""
-            worst = (f", worst batch {format_bytes(r.worst_batch_peak_bytes)}" if r.worst_batch_peak_bytes is not None
-                     else "")
-            lines.append(f"probe {r.config}: {r.steps} steps, worst-case peak {format_bytes(r.peak_bytes_max)} "
-                         f"(trial {format_bytes(r.trial_peak_bytes)}{worst}){speed}; {verdict}")
-        if rec is None and self.probe:
-            lines.append("recommendation: none: every probed candidate was rejected")
-        elif rec is None:
-            lines.append(f"recommendation: none fits within {budget} less {self.headroom:.0%} headroom")
-        else:
-            probed = next((r for r in self.probe or () if r.config == rec.config), None)
-            peak, speed, where = (rec.peak_bytes, rec.samples_per_s, "peak") if probed is None else (
-                probed.peak_bytes_max, probed.samples_per_s, "worst-case peak in the probe")
-            share = f" ({peak / self.budget_bytes:.0%} of the {budget} budget)" if self.budget_bytes else ""
-            lines.append(
-                f"recommendation: {rec.precision}, segments {rec.segments}, batch size {rec.batch_size}: "
-                f"{speed:.1f} samples/s, {where} {format_bytes(peak)}{share}"
-            )
-            accumulation = self.accumulation
-            if accumulation and accumulation["target_batch_size"]:
-                ranks = f" x {accumulation['world_size']} ranks" if accumulation.get("world_size", 1) > 1 else ""
-                lines.append(f"accumulation: {accumulation['accumulation_steps']} x {accumulation['micro_batch_size']}"
-                             f"{ranks} = effective batch {accumulation['effective_batch_size']}; {accumulation['lr_note']}")
-        if self.library_checkpointing:
-            lines.append(_library_line(self.library_checkpointing))
-        for budget in self.budgets:
-            other = recommend(self.trials, budget, self.headroom)
-            limits = ", ".join(f"{r['precision']}/{r['segments']}: {r['max_batch_size'] or 'none'}"
-                               + ("" if r.get("bracketed", True) else f" (model: {r.get('predicted_max_batch_size') or 'none'})")
-                               for r in self.for_budget(budget)["limits"])
-            lines.append(f"budget {format_bytes(budget)}: " + (
-                f"{other.precision}, segments {other.segments}, batch size {other.batch_size}: {other.samples_per_s:.1f} "
-                f"samples/s, peak {format_bytes(other.peak_bytes)}" if other else "nothing fits") + f"; largest batch: {limits}")
-        return "\n".join(lines)
+        from autotune.cli.table import render
 
-
-def _library_line(c: dict[str, Any]) -> str:
-    def one(r: dict[str, Any]) -> str:
-        if r["status"] != "ok":
-            return f"{r['status']} (peak {format_bytes(r['peak_bytes'])})"
-        if r["samples_per_s"] is None:  # a memory trial of the search: its peak, no speed
-            return f"peak {format_bytes(r['peak_bytes'])} (a memory trial: not timed)"
-        return f"peak {format_bytes(r['peak_bytes'])}, {r['samples_per_s']:.1f} samples/s"
-
-    parts = [f"{c['method']} (every block): {one(c['library'])}",
-             f"autotune segments {c['autotune']['segments']}: {one(c['autotune'])}"]
-    if c.get("none"):
-        parts.append(f"no checkpointing: {one(c['none'])}")
-    return f"library checkpointing at {c['precision']}, batch {c['batch_size']}: " + "; ".join(parts)
+        return render(self)
 
 
 def load(path: str | os.PathLike) -> Report:

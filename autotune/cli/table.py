@@ -1,0 +1,131 @@
+"""The text table a run prints: every trial, the limits, the probe, the recommendation and the other budgets.
+
+Read from a :class:`~autotune.report.Report` (duck-typed here: this module imports no report, so
+that the report's ``table()`` may call it); no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotune.analysis.pareto import recommend
+from autotune.units import format_bytes
+
+__all__ = ["render"]
+
+
+def render(report: Any) -> str:
+    """Return a human-readable summary: every trial, the limits, the front and the recommendation."""
+    lines = _trial_rows(report)
+    lines.append("")
+    lines += _limit_lines(report)
+    lines += _probe_lines(report)
+    lines += _recommendation_lines(report)
+    if report.library_checkpointing:
+        lines.append(_library_line(report.library_checkpointing))
+    lines += _budget_lines(report)
+    return "\n".join(lines)
+
+
+def _trial_rows(report: Any) -> list[str]:
+    lines = [f"{'precision':<9} {'segments':>8} {'batch':>6} {'status':<7} {'peak':>11} {'step_s':>8} {'samples/s':>10}  "]
+    pareto = {m.config for m in report.pareto}
+    rec = report.recommendation
+    for m in report.trials:
+        mark = "<- recommended" if rec is not None and m.config == rec.config else ("pareto" if m.config in pareto else "")
+        if m.memory_only:
+            mark = "memory trial (not timed)"
+        step = f"{m.step_s:.4f}" if m.step_s is not None else "-"
+        sps = f"{m.samples_per_s:.1f}" if m.samples_per_s is not None else "-"
+        lines.append(
+            f"{m.precision:<9} {m.segments:>8} {m.batch_size:>6} {m.status:<7} {format_bytes(m.peak_bytes):>11} "
+            f"{step:>8} {sps:>10}  {mark}".rstrip()
+        )
+    return lines
+
+
+def _limit_lines(report: Any) -> list[str]:
+    lines = []
+    if report.distributed:
+        d = report.distributed
+        lines.append(f"distributed: {d['wrapper']}, world size {d['world_size']} ({d['backend']}); batch sizes and "
+                     f"peaks are per rank (the largest rank's), samples/s are the whole job's")
+    limits = report.limits
+    lines.append("largest batch that fits, per precision and segments: " + ", ".join(
+        f"{row['precision']}/{row['segments']}: {row['max_batch_size'] if row['max_batch_size'] is not None else 'none'}"
+        for row in limits
+    ))
+    implied = [row for row in limits if "min_oom_implied_by" in row]
+    if implied:
+        lines.append(f"{len(implied)} of these limits end where a plan that needs no more memory ran out of it at the "
+                     f"next size (no trial of its own): " + ", ".join(
+                         f"{row['precision']}/{row['segments']} by {row['min_oom_implied_by']}" for row in implied))
+    if report.data:
+        d = report.data
+        read = "every item" if d["method"] == "exhaustive" else (
+            "its lengths attribute" if d["method"] == "lengths" else f"a random sample of {d['read']}")
+        lines.append(f"data: {d['items']} items (sizes from {read}): p50 {d['p50']}, p90 {d['p90']}, max {d['max']} "
+                     f"({d['size_unit']}); memory measured on the worst batch of each size, steps timed on random "
+                     f"batches")
+    return lines
+
+
+def _probe_lines(report: Any) -> list[str]:
+    lines = []
+    for r in report.probe or ():
+        verdict = "accepted" if r.accepted else f"rejected: {r.reason}"
+        speed = f", {r.samples_per_s:.1f} samples/s" if r.samples_per_s else ""
+        worst = (f", worst batch {format_bytes(r.worst_batch_peak_bytes)}" if r.worst_batch_peak_bytes is not None
+                 else "")
+        lines.append(f"probe {r.config}: {r.steps} steps, worst-case peak {format_bytes(r.peak_bytes_max)} "
+                     f"(trial {format_bytes(r.trial_peak_bytes)}{worst}){speed}; {verdict}")
+    return lines
+
+
+def _recommendation_lines(report: Any) -> list[str]:
+    rec = report.recommendation
+    budget = format_bytes(report.budget_bytes) if report.budget_bytes else "none"
+    if rec is None and report.probe:
+        return ["recommendation: none: every probed candidate was rejected"]
+    if rec is None:
+        return [f"recommendation: none fits within {budget} less {report.headroom:.0%} headroom"]
+    probed = next((r for r in report.probe or () if r.config == rec.config), None)
+    peak, speed, where = (rec.peak_bytes, rec.samples_per_s, "peak") if probed is None else (
+        probed.peak_bytes_max, probed.samples_per_s, "worst-case peak in the probe")
+    share = f" ({peak / report.budget_bytes:.0%} of the {budget} budget)" if report.budget_bytes else ""
+    lines = [f"recommendation: {rec.precision}, segments {rec.segments}, batch size {rec.batch_size}: "
+             f"{speed:.1f} samples/s, {where} {format_bytes(peak)}{share}"]
+    accumulation = report.accumulation
+    if accumulation and accumulation["target_batch_size"]:
+        ranks = f" x {accumulation['world_size']} ranks" if accumulation.get("world_size", 1) > 1 else ""
+        lines.append(f"accumulation: {accumulation['accumulation_steps']} x {accumulation['micro_batch_size']}"
+                     f"{ranks} = effective batch {accumulation['effective_batch_size']}; {accumulation['lr_note']}")
+    return lines
+
+
+def _budget_lines(report: Any) -> list[str]:
+    lines = []
+    for budget in report.budgets:
+        other = recommend(report.trials, budget, report.headroom)
+        limits = ", ".join(f"{r['precision']}/{r['segments']}: {r['max_batch_size'] or 'none'}"
+                           + ("" if r.get("bracketed", True) else f" (model: {r.get('predicted_max_batch_size') or 'none'})")
+                           for r in report.for_budget(budget)["limits"])
+        lines.append(f"budget {format_bytes(budget)}: " + (
+            f"{other.precision}, segments {other.segments}, batch size {other.batch_size}: {other.samples_per_s:.1f} "
+            f"samples/s, peak {format_bytes(other.peak_bytes)}" if other else "nothing fits") + f"; largest batch: {limits}")
+    return lines
+
+
+def _library_line(c: dict[str, Any]) -> str:
+    def one(r: dict[str, Any]) -> str:
+        if r["status"] != "ok":
+            return f"{r['status']} (peak {format_bytes(r['peak_bytes'])})"
+        if r["samples_per_s"] is None:  # a memory trial of the search: its peak, no speed
+            return f"peak {format_bytes(r['peak_bytes'])} (a memory trial: not timed)"
+        return f"peak {format_bytes(r['peak_bytes'])}, {r['samples_per_s']:.1f} samples/s"
+
+    parts = [f"{c['method']} (every block): {one(c['library'])}",
+             f"autotune segments {c['autotune']['segments']}: {one(c['autotune'])}"]
+    if c.get("none"):
+        parts.append(f"no checkpointing: {one(c['none'])}")
+    return f"library checkpointing at {c['precision']}, batch {c['batch_size']}: " + "; ".join(parts)
