@@ -237,6 +237,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="with --selective: interleaved timing rounds")
     parser.add_argument("--only", default="", help="with --selective: only models whose name contains one of these")
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)  # a folder that does not exist yet is made, not a crash at the first write
     if args.selective:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.zoo
         return run_selective(args)

@@ -128,6 +128,7 @@ def main() -> int:
     for config, a, res, n in rows:
         print(f"    {config}: {a / 2**20:.0f} / {res / 2**20:.0f} / {n / 2**20 if n else float('nan'):.0f}")
     out = os.environ.get("OUT", ".")
+    os.makedirs(out, exist_ok=True)
     report.to_json(os.path.join(out, "gpu_check.json"))
     print(json.dumps({"failures": failures}))
     return 1 if failures else 0

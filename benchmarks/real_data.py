@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1..128")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)  # made before the run: a missing folder must not lose its results
     budget = parse_size(args.budget)
     started = time.monotonic()
     report = autotune.tune("autotune.examples:TinyGPT", data=lambda: _loader(args.size), device="cpu",
@@ -141,8 +142,10 @@ def markdown(r: dict) -> str:
         spread = f" (±{row['trial_step_s_spread'] / 2:.0%})" if row["trial_step_s_spread"] is not None else ""
         name = f"{row['precision']}, plan {row['segments']}, batch {row['batch_size']}" + (
             " (recommended)" if row["recommended"] else "")
+        # a limit found by a memory trial (the auto strategy's bracket) was metered, not timed
+        trial_speed = "not timed" if row["trial_samples_per_s"] is None else f"{row['trial_samples_per_s']:.1f}{spread}"
         lines.append(f"| {name} | {format_bytes(row['trial_peak_bytes'])} | {format_bytes(row['first_items_peak_bytes'])} "
-                     f"| {worst} | {row['trial_samples_per_s']:.1f}{spread} | {speed} |")
+                     f"| {worst} | {trial_speed} | {speed} |")
     return "\n".join(lines)
 
 
