@@ -211,7 +211,7 @@ def selective_markdown(data: dict) -> str:
 
 def run_selective(args: argparse.Namespace) -> None:
     wanted = [m for m in SELECTIVE_MODELS if not args.only or any(o in m[0] for o in args.only.split(","))]
-    data = {"benchmark": "selective", "command": "python benchmarks/claims.py " + " ".join(sys.argv[1:]),
+    data = {"benchmark": "selective", "command": " ".join(["python benchmarks/claims.py", *sys.argv[1:]]),
             "environment": backend_for(torch.device("cpu")).environment(), "names": [m[0] for m in wanted],
             "models": []}
     for name, spec, kwargs, precision, batch in wanted:
@@ -259,7 +259,7 @@ def main() -> None:
             sys.exit(f"claims: {', '.join(missing)} not found: run benchmarks/search_efficiency.py first, or pass --run")
         reports = [autotune.load(p) for p in args.reports.split(",")]
     device = reports[0].environment["device_type"]
-    data = {"benchmark": "claims", "command": "python benchmarks/claims.py " + " ".join(sys.argv[1:]),
+    data = {"benchmark": "claims", "command": " ".join(["python benchmarks/claims.py", *sys.argv[1:]]),
             "environment": reports[0].environment if not args.run else backend_for(torch.device(device)).environment(),
             "sources": None if args.run else args.reports.split(","),
             "models": [claims(r) for r in reports]}
