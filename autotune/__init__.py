@@ -46,7 +46,7 @@ _LAZY = {
     "Meter": "autotune.meters",
     "TensorMeter": "autotune.meters",
     "MemoryReading": "autotune.meters",
-    "make_meter": "autotune.meters",
+    "make_meter": "autotune.device",
     "Chain": "autotune.plans.checkpointing",
     "AppliedPlan": "autotune.plans.checkpointing",
     "find_chain": "autotune.plans.checkpointing",
@@ -59,7 +59,8 @@ _LAZY = {
 if TYPE_CHECKING:
     from autotune.training.applied import Applied, apply
     from autotune.plans.checkpointing import AppliedPlan, Chain, apply_plan, find_chain, remove_plan
-    from autotune.meters import MemoryReading, Meter, TensorMeter, make_meter
+    from autotune.device import make_meter
+    from autotune.meters import MemoryReading, Meter, TensorMeter
     from autotune.meters.oom import BudgetExceededError
     from autotune.options import Options
     from autotune.plans.check import check_plans

@@ -26,7 +26,7 @@ from autotune.errors import UsageError, first_line
 from autotune.meters import Meter
 from autotune.training.precision import PRECISIONS
 
-__all__ = ["Backend", "CudaBackend", "backend_for", "resolve_device", "ram_bytes", "slowdown_vs_fp32", "SLOW_FACTOR"]
+__all__ = ["Backend", "CudaBackend", "backend_for", "make_meter", "resolve_device", "ram_bytes", "slowdown_vs_fp32", "SLOW_FACTOR"]
 
 SLOW_FACTOR = 8.0  # a mode whose matmuls run this many times slower than fp32 leaves the defaults
 
@@ -260,3 +260,10 @@ def backend_for(device: str | torch.device) -> Backend:
     """Return the backend of ``device``: :class:`CudaBackend` on CUDA, :class:`Backend` elsewhere."""
     device = torch.device(device)
     return CudaBackend(device) if device.type == "cuda" else Backend(device)
+
+
+def make_meter(device: str | torch.device, *, budget_bytes: int | None = None) -> Meter:
+    """Return the meter ``device``'s backend measures with: :class:`~autotune.meters.CudaMeter` on CUDA, the
+    :class:`~autotune.meters.TensorMeter` elsewhere. Making a meter changes no process-wide setting: the budget
+    is enforced inside ``measure()``."""
+    return backend_for(device).meter(budget_bytes)

@@ -18,14 +18,13 @@ from autotune.errors import UsageError
 from autotune.plans import Plan
 
 __all__ = [
-    "Budget", "PRECISION_NAMES", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "STATUSES", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
+    "Budget", "PRECISION_NAMES", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
     "ProbeResult", "PlanCheck", "settled", "timing_fields", "completed", "retimed", "quantile", "usable_bytes", "accumulation_plan",
 ]
 
 PRECISION_NAMES = ("fp32", "fp16", "bf16")  # the modes of autotune.training.precision
 INIT_LOSS_SCALE = 2.0**16  # fp16's GradScaler starts here (the practitioner's guide): halve on inf/NaN, grow when quiet
 GROWTH_INTERVAL = 2000  # fp16: clean steps before the scale doubles (GradScaler's default, stated for the exports)
-STATUSES = ("ok", "oom", "timeout", "failed", "crashed")  # crashed: its worker process died, or CUDA is unusable
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -194,7 +193,7 @@ class Measurement:
     """What one trial measured. Times in seconds, memory in bytes; ``None`` where not reached."""
 
     config: Config
-    status: str  # one of STATUSES
+    status: str  # ok, oom, timeout, failed, or crashed (its worker process died, or CUDA is unusable)
     peak_bytes: int | None = None  # compared to the budget: tracked tensors (CPU) or CUDA reserved; for an
     # oom, what the failing step needed at least (oom_needed_bytes) where known, else what it held
     peak_allocated_bytes: int | None = None

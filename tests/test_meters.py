@@ -7,7 +7,7 @@ import torch
 from autotune.errors import TrialTimeoutError, is_oom
 from autotune.meters import TensorMeter
 from autotune.meters import cuda as cuda_meter
-from autotune.meters import make_meter
+from autotune.device import make_meter
 from autotune.meters.oom import BudgetExceededError
 
 

@@ -61,16 +61,6 @@ def test_no_budget_or_one_above_the_card_sets_nothing(cuda):
     assert cuda.fraction_calls == []
 
 
-def test_close_is_a_no_op_kept_for_old_callers(cuda):
-    meter = CudaMeter("cuda", budget_bytes=8 * GiB)
-    meter.close()
-    with meter.measure():  # a closed meter still holds its regions to the budget
-        assert cuda.fraction == pytest.approx(8 / 24)
-    calls = list(cuda.fraction_calls)
-    meter.close()
-    assert cuda.fraction_calls == calls
-
-
 # -- 2. per-step peaks ----------------------------------------------------------------------------------
 
 

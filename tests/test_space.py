@@ -2,7 +2,8 @@ import pytest
 
 from autotune.errors import UsageError
 from autotune.records import Config
-from autotune.search.space import SearchSpace, parse_batch_sizes, parse_precisions, parse_segments
+from autotune.plans import parse_plans as parse_segments
+from autotune.search.space import SearchSpace, parse_batch_sizes, parse_precisions
 
 
 def test_batch_size_range_is_powers_of_two():

@@ -60,13 +60,6 @@ class Meter(abc.ABC):
         block with :class:`~autotune.errors.TrialTimeoutError`; meters that cannot, ignore it.
         """
 
-    def close(self) -> None:
-        """Do nothing; kept so that callers written when meters held settings between regions still run.
-
-        Meters no longer hold any process-wide setting outside :meth:`measure`, so there is
-        nothing to undo; new code need not call it.
-        """
-
 
 class Measuring:
     """Handle yielded by :meth:`Meter.measure`; ``reading`` is set when the block ends.

@@ -6,10 +6,10 @@ import dataclasses
 import re
 
 from autotune.errors import UsageError
-from autotune.plans import Plan, parse_plans, plan_order
+from autotune.plans import Plan, plan_order
 from autotune.records import PRECISION_NAMES, Config
 
-__all__ = ["Config", "SearchSpace", "parse_batch_sizes", "parse_segments", "parse_precisions"]
+__all__ = ["Config", "SearchSpace", "parse_batch_sizes", "parse_precisions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +30,6 @@ class SearchSpace:
     def ordered_plans(self) -> list[str]:
         """The space's plans from the least recompute to the most."""
         return plan_order(self.segments, self.blocks)
-
-    def variants(self) -> list[tuple[str, str]]:
-        """Every (precision, plan) pair, by precision, then plan as given."""
-        return [(p, s) for p in self.precisions for s in self.segments]
 
     def configs(self) -> list[Config]:
         """Return every configuration, by precision, then plan as given, then ascending batch size."""
@@ -73,11 +69,6 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
             raise UsageError(f"--batch-sizes {text!r} holds no power of two: widen the range, e.g. 1..512, or list sizes, e.g. 24,48")
         return sizes
     return _int_list(text, "--batch-sizes", "a range such as 1..512 or a list such as 8,16,24", minimum=1)
-
-
-def parse_segments(text: str) -> tuple[str, ...] | None:
-    """Parse ``--segments``: ``"auto"`` (``None``, resolved against the model's blocks) or plan names ``"0,2,all"``."""
-    return parse_plans(text)
 
 
 def parse_precisions(text: str) -> tuple[str, ...] | None:
