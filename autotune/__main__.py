@@ -199,7 +199,9 @@ def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
     import autotune
     from autotune.tuner import run
 
-    how = "stopped by SIGTERM" if stopped else "interrupted"
+    def how() -> str:  # asked when it is said: a SIGTERM may come at any moment
+        return "stopped by SIGTERM" if stopped else "interrupted"
+
     try:
         options = options_from(args)  # bad options: every rank of a --parallel job says so alike, before joining
         with _ended_early(args):
@@ -211,7 +213,7 @@ def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
             wrote = f"wrote the partial report to {_write(exc.report, args.out)}"
         except (OSError, ValueError) as write_exc:
             wrote = f"could not write the partial report ({write_exc})"
-        _say(f"{how} after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
+        _say(f"{how()} after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
              f"{exc.report.search['storage']}: run the same command to continue")
         return _interrupted_code(stopped)
     except (UsageError, AutotuneError) as exc:
@@ -226,7 +228,7 @@ def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
              f"the traceback)")
         return EXIT_ERROR
     except KeyboardInterrupt:  # before the search started: nothing measured
-        _say(how)
+        _say(how())
         return _interrupted_code(stopped)
     return _finish(args, report, *outputs)
 

@@ -141,9 +141,9 @@ class Options:
         self._check_numbers()
         make_strategy(self.strategy, n_trials=self.n_trials)  # an unknown name or a misplaced --n-trials fails here
         if self.isolation not in ISOLATION_MODES:
-            raise UsageError(f"unknown --isolation {self.isolation!r}: choose {', '.join(ISOLATION_MODES)}")
+            raise UsageError(f"unknown --isolation {self.isolation!r}: choose {_one_of(ISOLATION_MODES)}")
         if self.parallel not in PARALLEL_MODES:
-            raise UsageError(f"unknown --parallel {self.parallel!r}: choose {', '.join(PARALLEL_MODES)}")
+            raise UsageError(f"unknown --parallel {self.parallel!r}: choose {_one_of(PARALLEL_MODES)}")
         if self.parallel != "none" and self.isolation == "process":
             raise UsageError(f"--parallel {self.parallel} runs each trial in every rank's own process (a worker per "
                              f"trial would have to join the job's process group): leave --isolation at auto or none")
@@ -197,6 +197,10 @@ class Options:
         return ProbeSettings(top=self.probe_top, epochs=self.probe_epochs, fraction=self.probe_fraction,
                              num_workers=self.num_workers, seed=0, timeout_s=self.trial_timeout)
 
+
+
+def _one_of(names: Sequence[str]) -> str:
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def _as_tuple(value: str | Sequence | None, parse: Callable[[str], tuple | None]) -> tuple | None:

@@ -40,7 +40,7 @@ def reproduce(path: str, max_batch_size: int | None) -> tuple[int, int, list[str
     for old in report.trials:
         if old.peak_bytes is None or (max_batch_size and old.batch_size > max_batch_size):
             continue
-        new = run_trial(workload, old.config, device="cpu", meter=target.backend.meter(target.enforced_bytes),
+        new = run_trial(workload, old.config, device="cpu", meter=target.backend.meter(target.budget.enforced),
                         settings=dataclasses.replace(settings, timeout_s=None))
         compared += 1
         if (new.status, new.peak_bytes) == (old.status, old.peak_bytes):

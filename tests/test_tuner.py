@@ -26,11 +26,11 @@ def _options(tmp_path, **kwargs):
 def test_resolve_reads_the_options_against_this_machine(tmp_path):
     target = tuner.resolve(_options(tmp_path, budget=None, budgets="32MiB"))
     assert target.device == torch.device("cpu") and target.isolation == "none"
-    assert target.budget_bytes == 32 * 2**20 and target.budgets == () and target.enforced_bytes == 32 * 2**20
+    assert target.budget.bytes == 32 * 2**20 and target.budget.extra == () and target.budget.enforced == 32 * 2**20
     assert target.precisions == ("fp32",) and target.data_profile is None
     assert any("no --data" in n for n in target.notices)
     whole = tuner.resolve(_options(tmp_path, budget=None))
-    assert whole.budget_bytes == whole.backend.total_bytes()  # no budget: the device's memory
+    assert whole.budget.bytes == whole.backend.total_bytes()  # no budget: the device's memory
 
 
 def test_resolve_finds_the_worst_batch_of_every_size(tmp_path):
