@@ -8,6 +8,8 @@ import pytest
 
 from autotune.__main__ import build_parser, main
 
+from tests.optional import needs
+
 TINY = '{"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}'
 QUICK = ["--device", "cpu", "--warmup-steps", "2", "--measure-steps", "2"]
 
@@ -155,7 +157,7 @@ def test_help_documents_every_flag_with_its_default():
 
 
 def test_exports_and_plots_are_written_next_to_the_json(tmp_path, capsys):
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
+    needs("matplotlib", "--plot needs it: the plot extra")
     out = tmp_path / "r.json"
     code = main(["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "3MiB", "--precisions", "fp32",
                  "--segments", "0,2", "--batch-sizes", "1..8", "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(out),
@@ -209,7 +211,7 @@ def test_plot_without_matplotlib_is_bad_input_before_any_trial(tmp_path, capsys,
 
 
 def test_show_of_a_report_where_nothing_fits_still_plots_and_exits_3(tmp_path, capsys):
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
+    needs("matplotlib", "--plot needs it: the plot extra")
     with open(os.path.join(os.path.dirname(__file__), "data", "quickstart-v1.json")) as f:
         data = json.load(f)
     data["budget_bytes"] = 1000  # nothing measured fits 1000 bytes

@@ -21,6 +21,7 @@ from autotune.errors import UsageError
 from autotune.options import Options
 from autotune.records import Config, Measurement, accumulation_plan
 
+from tests.optional import needs
 from tests.test_reliability import ROOT, TINY, _default_sigint, wait_for_trials
 
 SPACE = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--device", "cpu", "--precisions", "fp32",
@@ -135,29 +136,39 @@ def test_the_probe_trains_each_ranks_share_of_the_slice_under_the_wrapper(ddp_ru
             assert c["reason"].startswith("rank ")
 
 
-def test_torchrun_fsdp_reports_world_size_2(tmp_path):
-    out = tmp_path / "fsdp.json"
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """An FSDP search with an accumulation target and the lightning and accelerate exports (which need neither)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    out = tmp / "fsdp.json"
     # --clip-grad-norm runs DTensor ops on the sharded gradients: a later trial must not meet an earlier one's group
     done = torchrun(*SPACE, "--parallel", "fsdp", "--batch-sizes", "4", "--target-batch-size", "32",
                     "--clip-grad-norm", "1.0", "--storage",
-                    f"sqlite:///{tmp_path}/t.db", "--study", "t", "--out", str(out), "--export", "lightning,accelerate",
-                    cwd=tmp_path)
+                    f"sqlite:///{tmp}/t.db", "--study", "t", "--out", str(out), "--export", "lightning,accelerate",
+                    cwd=tmp)
     assert done.returncode == 0, done.stderr[-3000:]
-    data = json.loads(out.read_text())
+    return tmp
+
+
+def test_torchrun_fsdp_reports_world_size_2(fsdp_run):
+    data = json.loads((fsdp_run / "fsdp.json").read_text())
     assert data["distributed"]["world_size"] == 2 and data["distributed"]["wrapper"] == "fsdp"
     assert data["distributed"]["mixed_precision"] == "autocast"
     assert all(t["status"] == "ok" for t in data["trials"])
     assert data["accumulation"] == {**data["accumulation"], "micro_batch_size": 4, "world_size": 2,
                                     "accumulation_steps": 4, "effective_batch_size": 32}
-    lightning = json.loads((tmp_path / "fsdp.lightning.json").read_text())
+    lightning = json.loads((fsdp_run / "fsdp.lightning.json").read_text())
     assert lightning["trainer"]["accumulate_grad_batches"] == 4 and lightning["trainer"]["strategy"] == "fsdp"
     assert lightning["batch_size"] == 4 and any("FSDP2" in n for n in lightning["notes"])
-    accelerate = json.loads((tmp_path / "fsdp.accelerate.json").read_text())
+    accelerate = json.loads((fsdp_run / "fsdp.accelerate.json").read_text())
     assert accelerate["fsdp_plugin"]["fsdp_version"] == 2
     assert accelerate["fsdp_plugin"]["transformer_cls_names_to_wrap"] == ["Block"]
-    from accelerate.utils import FullyShardedDataParallelPlugin
 
-    FullyShardedDataParallelPlugin(**accelerate["fsdp_plugin"])  # accelerate takes it as it is
+
+def test_accelerate_takes_the_fsdp_export_as_it_is(fsdp_run):
+    plugin = needs("accelerate.utils", "the frameworks extra").FullyShardedDataParallelPlugin
+    accelerate = json.loads((fsdp_run / "fsdp.accelerate.json").read_text())
+    plugin(**accelerate["fsdp_plugin"])
 
 
 # -- ranks started by hand: each rank's own exit code ---------------------------------------------------------------

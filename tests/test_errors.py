@@ -19,6 +19,8 @@ from autotune.errors import (
 )
 from autotune.oom import BudgetExceededError
 
+from tests.optional import needs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -142,14 +144,15 @@ def test_budget_exceeded_is_exported_by_the_package():
 
 
 def test_lightning_recognises_it_as_out_of_memory():
-    from lightning.pytorch.utilities.memory import is_oom_error
+    is_oom_error = needs("lightning.pytorch.utilities.memory", "the frameworks extra").is_oom_error
 
     assert is_oom_error(budget_error())
     assert not is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
 def test_accelerate_reduces_the_batch_size_on_it():
-    from accelerate.utils.memory import find_executable_batch_size, should_reduce_batch_size
+    memory = needs("accelerate.utils.memory", "the frameworks extra")
+    find_executable_batch_size, should_reduce_batch_size = memory.find_executable_batch_size, memory.should_reduce_batch_size
 
     assert should_reduce_batch_size(budget_error())
     assert not should_reduce_batch_size(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
