@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from autotune.__main__ import build_parser, main
 
@@ -87,7 +88,9 @@ BAD_INPUT = [
     (["--model", "autotune.examples:TinyGPT", "--strategy", "optuna", "--n-trials", "0"], "must be at least 1"),
     (["--model", "autotune.examples:TinyGPT", "--budgets", "8GiB,lots"], "cannot read the size"),
     (["--model", "autotune.examples:TinyGPT", "--budgets", ","], "--budgets ',' is empty"),
-    (["--model", "autotune.examples:TinyGPT", "--device", "cuda"], "no CUDA GPU"),
+    # bad on every machine: without a GPU, no CUDA at all; with one (or eight), no device 99
+    (["--model", "autotune.examples:TinyGPT", "--device", "cuda:99"],
+     "CUDA device(s) are visible" if torch.cuda.is_available() else "no CUDA GPU"),
     (["--model", "autotune.examples:TinyGPT", "--device", "banana"], "not a device"),
     (["--model", "autotune.examples:TinyGPT", "--headroom", "1.5"], "--headroom"),
     (["--model", "autotune.examples:TinyGPT", "--out", "/nonexistent-dir/x.json"], "does not exist"),
@@ -122,6 +125,16 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys, monke
     assert message in lines[0] and "Traceback" not in err
     assert existing.read_text() == "an earlier result"
     assert not os.path.exists(tmp_path / "results") or not any(n.endswith(".json") for n in os.listdir(tmp_path / "results"))
+
+
+def test_cuda_on_a_machine_without_a_gpu_is_bad_input(tmp_path, capsys, monkeypatch):
+    # what a CPU-only torch says, on any machine: this torch is told it sees no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = main(["--model", "autotune.examples:TinyGPT", "--device", "cuda", "--quiet",
+                 "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no CUDA GPU" in err[0] and "--device cpu" in err[0]
+    assert not (tmp_path / "o.json").exists()
 
 
 def test_a_precision_the_device_cannot_run_is_bad_input(tmp_path, capsys, monkeypatch):
