@@ -74,7 +74,10 @@ def test_isolated_trial_killed_by_sigkill_is_recorded_and_the_search_finishes(tm
     assert status[4].status == "crashed" and "SIGKILL" in status[4].error
     assert status[2].status == "ok" and status[8].status == "ok"
     assert report.search["isolation"] == "process"
-    assert report.recommendation.batch_size == 8
+    # The fastest trial that fits is recommended (pareto.recommend); which of 2 and 8 that is, is a timing on a
+    # loaded machine. What holds: a measured trial, never the crashed one.
+    fastest = max((status[2], status[8]), key=lambda m: (m.samples_per_s, -m.peak_bytes))
+    assert report.recommendation == fastest and report.recommendation.batch_size != 4
 
 
 def test_isolated_trial_that_hangs_is_killed_at_the_time_limit(tmp_path, monkeypatch):
@@ -209,7 +212,9 @@ def test_two_workers_share_one_study_without_overlap(tmp_path, cli, kind):
     assert len(params) == len(set(params)) == 16  # disjoint, and together the whole space
     assert [r["search"]["n_run"] for r in reports] == [sum(1 for t in trials if t.user_attrs["worker"].endswith(f":{p.pid}"))
                                                        for p in procs]
-    assert all(r["search"]["n_run"] >= 1 for r in reports)
+    # Together they ran the space once. How it splits is a race (a worker may finish before the other has imported
+    # torch on a loaded machine); that neither runs what the other claimed is what the lines above check.
+    assert sum(r["search"]["n_run"] for r in reports) == 16
     assert reports[0]["trials"] == reports[1]["trials"]
     assert reports[0]["recommendation"] == reports[1]["recommendation"]
 
