@@ -94,7 +94,10 @@ BAD_INPUT = [
     (["--model", "autotune.examples:TinyGPT", "--device", "banana"], "not a device"),
     (["--model", "autotune.examples:TinyGPT", "--headroom", "1.5"], "--headroom"),
     (["--model", "autotune.examples:TinyGPT", "--out", "/nonexistent-dir/x.json"], "does not exist"),
+    # a store that cannot be opened: an unknown database, a database file in a folder that does not exist
     (["--model", "autotune.examples:TinyGPT", "--storage", "nosuchdb://x"], "cannot open the trial store"),
+    (["--model", "autotune.examples:TinyGPT", "--storage", "sqlite:////nonexistent-dir/missing/x.db"],
+     "cannot open the trial store"),
     (["--model", "autotune.examples:TinyGPT", "--measure-steps", "many"], "invalid int value"),
     (["--model", "autotune.examples:TinyGPT", "--fp32-modules", "LayerNorm,Banana"], "Banana"),
     (["--model", "autotune.examples:TinyGPT", "--probe-fraction", "1.5"], "--probe-fraction"),
