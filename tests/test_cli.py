@@ -1,7 +1,6 @@
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -9,6 +8,7 @@ import torch
 
 from autotune.__main__ import build_parser, main
 
+from tests import procs
 from tests.optional import needs
 
 TINY = '{"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}'
@@ -17,7 +17,7 @@ QUICK = ["--device", "cpu", "--warmup-steps", "2", "--measure-steps", "2"]
 
 def run_cli(*args, cwd=None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    return procs.run([sys.executable, "-m", "autotune", *args], cwd=cwd, env=env, timeout=600)
 
 
 def test_cli_writes_json_and_exits_0_with_a_recommendation(tmp_path):

@@ -21,6 +21,7 @@ from autotune.errors import UsageError
 from autotune.options import Options
 from autotune.records import Config, Measurement, accumulation_plan
 
+from tests import procs
 from tests.optional import needs
 from tests.test_reliability import ROOT, TINY, _default_sigint, wait_for_trials
 
@@ -42,8 +43,7 @@ def _env(**extra: str) -> dict:
 def torchrun(*args: str, cwd, **env: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "autotune", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=_env(**env), cwd=cwd, timeout=LIMIT_S,
-                          preexec_fn=_default_sigint)
+    return procs.run(command, env=_env(**env), cwd=cwd, timeout=LIMIT_S, preexec_fn=_default_sigint)
 
 
 def free_port() -> int:
@@ -58,6 +58,7 @@ def start_ranks(*args: str, cwd, processes: list, module: str = "autotune") -> l
     port = str(free_port())
     processes.extend(subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, cwd=cwd, preexec_fn=_default_sigint,
+                                      start_new_session=True,
                                       env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
                      for r in range(2))
@@ -184,8 +185,8 @@ def test_bad_input_is_one_line_from_rank_0_and_exit_2_on_every_rank(tmp_path, pr
 
 
 def test_parallel_outside_torchrun_is_bad_input(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "autotune", *SPACE, "--parallel", "fsdp"], capture_output=True,
-                          text=True, env=_env(), cwd=tmp_path, timeout=LIMIT_S)
+    done = procs.run([sys.executable, "-m", "autotune", *SPACE, "--parallel", "fsdp"], env=_env(), cwd=tmp_path,
+                     timeout=LIMIT_S)
     assert done.returncode == 2 and "torchrun --nproc-per-node" in done.stderr
 
 

@@ -33,9 +33,11 @@ def _default_sigint() -> None:
 
 @pytest.fixture
 def cli(processes):
-    """Start ``python -m autotune ARGS``; the process is killed when the test ends, however it ends."""
+    """Start ``python -m autotune ARGS`` in a process group of its own; the group (the CLI's isolated workers too) is
+    killed when the test ends, however it ends."""
     def start(*args, **popen):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
+        popen.setdefault("start_new_session", True)
         processes.append(subprocess.Popen([sys.executable, "-m", "autotune", *args], stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint, **popen))
         return processes[-1]
