@@ -1,7 +1,18 @@
-import pytest
-import torch
+import os
 
-from tests.procs import Started
+# One intra-op thread, here and in every process a test starts (CLIs, parallel workers, isolated trials, torchrun's
+# ranks inherit it): on two cores, two workers of two threads each, or a trial beside a CPU hog or CI's install,
+# left OpenMP's threads spinning for each other (two workers on one study: 41-56 s of wall time and 54-70 s of CPU
+# with the default of two threads, 13-15 s and 14 s with one, on a loaded machine). The models here are too small
+# to gain from a second thread. Set before torch is imported; OMP_NUM_THREADS=N in the environment overrides it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.procs import Started  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # A TinyGPT small enough that a trial takes a fraction of a second on two CPU cores.
 TINY_GPT = {"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
