@@ -1,9 +1,18 @@
 import os
-import signal
-import subprocess
 
-import pytest
-import torch
+# One intra-op thread, here and in every process a test starts (CLIs, parallel workers, isolated trials, torchrun's
+# ranks inherit it): on two cores, two workers of two threads each, or a trial beside a CPU hog or CI's install,
+# left OpenMP's threads spinning for each other (two workers on one study: 41-56 s of wall time and 54-70 s of CPU
+# with the default of two threads, 13-15 s and 14 s with one, on a loaded machine). The models here are too small
+# to gain from a second thread. Set before torch is imported; OMP_NUM_THREADS=N in the environment overrides it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.procs import Started  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # A TinyGPT small enough that a trial takes a fraction of a second on two CPU cores.
 TINY_GPT = {"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
@@ -27,20 +36,13 @@ def storage(tmp_path):
 
 @pytest.fixture
 def processes():
-    """A list for the processes a test starts: killed, reaped and their pipes closed when the test ends, passed or
-    failed, so that a failing test leaves nothing running (and no unclosed pipe) for the tests after it."""
-    started: list[subprocess.Popen] = []
+    """A list for the processes a test starts: killed, reaped and their pipes closed when the test ends, passed,
+    failed or timed out, so that a failing test leaves nothing running (and no unclosed pipe) for the tests after
+    it. A process that leads a process group of its own (``start_new_session=True``) is killed with its group: what
+    it started too, such as a CLI's isolated workers, also after the process itself has exited."""
+    started = Started()
     yield started
-    for proc in started:
-        if proc.poll() is None:
-            if os.getpgid(proc.pid) == proc.pid:  # it leads a group of its own: its isolated workers too
-                os.killpg(proc.pid, signal.SIGKILL)
-            else:
-                proc.kill()
-        proc.wait()
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
+    started.stop_all()
 
 
 def pytest_collection_finish(session):

@@ -1,12 +1,15 @@
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+import torch
 
 from autotune.__main__ import build_parser, main
+
+from tests import procs
+from tests.optional import needs
 
 TINY = '{"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}'
 QUICK = ["--device", "cpu", "--warmup-steps", "2", "--measure-steps", "2"]
@@ -14,7 +17,7 @@ QUICK = ["--device", "cpu", "--warmup-steps", "2", "--measure-steps", "2"]
 
 def run_cli(*args, cwd=None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    return procs.run([sys.executable, "-m", "autotune", *args], cwd=cwd, env=env, timeout=600)
 
 
 def test_cli_writes_json_and_exits_0_with_a_recommendation(tmp_path):
@@ -85,11 +88,16 @@ BAD_INPUT = [
     (["--model", "autotune.examples:TinyGPT", "--strategy", "optuna", "--n-trials", "0"], "must be at least 1"),
     (["--model", "autotune.examples:TinyGPT", "--budgets", "8GiB,lots"], "cannot read the size"),
     (["--model", "autotune.examples:TinyGPT", "--budgets", ","], "--budgets ',' is empty"),
-    (["--model", "autotune.examples:TinyGPT", "--device", "cuda"], "no CUDA GPU"),
+    # bad on every machine: without a GPU, no CUDA at all; with one (or eight), no device 99
+    (["--model", "autotune.examples:TinyGPT", "--device", "cuda:99"],
+     "CUDA device(s) are visible" if torch.cuda.is_available() else "no CUDA GPU"),
     (["--model", "autotune.examples:TinyGPT", "--device", "banana"], "not a device"),
     (["--model", "autotune.examples:TinyGPT", "--headroom", "1.5"], "--headroom"),
     (["--model", "autotune.examples:TinyGPT", "--out", "/nonexistent-dir/x.json"], "does not exist"),
+    # a store that cannot be opened: an unknown database, a database file in a folder that does not exist
     (["--model", "autotune.examples:TinyGPT", "--storage", "nosuchdb://x"], "cannot open the trial store"),
+    (["--model", "autotune.examples:TinyGPT", "--storage", "sqlite:////nonexistent-dir/missing/x.db"],
+     "cannot open the trial store"),
     (["--model", "autotune.examples:TinyGPT", "--measure-steps", "many"], "invalid int value"),
     (["--model", "autotune.examples:TinyGPT", "--fp32-modules", "LayerNorm,Banana"], "Banana"),
     (["--model", "autotune.examples:TinyGPT", "--probe-fraction", "1.5"], "--probe-fraction"),
@@ -120,6 +128,16 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys, monke
     assert message in lines[0] and "Traceback" not in err
     assert existing.read_text() == "an earlier result"
     assert not os.path.exists(tmp_path / "results") or not any(n.endswith(".json") for n in os.listdir(tmp_path / "results"))
+
+
+def test_cuda_on_a_machine_without_a_gpu_is_bad_input(tmp_path, capsys, monkeypatch):
+    # what a CPU-only torch says, on any machine: this torch is told it sees no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = main(["--model", "autotune.examples:TinyGPT", "--device", "cuda", "--quiet",
+                 "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no CUDA GPU" in err[0] and "--device cpu" in err[0]
+    assert not (tmp_path / "o.json").exists()
 
 
 def test_a_precision_the_device_cannot_run_is_bad_input(tmp_path, capsys, monkeypatch):
@@ -155,7 +173,7 @@ def test_help_documents_every_flag_with_its_default():
 
 
 def test_exports_and_plots_are_written_next_to_the_json(tmp_path, capsys):
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
+    needs("matplotlib", "--plot needs it: the plot extra")
     out = tmp_path / "r.json"
     code = main(["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "3MiB", "--precisions", "fp32",
                  "--segments", "0,2", "--batch-sizes", "1..8", "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(out),
@@ -209,7 +227,7 @@ def test_plot_without_matplotlib_is_bad_input_before_any_trial(tmp_path, capsys,
 
 
 def test_show_of_a_report_where_nothing_fits_still_plots_and_exits_3(tmp_path, capsys):
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
+    needs("matplotlib", "--plot needs it: the plot extra")
     with open(os.path.join(os.path.dirname(__file__), "data", "quickstart-v1.json")) as f:
         data = json.load(f)
     data["budget_bytes"] = 1000  # nothing measured fits 1000 bytes

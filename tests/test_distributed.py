@@ -22,6 +22,8 @@ from autotune.errors import UsageError
 from autotune.options import Options
 from autotune.records import Config, Measurement, accumulation_plan
 
+from tests import procs
+from tests.optional import needs
 from tests.test_reliability import ROOT, TINY, _default_sigint, wait_for_trials
 
 SPACE = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--device", "cpu", "--precisions", "fp32",
@@ -42,8 +44,7 @@ def _env(**extra: str) -> dict:
 def torchrun(*args: str, cwd, **env: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "autotune", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=_env(**env), cwd=cwd, timeout=LIMIT_S,
-                          preexec_fn=_default_sigint)
+    return procs.run(command, env=_env(**env), cwd=cwd, timeout=LIMIT_S, preexec_fn=_default_sigint)
 
 
 def free_port() -> int:
@@ -58,6 +59,7 @@ def start_ranks(*args: str, cwd, processes: list, module: str = "autotune") -> l
     port = str(free_port())
     processes.extend(subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, cwd=cwd, preexec_fn=_default_sigint,
+                                      start_new_session=True,
                                       env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
                      for r in range(2))
@@ -136,29 +138,39 @@ def test_the_probe_trains_each_ranks_share_of_the_slice_under_the_wrapper(ddp_ru
             assert c["reason"].startswith("rank ")
 
 
-def test_torchrun_fsdp_reports_world_size_2(tmp_path):
-    out = tmp_path / "fsdp.json"
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """An FSDP search with an accumulation target and the lightning and accelerate exports (which need neither)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    out = tmp / "fsdp.json"
     # --clip-grad-norm runs DTensor ops on the sharded gradients: a later trial must not meet an earlier one's group
     done = torchrun(*SPACE, "--parallel", "fsdp", "--batch-sizes", "4", "--target-batch-size", "32",
                     "--clip-grad-norm", "1.0", "--storage",
-                    f"sqlite:///{tmp_path}/t.db", "--study", "t", "--out", str(out), "--export", "lightning,accelerate",
-                    cwd=tmp_path)
+                    f"sqlite:///{tmp}/t.db", "--study", "t", "--out", str(out), "--export", "lightning,accelerate",
+                    cwd=tmp)
     assert done.returncode == 0, done.stderr[-3000:]
-    data = json.loads(out.read_text())
+    return tmp
+
+
+def test_torchrun_fsdp_reports_world_size_2(fsdp_run):
+    data = json.loads((fsdp_run / "fsdp.json").read_text())
     assert data["distributed"]["world_size"] == 2 and data["distributed"]["wrapper"] == "fsdp"
     assert data["distributed"]["mixed_precision"] == "autocast"
     assert all(t["status"] == "ok" for t in data["trials"])
     assert data["accumulation"] == {**data["accumulation"], "micro_batch_size": 4, "world_size": 2,
                                     "accumulation_steps": 4, "effective_batch_size": 32}
-    lightning = json.loads((tmp_path / "fsdp.lightning.json").read_text())
+    lightning = json.loads((fsdp_run / "fsdp.lightning.json").read_text())
     assert lightning["trainer"]["accumulate_grad_batches"] == 4 and lightning["trainer"]["strategy"] == "fsdp"
     assert lightning["batch_size"] == 4 and any("FSDP2" in n for n in lightning["notes"])
-    accelerate = json.loads((tmp_path / "fsdp.accelerate.json").read_text())
+    accelerate = json.loads((fsdp_run / "fsdp.accelerate.json").read_text())
     assert accelerate["fsdp_plugin"]["fsdp_version"] == 2
     assert accelerate["fsdp_plugin"]["transformer_cls_names_to_wrap"] == ["Block"]
-    from accelerate.utils import FullyShardedDataParallelPlugin
 
-    FullyShardedDataParallelPlugin(**accelerate["fsdp_plugin"])  # accelerate takes it as it is
+
+def test_accelerate_takes_the_fsdp_export_as_it_is(fsdp_run):
+    plugin = needs("accelerate.utils", "the frameworks extra").FullyShardedDataParallelPlugin
+    accelerate = json.loads((fsdp_run / "fsdp.accelerate.json").read_text())
+    plugin(**accelerate["fsdp_plugin"])
 
 
 # -- ranks started by hand: each rank's own exit code ---------------------------------------------------------------
@@ -174,8 +186,8 @@ def test_bad_input_is_one_line_from_rank_0_and_exit_2_on_every_rank(tmp_path, pr
 
 
 def test_parallel_outside_torchrun_is_bad_input(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "autotune", *SPACE, "--parallel", "fsdp"], capture_output=True,
-                          text=True, env=_env(), cwd=tmp_path, timeout=LIMIT_S)
+    done = procs.run([sys.executable, "-m", "autotune", *SPACE, "--parallel", "fsdp"], env=_env(), cwd=tmp_path,
+                     timeout=LIMIT_S)
     assert done.returncode == 2 and "torchrun --nproc-per-node" in done.stderr
 
 

@@ -20,6 +20,8 @@ from autotune.errors import UsageError
 from autotune.export import FRAMEWORKS, export, parse_frameworks, write_exports
 from autotune.training.precision import INIT_LOSS_SCALE
 
+from tests.optional import needs
+
 # The quick start's report from before plan names (schema version 1): exports read old reports too.
 QUICKSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quickstart-v1.json")
 HAS_GPU = torch.cuda.is_available()
@@ -119,7 +121,7 @@ def test_guard_rails_are_exported_or_noted(quickstart):
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
 @pytest.mark.parametrize("precision,segments,target", VARIANTS, ids=VARIANT_IDS)
 def test_hf_training_arguments(quickstart, tmp_path, precision, segments, target):
-    transformers = pytest.importorskip("transformers")
+    transformers = needs("transformers", "the hf extra")
     report = variant(quickstart, precision, segments, target)
     kwargs = export(report, "hf")["training_arguments"]
     if precision == "bf16" and not HAS_GPU:
@@ -136,7 +138,7 @@ def test_hf_training_arguments(quickstart, tmp_path, precision, segments, target
 
 @pytest.mark.parametrize("precision,segments,target", VARIANTS, ids=VARIANT_IDS)
 def test_lightning_trainer(quickstart, precision, segments, target):
-    pytest.importorskip("lightning")
+    needs("lightning", "the frameworks extra")
     from lightning.pytorch import Trainer
 
     report = variant(quickstart, precision, segments, target)
@@ -160,7 +162,7 @@ def test_lightning_trainer(quickstart, precision, segments, target):
 
 @pytest.mark.parametrize("precision,segments,target", VARIANTS, ids=VARIANT_IDS)
 def test_deepspeed_config(quickstart, precision, segments, target):
-    pytest.importorskip("deepspeed")
+    needs("deepspeed", "the frameworks extra")
     from deepspeed.runtime.config import DeepSpeedConfig
 
     report = variant(quickstart, precision, segments, target)
@@ -180,7 +182,7 @@ def test_deepspeed_config(quickstart, precision, segments, target):
 @pytest.fixture
 def fresh_accelerate():
     """accelerate keeps its state in process-wide singletons: reset them around each test."""
-    state = pytest.importorskip("accelerate.state")
+    state = needs("accelerate.state", "the frameworks extra")
     state.AcceleratorState._reset_state(True)
     state.GradientState._reset_state()
     yield

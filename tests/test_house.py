@@ -80,25 +80,62 @@ def test_the_cycle_finder_finds_a_lazy_cycle_and_a_type_checking_one():
     assert _imports("autotune.c", c, {"autotune.a", "autotune.c"}) == {"autotune.a"}
 
 
+# Run first in the interpreter ``without_torch``: every attempt to import torch (or a torch.* module) is recorded and
+# fails, as where torch is not installed; at exit, any attempt at all fails the run, even one the code caught and
+# lived without (an optional import would still cost torch's import time where torch is installed).
+_NO_TORCH = """\
+import atexit, importlib.abc, os, sys
+tried = []
+class _NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            tried.append(name)
+            raise ImportError(f"no torch here: {name}")
+sys.meta_path.insert(0, _NoTorch())
+def _tried():
+    if tried or "torch" in sys.modules:
+        sys.stderr.write(f"torch was imported or tried: {tried}\\n")
+        sys.stderr.flush()
+        os._exit(3)
+atexit.register(_tried)
+"""
+
+
 def _python(code: str, *, without_torch: bool) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter at the repository's root; ``without_torch``: importing torch fails there."""
-    prefix = "import sys; sys.modules['torch'] = None\n" if without_torch else ""
-    out = subprocess.run([sys.executable, "-c", prefix + code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    """Run ``code`` in a fresh interpreter at the repository's root; ``without_torch``: no attempt to import torch."""
+    out = subprocess.run([sys.executable, "-c", (_NO_TORCH if without_torch else "") + code], capture_output=True,
+                         text=True, cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr
     return out
 
 
-@pytest.mark.parametrize("modules", [
-    "autotune.analysis.pareto, autotune.analysis.memory_model, autotune.search.strategies",
-    "autotune.report, autotune.records, autotune.options, autotune.search.store, autotune.plot, autotune.export",
-    "autotune.plans, autotune.cli.parser, autotune.cli.table, autotune.cli.progress, autotune.report.frame",
-    "autotune",
-])
-def test_the_analysis_side_imports_without_torch(modules):
-    # Importing torch fails in that interpreter: these modules must not even try.
-    _python(f"import {modules}\n"
-            "assert not any(m.startswith('torch.') for m in sys.modules if sys.modules[m] is not None)\n",
-            without_torch=True)
+def test_the_torch_blocker_catches_a_caught_import():
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH + "try:\n    import torch.nn\nexcept ImportError:\n    pass\n"],
+                         capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert out.returncode == 3 and "torch was imported or tried: ['torch']" in out.stderr, out
+
+
+@pytest.mark.parametrize("modules, use", [
+    ("autotune.analysis.pareto, autotune.analysis.memory_model, autotune.search.strategies", ""),
+    ("autotune.plans, autotune.cli.parser, autotune.cli.table, autotune.cli.progress, autotune.report.frame",
+     "from autotune.plans import Plan\nassert Plan('every2').blocks(4) == (0, 2)\n"),
+    ("autotune.report, autotune.records, autotune.options, autotune.search.store, autotune.plot, autotune.export",
+     # reading a measurement back, non-finite losses included
+     "from autotune.records import Measurement, Config\n"
+     "m = Measurement.from_dict(Measurement(Config('fp32', 2, 4), 'ok', loss_first=float('nan')).to_dict())\n"
+     "assert m.segments == '2'\n"),
+    ("autotune.errors",
+     # the predicates go by names and messages: no torch to tell an OOM or a crash
+     "from autotune.errors import is_oom, is_device_crash, first_line, UsageError\n"
+     "assert is_oom(RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB'))\n"
+     "assert not is_oom(RuntimeError('shapes'))\n"
+     "assert is_device_crash(RuntimeError('CUDA error: an illegal memory access was encountered'))\n"
+     "assert first_line(UsageError('a\\nb')) == 'a'\n"),
+    ("autotune", ""),
+], ids=["analysis", "plans-and-cli", "report-and-records", "errors", "autotune"])
+def test_the_analysis_side_imports_and_works_without_torch(modules, use):
+    # No attempt to import torch, in the import or in the use: these modules must not even try.
+    _python(f"import {modules}\n{use}", without_torch=True)
 
 
 def test_a_report_is_read_and_analysed_without_torch():

@@ -6,7 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("matplotlib", reason="the plots need matplotlib (an optional dependency)")
+from tests.optional import needs
+
+needs("matplotlib", "the plots need it: the plot extra")
 
 import autotune  # noqa: E402
 from autotune.errors import UsageError  # noqa: E402

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from autotune.errors import UsageError, is_oom
+from autotune.errors import UsageError
 from autotune.training.precision import PRECISIONS, get_mode
 
 
@@ -20,11 +20,3 @@ def test_autocast_computes_matmuls_in_the_mode(name):
     with PRECISIONS[name].autocast("cpu"):
         assert lin(torch.randn(2, 8)).dtype == PRECISIONS[name].autocast_dtype
     assert lin(torch.randn(2, 8)).dtype == torch.float32
-
-
-def test_is_oom_matches_pytorch_oom_errors_only():
-    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert is_oom(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
-    assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried"))
-    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not is_oom(ValueError("out of memory"))

@@ -26,10 +26,11 @@ def test_probe_trains_an_epoch_over_a_tenth_of_the_data_and_plans_the_target_bat
                   target_batch_size=256)
     data = report.to_dict()
     probe = data["probe"]
-    # The top 3 of the front within the headroom, fastest first; how many the front holds depends on measured speeds.
+    # The top 3 of the front within the headroom, fastest first; how many the front holds depends on measured speeds
+    # (one trial both fastest and smallest is a front of one), and test_candidates_and_choice orders several.
     fitting = [m for m in report.pareto if m.peak_bytes <= 0.9 * data["budget_bytes"]]
     expected = sorted(fitting, key=lambda m: (-m.samples_per_s, m.peak_bytes))[:3]
-    assert probe["settings"]["fraction"] == 0.1 and len(expected) >= 2
+    assert probe["settings"]["fraction"] == 0.1 and len(expected) >= 1
     assert [(c["precision"], c["segments"], c["batch_size"]) for c in probe["candidates"]] == [
         (m.precision, m.segments, m.batch_size) for m in expected]
     for candidate in probe["candidates"]:

@@ -2,9 +2,6 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -24,9 +21,6 @@ from autotune.records import (
     timing_fields,
     usable_bytes,
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 # --- Config --------------------------------------------------------------------------------------
 
@@ -268,20 +262,6 @@ def test_plan_check_describe():
 def test_plan_check_from_dict_fills_defaults():
     back = PlanCheck.from_dict({"plan": "2", "status": "exact", "batch_size": 2})
     assert back.recomputed_blocks == () and back.noise == 0.0 and back.error is None
-
-
-# --- no torch ------------------------------------------------------------------------------------
-
-
-def test_importing_records_does_not_import_torch():
-    code = ("import sys, autotune.records\n"
-            "assert 'torch' not in sys.modules, 'autotune.records imported torch'\n"
-            "from autotune.records import Measurement, Config\n"
-            "m = Measurement.from_dict(Measurement(Config('fp32', 2, 4), 'ok', loss_first=float('nan')).to_dict())\n"
-            "assert m.segments == '2'\n"
-            "assert 'torch' not in sys.modules, 'reading a measurement imported torch'\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("times, steps, share, done", [

@@ -33,9 +33,11 @@ def _default_sigint() -> None:
 
 @pytest.fixture
 def cli(processes):
-    """Start ``python -m autotune ARGS``; the process is killed when the test ends, however it ends."""
+    """Start ``python -m autotune ARGS`` in a process group of its own; the group (the CLI's isolated workers too) is
+    killed when the test ends, however it ends."""
     def start(*args, **popen):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
+        popen.setdefault("start_new_session", True)
         processes.append(subprocess.Popen([sys.executable, "-m", "autotune", *args], stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint, **popen))
         return processes[-1]
@@ -74,7 +76,10 @@ def test_isolated_trial_killed_by_sigkill_is_recorded_and_the_search_finishes(tm
     assert status[4].status == "crashed" and "SIGKILL" in status[4].error
     assert status[2].status == "ok" and status[8].status == "ok"
     assert report.search["isolation"] == "process"
-    assert report.recommendation.batch_size == 8
+    # The fastest trial that fits is recommended (pareto.recommend); which of 2 and 8 that is, is a timing on a
+    # loaded machine. What holds: a measured trial, never the crashed one.
+    fastest = max((status[2], status[8]), key=lambda m: (m.samples_per_s, -m.peak_bytes))
+    assert report.recommendation == fastest and report.recommendation.batch_size != 4
 
 
 def test_isolated_trial_that_hangs_is_killed_at_the_time_limit(tmp_path, monkeypatch):
@@ -207,7 +212,9 @@ def test_two_workers_share_one_study_without_overlap(tmp_path, cli, kind):
     assert len(params) == len(set(params)) == 16  # disjoint, and together the whole space
     assert [r["search"]["n_run"] for r in reports] == [sum(1 for t in trials if t.user_attrs["worker"].endswith(f":{p.pid}"))
                                                        for p in procs]
-    assert all(r["search"]["n_run"] >= 1 for r in reports)
+    # Together they ran the space once. How it splits is a race (a worker may finish before the other has imported
+    # torch on a loaded machine); that neither runs what the other claimed is what the lines above check.
+    assert sum(r["search"]["n_run"] for r in reports) == 16
     assert reports[0]["trials"] == reports[1]["trials"]
     assert reports[0]["recommendation"] == reports[1]["recommendation"]
 
@@ -241,16 +248,21 @@ def _rss_bytes():
 
 
 def test_soak_of_40_trials_alternating_oom_and_success_keeps_memory_flat():
-    # benchmarks/soak.py runs 100 and reports the figures; 40 keep CI's time (a leak of one tensor fails either)
+    # benchmarks/soak.py runs 100 and reports the figures; 40 keep CI's time (a leak of one tensor fails either).
+    # Both precisions, two trials each in turn: autocast's caches and the bf16 OOM path are released too.
     w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)
-    meter = TensorMeter(budget_bytes=4 * 2**20)
+    meter = TensorMeter(budget_bytes=3 * 2**20)  # batch 128 peaks at 4.2 MiB in fp32 and 3.6 MiB in bf16
     settings = TrialSettings(warmup_steps=2, measure_steps=1)
-    for b in (2, 128):  # warm up allocator, imports and caches
-        run_trial(w, Config("fp32", "0", b), device="cpu", meter=meter, settings=settings)
+
+    def config(i):
+        return Config("bf16" if i // 2 % 2 else "fp32", "0", 128 if i % 2 else 2)
+
+    for i in range(4):  # warm up allocator, imports and caches: each precision's success and OOM
+        run_trial(w, config(i), device="cpu", meter=meter, settings=settings)
     tensors, finalisers, rss = _tensor_count(), len(weakref.finalize._registry), _rss_bytes()
     for i in range(40):
-        m = run_trial(w, Config("fp32", "0", 128 if i % 2 else 2), device="cpu", meter=meter, settings=settings)
-        assert m.status == ("oom" if i % 2 else "ok")
+        m = run_trial(w, config(i), device="cpu", meter=meter, settings=settings)
+        assert m.status == ("oom" if i % 2 else "ok"), (config(i), m.error)
     assert _tensor_count() == tensors
     assert len(weakref.finalize._registry) == finalisers
-    assert _rss_bytes() - rss < 32 * 2**20
+    assert _rss_bytes() - rss < 32 * 2**20  # the allocator may keep some pages; a leak of 40 trials would not fit

@@ -70,11 +70,6 @@ def test_a_study_of_another_workload_is_refused(gpt, storage):
         search(gpt, storage, space=small, key="other")
 
 
-def test_unopenable_storage_is_bad_input(gpt, tmp_path):
-    with pytest.raises(UsageError, match="cannot open the trial store"):
-        search(gpt, f"sqlite:///{tmp_path}/missing/dir/x.db", space=SearchSpace(("fp32",), (0,), (1,)))
-
-
 def test_unknown_strategy_is_bad_input():
     with pytest.raises(UsageError, match="grid"):
         make_strategy("bayes")

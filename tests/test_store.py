@@ -128,12 +128,6 @@ def test_a_journal_in_a_missing_folder_or_without_a_path_is_bad_input(tmp_path):
     assert not (tmp_path / "no").exists()
 
 
-def test_an_unopenable_database_is_one_line_of_bad_input(tmp_path):
-    with pytest.raises(UsageError) as info:
-        open_study("s", f"sqlite:///{tmp_path}/missing/dir/x.db", workload_key="k")
-    assert "cannot open the trial store" in str(info.value) and "\n" not in str(info.value)
-
-
 # --- open_study ----------------------------------------------------------------------------------
 
 

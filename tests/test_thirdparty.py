@@ -1,7 +1,6 @@
 """Hugging Face and timm models built offline from a config: chains, plans, tuning, library checkpointing."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -12,6 +11,8 @@ from autotune.errors import UsageError
 from autotune.meters import TensorMeter
 from autotune.thirdparty import library_checkpointing
 from autotune.training.workload import Workload
+
+from tests.optional import needs
 
 GPT2 = {"n_layer": 4, "n_embd": 64, "n_head": 4, "n_positions": 64, "vocab_size": 256}
 BERT = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
@@ -24,19 +25,6 @@ MODELS = {
     "bert": ("autotune.thirdparty:bert", BERT, ("bert.encoder.layer", "BertLayer"), "transformers"),
     "vit": ("autotune.thirdparty:timm_model", VIT, ("blocks", "Block"), "timm"),
 }
-
-
-def _needs(package):
-    # timm imports torchvision, whose PyPI build does not load beside the CPU build of torch: CI runs
-    # the timm tests in a second environment (see .ci/run), naming it in AUTOTUNE_TEST_REQUIRE so
-    # that a broken install fails there instead of skipping.
-    try:
-        __import__(package)
-    except Exception as exc:  # noqa: BLE001 - torchvision's mismatch is a RuntimeError, not an ImportError
-        why = f"optional test dependency {package} does not import here: {type(exc).__name__}: {exc}"
-        if package in os.environ.get("AUTOTUNE_TEST_REQUIRE", "").split(","):
-            pytest.fail(why + " (and AUTOTUNE_TEST_REQUIRE names it)")
-        pytest.skip(why)
 
 
 def _step(workload, segments, batch_size, *, library=False):
@@ -60,7 +48,7 @@ def _step(workload, segments, batch_size, *, library=False):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_plans_on_third_party_models_keep_gradients_and_lower_the_peak(name):
     spec, kwargs, (path, block), package = MODELS[name]
-    _needs(package)
+    needs(package)
     workload = Workload.from_specs(spec, model_kwargs=kwargs)
     chain = find_chain(workload.build_model())
     assert (chain.containers, chain.block_types, chain.length) == ((path,), (block,), 4)
@@ -78,7 +66,7 @@ def test_plans_on_third_party_models_keep_gradients_and_lower_the_peak(name):
 @pytest.mark.parametrize("name", ["gpt2", "vit"])
 def test_third_party_model_tuned_under_a_budget(tmp_path, name):
     spec, kwargs, _, package = MODELS[name]
-    _needs(package)
+    needs(package)
     # The budget lets plan 4 fit batches that no checkpointing cannot.
     budget = {"gpt2": "40MiB", "vit": "20MiB"}[name]
     report = autotune.tune(spec, model_kwargs=kwargs, device="cpu", budget=budget, precisions="fp32,bf16",
@@ -112,7 +100,7 @@ def test_a_model_without_a_library_switch_gets_no_comparison(tmp_path):
 
 
 def test_bad_third_party_configs_are_one_line_usage_errors():
-    _needs("transformers")
+    needs("transformers")
     with pytest.raises(UsageError, match="seq_len 128 is longer than the model's 64 positions"):
         Workload.from_specs("autotune.thirdparty:gpt2", model_kwargs={**GPT2, "seq_len": 128}).build_model()
     with pytest.raises(UsageError, match="transformers: Unrecognized model identifier"):
@@ -120,7 +108,7 @@ def test_bad_third_party_configs_are_one_line_usage_errors():
 
 
 def test_a_comparison_that_fails_is_a_notice_and_the_report_is_kept(tmp_path, monkeypatch):
-    _needs("transformers")
+    needs("transformers")
 
     def failing(target, workload, config):
         raise RuntimeError("the library's switch broke")
@@ -134,7 +122,7 @@ def test_a_comparison_that_fails_is_a_notice_and_the_report_is_kept(tmp_path, mo
 
 
 def test_the_library_switch_survives_a_rebuild_from_the_spec_in_a_worker():
-    _needs("transformers")
+    needs("transformers")
     from autotune.execution import spawn as isolation
     from autotune.execution.trial import TrialWork
     from autotune.records import Config, TrialSettings
@@ -150,7 +138,7 @@ def test_the_library_switch_survives_a_rebuild_from_the_spec_in_a_worker():
 
 
 def test_a_masked_lm_batch_has_a_target_in_every_row():
-    _needs("transformers")
+    needs("transformers")
     w = Workload.from_specs("autotune.thirdparty:bert", model_kwargs={**BERT, "seq_len": 4, "mask_share": 0.01})
     batch = w.make_batch(w.build_model(), 64)
     assert ((batch["labels"] != -100).sum(dim=1) >= 1).all()

@@ -22,7 +22,8 @@ from autotune.plans import Plan, auto_plans
 from autotune.thirdparty import library_checkpointing
 from autotune.training.workload import Workload
 
-from tests.zoo import BY_NAME, ZOO, needs
+from tests.optional import needs
+from tests.zoo import BY_NAME, ZOO
 
 MEMBERS = [pytest.param(m, id=m.name, marks=m.marks()) for m in ZOO]
 PLAN_CASES = [pytest.param(m, plan, id=f"{m.name}-{plan}", marks=m.marks()) for m in ZOO for plan in auto_plans(m.length)]

@@ -4,7 +4,7 @@ Every member is a factory returning a module with an ``example_batch(batch_size)
 loss comes out of :meth:`autotune.training.workload.Workload.loss` (a scalar, or an output with
 ``.loss``), so each is also a workload (``Workload.from_specs(member.build)``). Hugging Face
 models are built from their config classes with random weights (nothing is downloaded); the
-timm ViT needs timm, which does not import beside the CPU build of torch (see ``needs``).
+timm ViT needs timm, which does not import beside the CPU build of torch (see tests/optional.py).
 
 All sizes are tiny: a few layers, hidden 16-64, sequences of 8-16 tokens, vocabularies of 64,
 so that a forward and backward pass takes milliseconds on two CPU cores.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import types
 from typing import Any, Callable
 
@@ -25,22 +24,6 @@ from torch.nn import functional as F
 
 VOCAB = 64
 SEQ = 16
-
-
-def needs(package: str) -> None:
-    """Skip the calling test when ``package`` does not import; fail instead when AUTOTUNE_TEST_REQUIRE names it.
-
-    As in tests/test_thirdparty.py: timm imports torchvision, whose PyPI build does not load
-    beside the CPU build of torch (a RuntimeError, not an ImportError, so ``importorskip`` would
-    not catch it); CI runs the timm tests in a second environment with AUTOTUNE_TEST_REQUIRE=timm.
-    """
-    try:
-        __import__(package)
-    except Exception as exc:  # noqa: BLE001 - torchvision's mismatch is a RuntimeError
-        why = f"optional test dependency {package} does not import here: {type(exc).__name__}: {exc}"
-        if package in os.environ.get("AUTOTUNE_TEST_REQUIRE", "").split(","):
-            pytest.fail(why + " (and AUTOTUNE_TEST_REQUIRE names it)")
-        pytest.skip(why)
 
 
 def _with_batch(model: nn.Module, example_batch: Callable[[int], Any]) -> nn.Module:
