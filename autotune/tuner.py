@@ -113,7 +113,7 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
     events.call("search_started", space_size=len(space), planned=planned, strategy=strategy.name,
                 budget_bytes=target.budget.bytes)
     try:
-        return run_search(study.workload, space, strategy, venue=target.venue, budget_bytes=target.budget.enforced,
+        return run_search(study.workload, space, strategy, venue=target.venue, enforced_bytes=target.budget.enforced,
                           settings=options.trial_settings, study_name=study.name, storage=study.storage,
                           workload_key=study.workload_key, on_trial=events.trial_done,
                           on_trial_start=events.trial_started)

@@ -23,7 +23,8 @@ def gpt(tiny_gpt_kwargs):
 
 def search(gpt, storage, *, budget=BUDGET, study="s", key="k", space=SPACE, seen=None, venue=None):
     return run_search(
-        gpt, space, GridStrategy(), venue=venue or Here("cpu", TensorMeter(budget_bytes=budget)), budget_bytes=budget, settings=QUICK, study_name=study, storage=storage, workload_key=key,
+        gpt, space, GridStrategy(), venue=venue or Here("cpu", TensorMeter(budget_bytes=budget)), enforced_bytes=budget,
+        settings=QUICK, study_name=study, storage=storage, workload_key=key,
         on_trial=(lambda m, reused: seen.append((m.config, reused))) if seen is not None else None,
     )
 
@@ -88,7 +89,7 @@ def test_auto_meters_the_bracket_and_times_only_the_envelope_completing_memory_t
     space = SearchSpace(("fp32",), ("0", "2", "all"), (1, 4, 16, 64), blocks=4)
     budget = 10 * 2**20
     result = run_search(gpt, space, make_strategy("auto", budgets=()), venue=Here("cpu", TensorMeter(budget_bytes=budget)),
-                        budget_bytes=budget, settings=QUICK, study_name="a",
+                        enforced_bytes=budget, settings=QUICK, study_name="a",
                         storage=storage, workload_key="k")
     trials = optuna.load_study(study_name="a", storage=storage).get_trials()
     assert result.n_run == len(trials)

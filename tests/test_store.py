@@ -213,14 +213,14 @@ def test_plan_checks_round_trip_under_their_key(tmp_path):
 
 def test_a_measurement_made_the_same_way_is_reused():
     m = ok(Config("fp32", "0", 4))
-    assert reusable(attrs(m), settings_key="s", budget_bytes=1000, timeout_s=10.0) == m
+    assert reusable(attrs(m), settings_key="s", enforced_bytes=1000, timeout_s=10.0) == m
 
 
 def test_nothing_stored_or_other_settings_is_not_reused():
     m = ok(Config("fp32", "0", 4))
-    assert reusable({}, settings_key="s", budget_bytes=None, timeout_s=None) is None
-    assert reusable({"settings_key": "s", "status": "ok"}, settings_key="s", budget_bytes=None, timeout_s=None) is None
-    assert reusable(attrs(m, settings_key="other"), settings_key="s", budget_bytes=None, timeout_s=None) is None
+    assert reusable({}, settings_key="s", enforced_bytes=None, timeout_s=None) is None
+    assert reusable({"settings_key": "s", "status": "ok"}, settings_key="s", enforced_bytes=None, timeout_s=None) is None
+    assert reusable(attrs(m, settings_key="other"), settings_key="s", enforced_bytes=None, timeout_s=None) is None
 
 
 @pytest.mark.parametrize("stored_budget, budget, reused", [
@@ -232,20 +232,20 @@ def test_nothing_stored_or_other_settings_is_not_reused():
 ])
 def test_an_oom_is_reused_only_under_a_budget_no_larger(stored_budget, budget, reused):
     m = Measurement(Config("fp32", "0", 64), "oom", peak_bytes=1001, error="DefaultCPUAllocator: can't allocate memory")
-    got = reusable(attrs(m, budget=stored_budget), settings_key="s", budget_bytes=budget, timeout_s=None)
+    got = reusable(attrs(m, budget=stored_budget), settings_key="s", enforced_bytes=budget, timeout_s=None)
     assert (got == m) is reused and (got is None) is not reused
 
 
 def test_an_oom_under_a_budget_is_not_reused_without_one():
     # No budget today is larger than any budget: a trial that ran out of 1000 bytes may fit now.
     m = Measurement(Config("fp32", "0", 64), "oom", peak_bytes=1001)
-    assert reusable(attrs(m, budget=1000), settings_key="s", budget_bytes=None, timeout_s=None) is None
+    assert reusable(attrs(m, budget=1000), settings_key="s", enforced_bytes=None, timeout_s=None) is None
 
 
 def test_a_success_is_reused_whatever_the_budget():
     m = ok(Config("fp32", "0", 4), peak=5000)
     for stored, today in ((1000, 2000), (None, 1000), (10_000, None)):
-        assert reusable(attrs(m, budget=stored), settings_key="s", budget_bytes=today, timeout_s=None) == m
+        assert reusable(attrs(m, budget=stored), settings_key="s", enforced_bytes=today, timeout_s=None) == m
 
 
 @pytest.mark.parametrize("stored_timeout, timeout, reused", [
@@ -256,14 +256,14 @@ def test_a_success_is_reused_whatever_the_budget():
 ])
 def test_a_timeout_is_reused_only_under_a_limit_no_longer(stored_timeout, timeout, reused):
     m = Measurement(Config("fp32", "0", 64), "timeout", error="ran past its limit")
-    got = reusable(attrs(m, timeout=stored_timeout), settings_key="s", budget_bytes=None, timeout_s=timeout)
+    got = reusable(attrs(m, timeout=stored_timeout), settings_key="s", enforced_bytes=None, timeout_s=timeout)
     assert (got is not None) is reused
 
 
 def test_a_failure_or_crash_is_reused_as_it_is():
     for status in ("failed", "crashed"):
         m = Measurement(Config("fp32", "0", 2), status, error="boom")
-        assert reusable(attrs(m, budget=10, timeout=1.0), settings_key="s", budget_bytes=10**9, timeout_s=100.0) == m
+        assert reusable(attrs(m, budget=10, timeout=1.0), settings_key="s", enforced_bytes=10**9, timeout_s=100.0) == m
 
 
 # --- record, abandon, config_of ------------------------------------------------------------------
@@ -293,7 +293,7 @@ def test_record_stores_the_measurement_on_its_trial(study, status, state):
     assert stored.user_attrs["status"] == status and stored.user_attrs["settings_key"] == "s"
     assert Measurement.from_dict(stored.user_attrs["measurement"]) == m
     assert config_of(stored) == config
-    assert reusable(stored.user_attrs, settings_key="s", budget_bytes=2000, timeout_s=None) == m
+    assert reusable(stored.user_attrs, settings_key="s", enforced_bytes=2000, timeout_s=None) == m
 
 
 def test_a_memory_trial_is_stored_pruned_with_its_figures_and_a_timing_completes_it(study):
@@ -359,7 +359,7 @@ def test_abandon_fails_a_running_trial_so_it_is_proposed_again(study):
     (stored,) = study.get_trials(deepcopy=False)
     assert stored.state == TrialState.FAIL and stored.user_attrs["status"] == "interrupted"
     assert "measurement" not in stored.user_attrs
-    assert reusable(stored.user_attrs, settings_key="s", budget_bytes=None, timeout_s=None) is None
+    assert reusable(stored.user_attrs, settings_key="s", enforced_bytes=None, timeout_s=None) is None
 
 
 def test_abandon_leaves_a_finished_trial_as_it_is(study):

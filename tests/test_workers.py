@@ -143,7 +143,7 @@ def test_a_small_stale_limit_is_read_when_judging(study, monkeypatch):
 
 
 def test_claim_starts_a_trial_stamped_with_this_worker(study):
-    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
+    trial = claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None)
     assert trial is not None and Config.from_dict(trial.params) == A
     (t,) = study.get_trials(deepcopy=False)
     assert t.state == TrialState.RUNNING and t.user_attrs["worker"] == worker_id()
@@ -151,17 +151,17 @@ def test_claim_starts_a_trial_stamped_with_this_worker(study):
 
 
 def test_a_configuration_running_under_a_lower_numbered_trial_is_not_claimed_again(study):
-    first = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None) is None
+    first = claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None)
+    assert claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None) is None
     assert states(study) == {first.number: (TrialState.RUNNING, None)}  # seen before claiming: nothing written
-    other = claim(study, B, DIST, settings_key="s", budget_bytes=None, timeout_s=None)  # another configuration is free
+    other = claim(study, B, DIST, settings_key="s", enforced_bytes=None, timeout_s=None)  # another configuration is free
     assert other is not None and Config.from_dict(other.params) == B
 
 
 def test_a_configuration_finished_in_a_reusable_way_is_not_claimed(study):
     finished(study, ok(A))
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None) is None
-    assert claim(study, A, DIST, settings_key="other settings", budget_bytes=None, timeout_s=None) is not None  # measured another way
+    assert claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None) is None
+    assert claim(study, A, DIST, settings_key="other settings", enforced_bytes=None, timeout_s=None) is not None  # measured another way
 
 
 def test_a_memory_trial_does_not_take_the_timing_that_completes_it_but_a_timed_trial_does(study):
@@ -170,23 +170,23 @@ def test_a_memory_trial_does_not_take_the_timing_that_completes_it_but_a_timed_t
     def timed(m):
         return m.timed
 
-    first = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None, enough=timed)
+    first = claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None, enough=timed)
     assert first is not None  # the memory trial has no time: the timing is free to run
     study.tell(first, state=TrialState.FAIL)
     finished(study, ok(A))
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None, enough=timed) is None  # timed by someone
+    assert claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None, enough=timed) is None  # timed by someone
 
 
 def test_an_oom_under_a_smaller_budget_is_claimed_again(study):
     finished(study, Measurement(A, "oom", peak_bytes=2000), budget=1000)
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=4000, timeout_s=None) is not None
+    assert claim(study, A, DIST, settings_key="s", enforced_bytes=4000, timeout_s=None) is not None
 
 
 def test_claim_leaves_the_queue_alone(study):
     # Claims once went through Optuna's queue (enqueue_trial + ask): ask() popped another worker's configuration,
     # or one that worker had popped and closed meanwhile (UpdateFinishedTrialError from ask, a worker's exit 1).
     study.enqueue_trial(B.to_dict())  # a queued trial, of another tool or an older autotune
-    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
+    trial = claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None)
     assert Config.from_dict(trial.params) == A
     waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     assert [t.system_attrs["fixed_params"] for t in waiting] == [B.to_dict()]
@@ -207,7 +207,7 @@ def test_of_two_claims_at_the_same_moment_the_lower_numbered_keeps_the_configura
         return ours
 
     monkeypatch.setattr(workers, "start_trial", with_another)
-    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
+    trial = claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None)
     assert (trial is None) is other_first
     ours = 1 if other_first else 0
     assert states(study)[ours] == ((TrialState.FAIL, "duplicate") if other_first else (TrialState.RUNNING, None))
@@ -233,21 +233,21 @@ def test_a_measurement_stored_since_the_workers_look_closes_its_claim(study, mon
 
     monkeypatch.setattr(workers, "start_trial", with_news)
     other = Config("fp32", "all", 1)
-    assert claim(study, other, DIST, settings_key="s", budget_bytes=None, timeout_s=None, seen=seen) is None
+    assert claim(study, other, DIST, settings_key="s", enforced_bytes=None, timeout_s=None, seen=seen) is None
     if when == "after our write":
         assert states(study)[1] == (TrialState.FAIL, "stale")
     seen = set()
     survey(study, set(SPACE.configs()), "s", None, None, {}, seen=seen)  # the next look sees the news
     monkeypatch.setattr(workers, "start_trial", start)
-    assert claim(study, other, DIST, settings_key="s", budget_bytes=None, timeout_s=None, seen=seen) is not None
+    assert claim(study, other, DIST, settings_key="s", enforced_bytes=None, timeout_s=None, seen=seen) is not None
 
 
 def test_a_timeout_under_todays_limit_takes_the_configuration_as_the_survey_reads_it(study):
     # The claim judges a stored trial as the survey does: a time-out under the same limit is a measurement.
     study.enqueue_trial(A.to_dict())
     record(study, study.ask(DIST), Measurement(A, "timeout", error="cut"), {"settings_key": "s", "timeout_s": 30.0})
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=30.0) is None
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=60.0) is not None  # a longer limit
+    assert claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=30.0) is None
+    assert claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=60.0) is not None  # a longer limit
 
 
 # --- survey --------------------------------------------------------------------------------------
@@ -271,7 +271,7 @@ def test_survey_marks_a_trial_left_running_by_a_dead_process_failed(study, dead_
     assert states(study)[gone.number] == (TrialState.FAIL, "abandoned")
     assert states(study)[alive.number] == (TrialState.RUNNING, None)
     # its configuration is free again
-    assert claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None) is not None
+    assert claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None) is not None
 
 
 def test_survey_abandons_a_trial_of_ours_from_before(study):
@@ -325,7 +325,7 @@ def test_a_memory_trial_being_timed_elsewhere_is_in_flight(study, live_pid):
 
 def test_heartbeat_stamps_the_running_trial_until_it_stops(study, monkeypatch):
     monkeypatch.setattr(workers, "HEARTBEAT_S", 0.01)
-    trial = claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
+    trial = claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None)
     trial.set_user_attr("heartbeat", 0.0)
 
     def stamp():
@@ -379,7 +379,7 @@ def test_a_waiter_on_a_store_file_wakes_when_another_worker_writes(tmp_path, mon
 
     def another_worker_writes(clock):
         if len(clock.sleeps) == 3:
-            claim(study, A, DIST, settings_key="s", budget_bytes=None, timeout_s=None)
+            claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None)
 
     clock = Clock(monkeypatch, another_worker_writes)
     workers.Waiter(storage).wait()

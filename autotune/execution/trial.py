@@ -160,11 +160,11 @@ def _measurement(config: Config, status: str, error: str | None, records: tuple,
 
 @dataclasses.dataclass(frozen=True)
 class TrialWork(Work):
-    """A trial as a piece of work: ``config`` trained under ``budget_bytes`` (see :func:`run_trial`)."""
+    """A trial as a piece of work: ``config`` trained under ``enforced_bytes`` (see :func:`run_trial`)."""
 
     config: Config
     settings: TrialSettings
-    budget_bytes: int | None  # the budget the trial runs under (each rank's own share in a --parallel job)
+    enforced_bytes: int | None  # the budget the trial runs under (each rank's own share in a --parallel job)
     timed: bool = True
     metered: bool = True
 
@@ -177,7 +177,7 @@ class TrialWork(Work):
         return self.settings.timeout_s
 
     def run(self, workload: Workload, place: Place) -> Measurement:
-        return run_trial(workload, self.config, device=place.device, meter=place.meter_for(self.budget_bytes),
+        return run_trial(workload, self.config, device=place.device, meter=place.meter_for(self.enforced_bytes),
                          settings=self.settings, timed=self.timed, metered=self.metered, parallel=place.parallel)
 
     def failed(self, status: str, error: str, seconds: float) -> Measurement:

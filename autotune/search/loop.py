@@ -67,12 +67,12 @@ class _Loop:
     """One worker's search: what it has seen of the store, what it ran, and the trial it is running."""
 
     def __init__(self, study: optuna.Study, storage: str, space: SearchSpace, *, settings: TrialSettings,
-                 budget_bytes: int | None, on_trial: Callable[[Measurement, bool], None] | None) -> None:
-        self.study, self.storage, self.space, self.settings, self.budget_bytes = study, storage, space, settings, budget_bytes
+                 enforced_bytes: int | None, on_trial: Callable[[Measurement, bool], None] | None) -> None:
+        self.study, self.storage, self.space, self.settings, self.enforced_bytes = study, storage, space, settings, enforced_bytes
         self.on_trial = on_trial
         # How a trial trains, without its time limit (a time-out is judged against the limit it ran under).
         self.settings_key = fingerprint(**{k: v for k, v in dataclasses.asdict(settings).items() if k != "timeout_s"})
-        self.attrs = {"budget_bytes": budget_bytes, "settings_key": self.settings_key, "timeout_s": settings.timeout_s}
+        self.attrs = {"budget_bytes": enforced_bytes, "settings_key": self.settings_key, "timeout_s": settings.timeout_s}
         self.distributions = distributions(space)
         self.configs = set(space.configs())
         self.stamps: dict[int, tuple[float, float]] = {}
@@ -89,7 +89,7 @@ class _Loop:
     def look(self) -> bool:
         """Read the store; report measurements not seen before; return whether anything changed since the last look."""
         self.seen = set()
-        self.measured, in_flight = survey(self.study, self.configs, self.settings_key, self.budget_bytes,
+        self.measured, in_flight = survey(self.study, self.configs, self.settings_key, self.enforced_bytes,
                                           self.settings.timeout_s, self.stamps, self.numbers, self.seen)
         news = in_flight != self.in_flight
         self.in_flight = in_flight
@@ -114,7 +114,7 @@ class _Loop:
         store has measurements the last look did not see)."""
         with shielded():  # a Ctrl-C before the trial is ours to close (self.trial) would leave it RUNNING
             self.trial = claim(self.study, config, self.distributions, settings_key=self.settings_key,
-                               budget_bytes=self.budget_bytes, timeout_s=self.settings.timeout_s,
+                               enforced_bytes=self.enforced_bytes, timeout_s=self.settings.timeout_s,
                                enough=self.enough, seen=self.seen if on_the_look else None)
         return self.trial
 
@@ -196,7 +196,7 @@ def run_search(
     strategy: Strategy,
     *,
     venue: Venue,
-    budget_bytes: int | None,
+    enforced_bytes: int | None,
     settings: TrialSettings,
     study_name: str,
     storage: str,
@@ -207,21 +207,21 @@ def run_search(
     """Run the strategy's proposals as trials in the study until it is done; return every measurement.
 
     Each trial runs at ``venue`` (this process, a fresh worker, every rank of a job) under
-    ``budget_bytes``, the largest budget (a smaller one is judged by the peaks measured).
+    ``enforced_bytes``, the largest budget (a smaller one is judged by the peaks measured).
     ``on_trial(measurement, reused)`` is called once for each measurement as it becomes known,
     ``reused`` when it comes from the store; ``on_trial_start(config)`` when this worker starts
     measuring one.
     """
     started = time.monotonic()
     loop = _Loop(open_study(study_name, storage, workload_key=workload_key, space=space), storage, space,
-                 settings=settings, budget_bytes=budget_bytes, on_trial=on_trial)
+                 settings=settings, enforced_bytes=enforced_bytes, on_trial=on_trial)
     waiter = Waiter(storage)
     try:
         with quiet_optuna(), _heap_frozen():
             while True:
                 if loop.look():
                     waiter.reset()
-                proposal = strategy.propose(space, loop.measured, budget_bytes, pending=frozenset(loop.in_flight))
+                proposal = strategy.propose(space, loop.measured, enforced_bytes, pending=frozenset(loop.in_flight))
                 if proposal is None:
                     if not loop.in_flight:
                         break
@@ -237,7 +237,7 @@ def run_search(
                     on_trial_start(config)
 
                 def run(**kind: bool) -> Measurement:
-                    return venue.run(workload, TrialWork(config, settings, budget_bytes, **kind))
+                    return venue.run(workload, TrialWork(config, settings, enforced_bytes, **kind))
 
                 with Heartbeat(loop.study, loop.trial):
                     loop.finished = loop.measure(proposal, run, venue.slows_steps)

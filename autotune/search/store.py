@@ -154,14 +154,14 @@ def store_plan_checks(study_name: str, storage: str, *, workload_key: str, key: 
     study.set_user_attr("plan_checks", {**(study.user_attrs.get("plan_checks") or {}), key: checks})
 
 
-def reusable(attrs: dict, *, settings_key: str, budget_bytes: int | None, timeout_s: float | None) -> Measurement | None:
+def reusable(attrs: dict, *, settings_key: str, enforced_bytes: int | None, timeout_s: float | None) -> Measurement | None:
     """Return the stored measurement if it answers the same question under this budget and time limit."""
     data = attrs.get("measurement")
     if data is None or attrs.get("settings_key") != settings_key:
         return None
     measurement = Measurement.from_dict(data)
     stored_budget = attrs.get("budget_bytes")
-    if measurement.status == "oom" and stored_budget is not None and (budget_bytes is None or stored_budget < budget_bytes):
+    if measurement.status == "oom" and stored_budget is not None and (enforced_bytes is None or stored_budget < enforced_bytes):
         return None  # it ran out of a smaller budget than today's (or today has none): it may fit now
     stored_timeout = attrs.get("timeout_s")
     if measurement.status == "timeout" and stored_timeout is not None and (timeout_s is None or stored_timeout < timeout_s):

@@ -100,7 +100,7 @@ class Heartbeat:
         self._thread.join()
 
 
-def survey(study: optuna.Study, configs: set[Config], settings_key: str, budget_bytes: int | None,
+def survey(study: optuna.Study, configs: set[Config], settings_key: str, enforced_bytes: int | None,
             timeout_s: float | None, stamps: dict[int, tuple[float, float]],
             numbers: dict[Config, int] | None = None,
             seen: set[int] | None = None) -> tuple[dict[Config, Measurement], set[Config]]:
@@ -121,7 +121,7 @@ def survey(study: optuna.Study, configs: set[Config], settings_key: str, budget_
         if t.state in FINISHED:
             if seen is not None and "measurement" in t.user_attrs:
                 seen.add(t.number)
-            m = reusable(t.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes, timeout_s=timeout_s)
+            m = reusable(t.user_attrs, settings_key=settings_key, enforced_bytes=enforced_bytes, timeout_s=timeout_s)
             if m is not None and m.config in configs:
                 measured[m.config] = m  # later trials of the same configuration win
                 if numbers is not None:
@@ -142,7 +142,7 @@ def survey(study: optuna.Study, configs: set[Config], settings_key: str, budget_
     return measured, in_flight
 
 
-def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_key: str, budget_bytes: int | None,
+def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_key: str, enforced_bytes: int | None,
           timeout_s: float | None, enough: Callable[[Measurement], bool] = lambda m: True,
           seen: Collection[int] | None = None) -> optuna.Trial | None:
     """Start a trial of ``config``; None if another worker has it, or the store has news (nothing written, or our
@@ -176,7 +176,7 @@ def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_
             if seen is not None and "measurement" in other.user_attrs and other.number not in seen:
                 return "stale"
             if config_of(other) == config:
-                stored = reusable(other.user_attrs, settings_key=settings_key, budget_bytes=budget_bytes,
+                stored = reusable(other.user_attrs, settings_key=settings_key, enforced_bytes=enforced_bytes,
                                   timeout_s=timeout_s)
                 if stored is not None and enough(stored):
                     return "duplicate"

@@ -146,28 +146,28 @@ class AutoStrategy(Strategy):
         self.budgets = tuple(sorted(set(budgets)))
         self.fixed_bytes_hint = fixed_bytes_hint
 
-    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
+    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], enforced_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
         view = _View(space, measured, self.fixed_bytes_hint, pending)
         for phase in (self._bracket, self._other_budgets, self._throughput, self._near_ties):
-            proposal = phase(view, budget_bytes)
+            proposal = phase(view, enforced_bytes)
             if proposal is _WAIT:
                 return None  # the rest depends on trials other workers are running
             if proposal is not None:
                 return proposal
         return None
 
-    def _limits(self, budget_bytes: int | None) -> list[float | None]:
+    def _limits(self, enforced_bytes: int | None) -> list[float | None]:
         """The usable share of every budget, the largest first: where a recommendation may be."""
-        return [usable_bytes(b, self.headroom) for b in dict.fromkeys([budget_bytes, *reversed(self.budgets)])]
+        return [usable_bytes(b, self.headroom) for b in dict.fromkeys([enforced_bytes, *reversed(self.budgets)])]
 
-    def _bracket(self, view: _View, budget_bytes: int | None):
+    def _bracket(self, view: _View, enforced_bytes: int | None):
         """1. The budget's boundary of every plan: its largest fitting size measured, the next size up measured
         or implied. A trial is timed only where it can be on a precision's throughput envelope."""
         waiting = False
         for variant in view.variants:
-            b = next_in_bracket(view.sizes, view.outcomes(variant, budget_bytes), view.predicted(variant),
-                                budget_bytes, len(view.by_variant.get(variant, {})))
+            b = next_in_bracket(view.sizes, view.outcomes(variant, enforced_bytes), view.predicted(variant),
+                                enforced_bytes, len(view.by_variant.get(variant, {})))
             if b is None:
                 continue
             if variant in view.busy:
@@ -176,24 +176,24 @@ class AutoStrategy(Strategy):
             config = Config(*variant, b)
             # Timed at once only where the climb (3.) starts: the largest batch of the plan without recompute.
             wanted = variant[1] == view.ordered[0] and any(config in view.envelope(config.precision, limit)
-                                                           for limit in self._limits(budget_bytes))
+                                                           for limit in self._limits(enforced_bytes))
             return Proposal(config, timed=wanted)
         return _WAIT if waiting else None
 
-    def _other_budgets(self, view: _View, budget_bytes: int | None) -> Proposal | None:
+    def _other_budgets(self, view: _View, enforced_bytes: int | None) -> Proposal | None:
         """2. Smaller budgets: a memory trial only where neither the measurements nor the model settle a boundary."""
         margin = max(0.05, view.model.relative_error())
-        for limit in (b for b in self.budgets if budget_bytes is None or b < budget_bytes):
+        for limit in (b for b in self.budgets if enforced_bytes is None or b < enforced_bytes):
             for variant in view.variants:
                 b = self._uncertain(view.sizes, view.outcomes(variant, limit), view.predicted(variant), limit, margin)
                 if b is not None and Config(*variant, b) not in view.pending:
                     return Proposal(Config(*variant, b), timed=False)
         return None
 
-    def _throughput(self, view: _View, budget_bytes: int | None) -> Proposal | None:
+    def _throughput(self, view: _View, enforced_bytes: int | None) -> Proposal | None:
         """3. Throughput along each precision's envelope, for every budget less headroom; a precision slower
         wherever both were measured, and needing more memory in every plan, is skipped."""
-        for limit in self._limits(budget_bytes):
+        for limit in self._limits(enforced_bytes):
             for precision in view.space.precisions:
                 if any(_dominates(other, precision, view.measured, view.model, view.variants, view.sizes[0], view.sizes[-1])
                        for other in view.space.precisions if other != precision):
@@ -203,10 +203,10 @@ class AutoStrategy(Strategy):
                     return Proposal(config)  # a memory trial of it is completed by this timing
         return None
 
-    def _near_ties(self, view: _View, budget_bytes: int | None) -> Proposal | None:
+    def _near_ties(self, view: _View, enforced_bytes: int | None) -> Proposal | None:
         """4. Where the fastest trial under a budget and another lie within their spreads of each other, time
         each once more, alternately, in fresh trials: one run's noise does not pick the recommendation."""
-        for limit in self._limits(budget_bytes):
+        for limit in self._limits(enforced_bytes):
             ranked = sorted((m for m in view.measured.values() if m.fits(limit) and m.samples_per_s is not None),
                             key=lambda m: (-m.samples_per_s, m.peak_bytes or 0))
             if len(ranked) < 2:

@@ -31,7 +31,7 @@ class Strategy(abc.ABC):
     ``propose`` is called again after each trial with every measurement so far (including those
     reused from the trial store) and returns a :class:`Proposal` of a configuration of ``space``:
     one not yet in ``measured``, or one whose figures a timed run completes or makes surer
-    (:class:`Proposal`); ``None`` when the search is complete. ``budget_bytes`` lets a strategy skip
+    (:class:`Proposal`); ``None`` when the search is complete. ``enforced_bytes`` lets a strategy skip
     configurations that cannot fit. ``pending`` holds configurations that other workers are
     measuring right now: propose something else (their results arrive in a later call).
     """
@@ -39,6 +39,6 @@ class Strategy(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
+    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], enforced_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
         """Return the next configuration to run, or ``None`` to stop."""

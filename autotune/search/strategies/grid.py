@@ -16,7 +16,7 @@ class GridStrategy(Strategy):
 
     name = "grid"
 
-    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
+    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], enforced_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
         config = next((c for c in space.configs() if c not in measured and c not in pending), None)
         return None if config is None else Proposal(config)

@@ -34,12 +34,12 @@ class OptunaStrategy(Strategy):
         self._asked: dict[Config, optuna.Trial] = {}  # proposed, not measured yet
         self._told: set[Config] = set()
 
-    def _values(self, m: Measurement, budget_bytes: int | None) -> list[float]:
-        if m.fits(budget_bytes) and m.samples_per_s is not None:
+    def _values(self, m: Measurement, enforced_bytes: int | None) -> list[float]:
+        if m.fits(enforced_bytes) and m.samples_per_s is not None:
             return [m.samples_per_s, float(m.peak_bytes or 0)]
-        return [0.0, 2.0 * float(budget_bytes or m.peak_bytes or 1)]
+        return [0.0, 2.0 * float(enforced_bytes or m.peak_bytes or 1)]
 
-    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], budget_bytes: int | None,
+    def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], enforced_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
         limit = self.n_trials if self.n_trials is not None else max(1, len(space) // 4)
         distributions = space_distributions(space)  # as the store declares them
@@ -52,18 +52,18 @@ class OptunaStrategy(Strategy):
             self._told.add(config)
             trial = self._asked.pop(config, None)
             if trial is not None:
-                self._shadow.tell(trial, self._values(m, budget_bytes))
+                self._shadow.tell(trial, self._values(m, enforced_bytes))
             else:
                 self._shadow.add_trial(optuna.trial.create_trial(
                     params={"precision": config.precision, "segments": config.plan, "batch_size": config.batch_size},
-                    distributions=distributions, values=self._values(m, budget_bytes)))
+                    distributions=distributions, values=self._values(m, enforced_bytes)))
         if len(measured) >= limit or len(measured.keys() | pending) >= len(space):  # pending: measured ones too
             return None
         for _ in range(10 * len(space)):
             trial = self._shadow.ask(distributions)
             config = Config.from_dict(trial.params)
             if config in measured:
-                self._shadow.tell(trial, self._values(measured[config], budget_bytes))
+                self._shadow.tell(trial, self._values(measured[config], enforced_bytes))
             elif config in pending or config in self._asked:
                 self._shadow.tell(trial, state=optuna.trial.TrialState.FAIL)
             else:
