@@ -121,6 +121,8 @@ def test_an_isolated_trial_logs_its_steps_with_verbose(capfd):
 
 def test_search_killed_with_sigkill_resumes_without_measuring_twice(tmp_path, cli):
     storage, out = f"sqlite:///{tmp_path}/r.db", tmp_path / "r.json"
+    # A search that is never killed, for its answer: on a store of its own, beside the one killed and resumed
+    reference = cli(*SEARCH, "--storage", f"sqlite:///{tmp_path}/ref.db", "--study", "ref", "--out", str(tmp_path / "ref.json"))
     proc = cli(*SEARCH, "--storage", storage, "--study", "r", "--out", str(out))
     wait_for_trials(storage, "r", 3)
     proc.send_signal(signal.SIGKILL)
@@ -141,8 +143,8 @@ def test_search_killed_with_sigkill_resumes_without_measuring_twice(tmp_path, cl
         assert reported[(m["precision"], m["segments"], m["batch_size"])] == m
     # The same answer as a search that was never killed: memory is deterministic, so the limits
     # must agree exactly; which configuration is fastest is a timing measurement.
-    reference = cli(*SEARCH, "--storage", f"sqlite:///{tmp_path}/ref.db", "--study", "ref", "--out", str(tmp_path / "ref.json"))
-    reference.communicate(timeout=600)
+    _, err = reference.communicate(timeout=600)
+    assert reference.returncode == 0, err
     ref = json.loads((tmp_path / "ref.json").read_text())
     assert data["limits"] == ref["limits"]
     assert {(r["precision"], r["segments"]): r["max_batch_size"] for r in ref["limits"]} == {
