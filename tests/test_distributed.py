@@ -25,6 +25,10 @@ from tests import procs
 from tests.optional import needs
 from tests.test_reliability import ROOT, TINY, _default_sigint, wait_for_trials
 
+# Run alone (marker serial): two ranks a job, jobs stopped mid-search by a signal; CI runs these tests in a pytest
+# call of their own, after the rest runs on two processes (.ci/run).
+pytestmark = pytest.mark.serial
+
 SPACE = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--device", "cpu", "--precisions", "fp32",
          "--segments", "0,all", "--batch-sizes", "2,8,32", "--strategy", "grid", "--measure-steps", "2",
          "--settle-steps", "0", "--no-library-compare"]
