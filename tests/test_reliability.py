@@ -21,11 +21,11 @@ from autotune.records import Config, TrialSettings
 from autotune.trial import run_trial
 from autotune.workload import Workload
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 # Run alone (marker serial): searches are caught mid-way by a signal, and parallel workers split a study; CI runs
 # these tests in a pytest call of their own, after the rest runs on two processes (.ci/run).
 pytestmark = pytest.mark.serial
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = '{"n_layer": 2, "block_size": 16, "n_embd": 16, "n_head": 2, "vocab_size": 32}'
 
 
