@@ -26,6 +26,10 @@ from tests import procs
 from tests.optional import needs
 from tests.test_reliability import ROOT, TINY, _default_sigint, wait_for_trials
 
+# Run alone (marker serial): two ranks a job, jobs stopped mid-search by a signal; CI runs these tests in a pytest
+# call of their own, after the rest runs on two processes (.ci/run).
+pytestmark = pytest.mark.serial
+
 SPACE = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--device", "cpu", "--precisions", "fp32",
          "--segments", "0,all", "--batch-sizes", "2,8,32", "--strategy", "grid", "--measure-steps", "2",
          "--settle-steps", "0", "--no-library-compare"]
@@ -177,8 +181,13 @@ def test_accelerate_takes_the_fsdp_export_as_it_is(fsdp_run):
 
 
 def test_bad_input_is_one_line_from_rank_0_and_exit_2_on_every_rank(tmp_path, processes):
-    for bad in (["--budget", "lots"], ["--out", str(tmp_path / "missing" / "r.json")]):  # every rank's; rank 0's only
-        results = finish(start_ranks(*SPACE, "--parallel", "ddp", *bad, cwd=tmp_path, processes=processes))
+    jobs = []  # both jobs at once, each in a folder of its own
+    bad_inputs = (["--budget", "lots"], ["--out", str(tmp_path / "missing" / "r.json")])  # every rank's; rank 0's only
+    for i, bad in enumerate(bad_inputs):
+        (tmp_path / str(i)).mkdir()
+        jobs.append(start_ranks(*SPACE, "--parallel", "ddp", *bad, cwd=tmp_path / str(i), processes=processes))
+    for ranks in jobs:
+        results = finish(ranks)
         assert [code for code, _ in results] == [2, 2], results
         (_, said), (_, quiet) = results
         assert said.count("autotune: error:") == 1 and "Traceback" not in said

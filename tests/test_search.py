@@ -1,3 +1,5 @@
+import shutil
+
 import optuna
 import pytest
 
@@ -10,6 +12,8 @@ from autotune.search.loop import run_search
 from autotune.search.space import SearchSpace
 from autotune.search.strategies import GridStrategy, make_strategy
 from autotune.training.workload import Workload
+
+from tests.conftest import TINY_GPT
 
 QUICK = TrialSettings(warmup_steps=2, measure_steps=2)
 SPACE = SearchSpace(("fp32", "bf16"), (0, 2), (1, 4, 64))
@@ -29,8 +33,23 @@ def search(gpt, storage, *, budget=BUDGET, study="s", key="k", space=SPACE, seen
     )
 
 
-def test_grid_measures_every_point_as_an_optuna_trial(gpt, storage):
-    result = search(gpt, storage)
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """The grid over SPACE, searched once for the module: its store's file and the result."""
+    path = tmp_path_factory.mktemp("grid") / "trials.db"
+    return path, search(Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=dict(TINY_GPT)), f"sqlite:///{path}")
+
+
+@pytest.fixture
+def searched(grid, tmp_path):
+    """A copy of the grid's store, as a finished search left it, and the search's result."""
+    path, result = grid
+    shutil.copy(path, tmp_path / "searched.db")
+    return f"sqlite:///{tmp_path / 'searched.db'}", result
+
+
+def test_grid_measures_every_point_as_an_optuna_trial(searched):
+    storage, result = searched
     assert [m.config for m in result.measurements] == SPACE.configs()
     assert result.n_run == len(SPACE) and result.n_reused == 0
     assert {m.status for m in result.measurements if m.batch_size == 64} == {"oom"}
@@ -47,8 +66,8 @@ def test_grid_measures_every_point_as_an_optuna_trial(gpt, storage):
         assert Config(t.params["precision"], t.params["segments"], t.params["batch_size"]) in SPACE.configs()
 
 
-def test_running_again_reuses_finished_trials(gpt, storage):
-    first = search(gpt, storage)
+def test_running_again_reuses_finished_trials(gpt, searched):
+    storage, first = searched
     seen = []
     again = search(gpt, storage, seen=seen)
     assert again.n_run == 0 and again.n_reused == len(SPACE)
@@ -57,8 +76,8 @@ def test_running_again_reuses_finished_trials(gpt, storage):
     assert len(optuna.load_study(study_name="s", storage=storage).trials) == len(SPACE)
 
 
-def test_a_larger_budget_re_runs_only_the_ooms(gpt, storage):
-    search(gpt, storage)
+def test_a_larger_budget_re_runs_only_the_ooms(gpt, searched):
+    storage, _ = searched
     bigger = search(gpt, storage, budget=64 * 2**20)
     assert bigger.n_run == 4  # the four batch-64 trials
     assert {m.status for m in bigger.measurements} == {"ok"}

@@ -17,6 +17,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from workers_under_load import cpu_hogs, run_case  # noqa: E402
 
+# Run alone (marker serial): its workers compete with CPU hogs on purpose; CI runs these tests in a pytest call
+# of their own, after the rest runs on two processes (.ci/run).
+pytestmark = pytest.mark.serial
+
 RUNS = int(os.environ.get("AUTOTUNE_LOAD_RUNS", "2"))  # studies per case; the benchmark's table has ten
 HOGS = 3  # with two cores: each worker gets well under half a core, and is preempted mid-claim
 # Trials that measured nothing, per worker and study: claims lost at the same moment or closed as stale. Ten studies a
