@@ -148,11 +148,6 @@ class Budget:
         return None if self.bytes is None else max((self.bytes, *self.extra))
 
     @property
-    def usable(self) -> float | None:
-        """What a recommendation may use of :attr:`bytes`: the budget less its headroom share."""
-        return usable_bytes(self.bytes, self.headroom)
-
-    @property
     def all(self) -> tuple[int, ...]:
         """The budget and the extra budgets (none without a budget)."""
         return () if self.bytes is None else (self.bytes, *self.extra)

@@ -106,7 +106,7 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
 def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -> SearchResult:
     """Stage 4: the strategy's trials in the study (partial when interrupted: the report is still made)."""
     options = target.options
-    strategy = make_strategy(options.strategy, headroom=options.headroom, budgets=target.budget.all,
+    strategy = make_strategy(options.strategy, headroom=target.budget.headroom, budgets=target.budget.all,
                              fixed_bytes_hint=4 * facts.parameter_bytes, n_trials=options.n_trials)
     space = study.space
     planned = {"grid": len(space), "optuna": min(len(space), options.n_trials or max(1, len(space) // 4))}.get(strategy.name)
@@ -143,7 +143,7 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "library_checkpointing": facts.library_checkpointing,
         },
         budget_bytes=target.budget.bytes,
-        headroom=options.headroom,
+        headroom=target.budget.headroom,
         search={
             "strategy": options.strategy, "n_trials_limit": options.n_trials, "n_trials": len(result.measurements),
             "n_run": result.n_run, "n_reused": result.n_reused, "wall_s": round(result.wall_s, 3),
@@ -182,7 +182,7 @@ def probe(report: Report, target: Target, study: Study, events: "_Events") -> Re
                   "the short trials alone")
         logger.info(notice)
         return dataclasses.replace(report, notices=report.notices + (notice,))
-    candidates = probe_candidates(report.pareto, target.budget.bytes, options.headroom, settings.top)
+    candidates = probe_candidates(report.pareto, target.budget.bytes, target.budget.headroom, settings.top)
     passes = 2 if target.venue.slows_steps else 1  # a slowing meter: metered, then timed
     results: list[ProbeResult] = []
     try:
@@ -190,7 +190,7 @@ def probe(report: Report, target: Target, study: Study, events: "_Events") -> Re
             events.call("probe_started", candidate.config, i, len(candidates))
             logger.debug("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config, 100 * settings.fraction,
                          settings.epochs)
-            work = ProbeWork(candidate, target.budget.bytes, options.headroom, settings, options.guard, passes)
+            work = ProbeWork(candidate, target.budget.bytes, target.budget.headroom, settings, options.guard, passes)
             results.append(target.venue.run(study.workload, work))
             events.probe_done(results[-1])
     except KeyboardInterrupt:  # the probe is incomplete: report what it did, marked partial

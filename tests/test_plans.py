@@ -4,35 +4,11 @@ from autotune.errors import UsageError
 from autotune.plans import SELECTIVE, Plan, auto_plans, parse_plans, plan_order
 
 
-def canonical(name):
-    return Plan(name)
-
-
-def recomputed_blocks(name, length):
-    return Plan(name).blocks(length)
-
-
-def recompute_fraction(name, length):
-    return Plan(name).recompute_share(length)
-
-
-def needs_no_more_memory(a, b, length):
-    return Plan(a).needs_no_more_memory_than(b, length)
-
-
-def check_plan_fits(name, length, where):
-    Plan(name).fits(length, where)
-
-
-def is_selective(name):
-    return Plan(name).selective is not None
-
-
 def test_names():
-    assert [canonical(n) for n in ("0", 3, " ALL ", "every02", "02")] == ["0", "3", "all", "every2", "2"]
+    assert [Plan(n) for n in ("0", 3, " ALL ", "every02", "02")] == ["0", "3", "all", "every2", "2"]
     for bad in ("half", "every0", "-1", "every", "2.5"):
         with pytest.raises(UsageError, match="unknown checkpoint plan"):
-            canonical(bad)
+            Plan(bad)
     assert parse_plans("auto") is None
     assert parse_plans("0, 2,all,every2,2") == ("0", "2", "all", "every2")
     with pytest.raises(UsageError, match="empty"):
@@ -40,14 +16,14 @@ def test_names():
 
 
 def test_which_blocks_each_plan_recomputes():
-    assert recomputed_blocks("0", 12) == recomputed_blocks("1", 12) == ()
-    assert recomputed_blocks("2", 12) == tuple(range(6))  # the last of two segments is not recomputed
-    assert recomputed_blocks("3", 10) == tuple(range(7))  # segments of 4, 3, 3
-    assert recomputed_blocks("12", 12) == tuple(range(11))
-    assert recomputed_blocks("all", 5) == (0, 1, 2, 3, 4)
-    assert recomputed_blocks("every4", 10) == (0, 4, 8)  # transformers' every_n_layers: layer_index % n == 0
-    assert recompute_fraction("all", 8) == 1.0 and recompute_fraction("every4", 8) == 0.25
-    assert recompute_fraction("every4", None) == 0.25 and recompute_fraction("0", None) == 0.0
+    assert Plan("0").blocks(12) == Plan("1").blocks(12) == ()
+    assert Plan("2").blocks(12) == tuple(range(6))  # the last of two segments is not recomputed
+    assert Plan("3").blocks(10) == tuple(range(7))  # segments of 4, 3, 3
+    assert Plan("12").blocks(12) == tuple(range(11))
+    assert Plan("all").blocks(5) == (0, 1, 2, 3, 4)
+    assert Plan("every4").blocks(10) == (0, 4, 8)  # transformers' every_n_layers: layer_index % n == 0
+    assert Plan("all").recompute_share(8) == 1.0 and Plan("every4").recompute_share(8) == 0.25
+    assert Plan("every4").recompute_share(None) == 0.25 and Plan("0").recompute_share(None) == 0.0
 
 
 def test_auto_spreads_from_nothing_to_everything_without_repeats():
@@ -56,8 +32,8 @@ def test_auto_spreads_from_nothing_to_everything_without_repeats():
     assert auto_plans(2) == ["0", "sac-matmul", "sac-lean", "sac-linear", "all"]
     assert auto_plans(0) == ["0"]
     for length in range(1, 40):
-        plans = [p for p in auto_plans(length) if not is_selective(p)]
-        sets = [recomputed_blocks(p, length) for p in plans]
+        plans = [p for p in auto_plans(length) if Plan(p).selective is None]
+        sets = [Plan(p).blocks(length) for p in plans]
         assert len(set(sets)) == len(sets) and plans[0] == "0" and plans[-1] == "all"
         assert [len(s) for s in sets] == sorted(len(s) for s in sets)
         assert set(SELECTIVE) <= set(auto_plans(length))
@@ -65,9 +41,9 @@ def test_auto_spreads_from_nothing_to_everything_without_repeats():
 
 def test_order_and_bounds():
     assert plan_order(["all", "2", "0", "every4"], 12) == ["0", "every4", "2", "all"]
-    check_plan_fits("every4", 4, "blocks")
+    Plan("every4").fits(4, "blocks")
     with pytest.raises(UsageError, match="at most 3"):
-        check_plan_fits("4", 3, "transformer.h")
+        Plan("4").fits(3, "transformer.h")
 
 
 @pytest.mark.parametrize("a, b, ordered", [
@@ -78,8 +54,8 @@ def test_order_and_bounds():
     ("sac-matmul", "0", False), ("0", "sac-matmul", False), ("2", "2", True),
 ])
 def test_plans_are_partly_ordered_by_the_memory_they_need(a, b, ordered):
-    assert needs_no_more_memory(a, b, 12) is ordered
+    assert Plan(a).needs_no_more_memory_than(b, 12) is ordered
 
 
 def test_without_the_block_count_no_two_plans_are_ordered():
-    assert not needs_no_more_memory("all", "0", None) and needs_no_more_memory("all", "all", None)
+    assert not Plan("all").needs_no_more_memory_than("0", None) and Plan("all").needs_no_more_memory_than("all", None)
