@@ -141,7 +141,7 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}  # autotune's checkpoints are non-reentrant
         if ctx.plan.every and ctx.plan.every > 1:
             args["gradient_checkpointing_kwargs"]["every_n_layers"] = ctx.plan.every
-            notes.append(f"every_n_layers needs transformers 5.24 or later: earlier releases pass it on to "
+            notes.append("every_n_layers needs transformers 5.24 or later: earlier releases pass it on to "
                          f"torch.utils.checkpoint, which refuses it")
         elif not ctx.plan.every:
             notes.append(

@@ -241,6 +241,14 @@ def test_a_rank_that_dies_ends_the_job_with_one_line_and_no_trial_left_running(t
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]  # re-run on the next start
 
 
+def test_a_rank_that_dies_before_the_trials_group_is_made_is_not_waited_for(tmp_path, processes):
+    # The moment that made the test above hang now and then: rank 1 took the command, rank 0 went on to make the
+    # trial's group, which waits for every rank until its timeout (660 s here, past LIMIT_S)
+    ranks = start_ranks(cwd=tmp_path, processes=processes, module="tests.dist_dead_rank")
+    said = ranks[0].communicate(timeout=LIMIT_S)[0]
+    assert ranks[0].returncode == 0 and "a rank of the job is gone" in said, said
+
+
 # -- the wrappers themselves: exact steps, sharded memory -----------------------------------------------------------
 
 

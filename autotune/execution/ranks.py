@@ -78,9 +78,23 @@ def _ranks_gone() -> Any:
                             f"are kept: run the same command to continue") from None
 
 
+# Making a group connects every pair of ranks, and a rank that died meanwhile is waited for until the group's timeout
+# (not noticed, as a collective notices a closed connection): the ranks meet on the control group first, so this
+# covers only the moment between that meeting and the group.
+_CONNECT_TIMEOUT = datetime.timedelta(seconds=60)
+
+
 def _group_timeout(timeout_s: float | None) -> datetime.timedelta:
     """A piece of work's group gives up on a silent rank a minute after its own limit."""
     return datetime.timedelta(seconds=(timeout_s or 600.0) + 60.0)
+
+
+def _set_timeout(group: Any, timeout: datetime.timedelta) -> None:
+    """The collectives' timeout of a group made with a shorter one to connect (torch >= 2.3; public as dist.set_timeout later)."""
+    import torch.distributed as dist
+
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(timeout, group)
 
 
 def _on_group(job: Job, work: Work, workload: Any, device: torch.device,
@@ -90,8 +104,10 @@ def _on_group(job: Job, work: Work, workload: Any, device: torch.device,
 
     job.trials += 1
     try:
-        with shielded():  # every rank makes the group (a collective on the default group): a Ctrl-C waits for it
-            group = dist.new_group(backend=job.backend, timeout=_group_timeout(work.timeout_s))
+        with shielded(), _ranks_gone():  # every rank makes the group: a Ctrl-C waits for it
+            job.gather(None)  # every rank is here (a dead one fails this at once; making a group would wait for it)
+            group = dist.new_group(backend=job.backend, timeout=_CONNECT_TIMEOUT)
+            _set_timeout(group, _group_timeout(work.timeout_s))
     except KeyboardInterrupt:  # held until the group was made (it is assigned): this rank leaves it at once
         instead = instead or RankInterrupted(job.rank)
     watch = Watch(job, group) if job.backend == "nccl" else None
