@@ -16,9 +16,12 @@ the measurements alone, so a resumed search or a second worker picks up where th
 2. **Other budgets** (``--budgets``): a plan's boundary under a smaller budget comes from the
    measured peaks where they bracket it, from the model where its prediction is clear of the
    budget by more than its error, and from one more memory trial where it is not.
-3. **Throughput.** At each batch size the fastest plan is the one that recomputes the fewest
+3. **Throughput.** At each batch size the fastest block plan is the one that recomputes the fewest
    blocks and fits within the budget less headroom (checkpointing only adds recompute), so
-   the other plans cannot enter the front there and are not timed. Along that envelope, per
+   the other block plans cannot enter the front there and are not timed. A selective plan is not
+   ordered in time against block plans (it recomputes less, but runs a dispatch mode over every
+   operation; on a CPU that can cost more than recomputing whole blocks), so each selective plan
+   has an envelope of its own, after no checkpointing. Along each envelope, per
    precision, the strategy climbs from the fastest timed point (at first: the largest batch of
    the plan with the least recompute) to a local maximum of samples/s: both neighbours timed and
    slower. A point measured only for memory is completed by
@@ -34,6 +37,7 @@ from typing import Iterable, Mapping
 
 from autotune.analysis.memory_model import MemoryModel
 from autotune.analysis.pareto import bracket, implied_failures
+from autotune.plans import Plan
 from autotune.records import Config, Measurement, usable_bytes
 from autotune.search.space import SearchSpace
 from autotune.search.strategies.base import Proposal, Strategy
@@ -116,13 +120,26 @@ class _View:
         m = self.measured.get(config)
         return m is not None and m.samples_per_s is not None
 
-    def envelope(self, precision: str, limit: float | None) -> list[Config]:
-        """Per batch size, the plan with the least recompute that fits ``limit`` (measured, implied or predicted):
-        the fastest plan there, since checkpointing only adds recompute."""
+    def envelopes(self, precision: str, limit: float | None) -> list[list[Config]]:
+        """The envelope of each chain of plans (:meth:`envelope`): the block plans, and each selective plan after
+        no checkpointing. Time orders the plans of a chain, not a selective plan against a block plan."""
+        block = [s for s in self.ordered if not Plan(s).selective]
+        chains = [block] + [[s for s in self.ordered if Plan(s).off or s == selective]
+                            for selective in self.ordered if Plan(selective).selective]
+        envelopes: list[list[Config]] = []
+        for chain in chains:
+            envelope = self.envelope(precision, limit, chain)
+            if envelope and envelope not in envelopes:
+                envelopes.append(envelope)
+        return envelopes
+
+    def envelope(self, precision: str, limit: float | None, chain: list[str]) -> list[Config]:
+        """Per batch size, the plan of ``chain`` (least recompute first) that fits ``limit`` (measured, implied or
+        predicted) first: the fastest of the chain there, since checkpointing more blocks only adds recompute."""
         envelope: list[Config] = []
-        outcomes = {s: self.outcomes((precision, s), limit) for s in self.ordered}
+        outcomes = {s: self.outcomes((precision, s), limit) for s in chain}
         for b in self.sizes:
-            for s in self.ordered:
+            for s in chain:
                 known = outcomes[s]
                 if b in known:
                     fits = known[b]
@@ -175,8 +192,8 @@ class AutoStrategy(Strategy):
                 continue
             config = Config(*variant, b)
             # Timed at once only where the climb (3.) starts: the largest batch of the plan without recompute.
-            wanted = variant[1] == view.ordered[0] and any(config in view.envelope(config.precision, limit)
-                                                           for limit in self._limits(enforced_bytes))
+            wanted = variant[1] == view.ordered[0] and any(config in envelope for limit in self._limits(enforced_bytes)
+                                                           for envelope in view.envelopes(config.precision, limit))
             return Proposal(config, timed=wanted)
         return _WAIT if waiting else None
 
@@ -198,9 +215,10 @@ class AutoStrategy(Strategy):
                 if any(_dominates(other, precision, view.measured, view.model, view.variants, view.sizes[0], view.sizes[-1])
                        for other in view.space.precisions if other != precision):
                     continue
-                config = self._climb(view.envelope(precision, limit), view)
-                if config is not None and config not in view.pending:
-                    return Proposal(config)  # a memory trial of it is completed by this timing
+                for envelope in view.envelopes(precision, limit):
+                    config = self._climb(envelope, view)
+                    if config is not None and config not in view.pending:
+                        return Proposal(config)  # a memory trial of it is completed by this timing
         return None
 
     def _near_ties(self, view: _View, enforced_bytes: int | None) -> Proposal | None:
