@@ -71,6 +71,17 @@ class Options:
     loss: str | Callable | None = option(
         None, "loss(output, target) for models whose output holds no loss", group=WORKLOAD, metavar="MODULE:ATTR",
         default_text="the output itself, its .loss or ['loss'], or the model's loss(output, target)")
+    step: str | Callable | None = option(
+        None, "step(model, batch) -> loss: your forward pass and loss, for losses computed outside the model "
+        "(several outputs, auxiliary losses, a teacher); replaces the call and --loss rules", group=WORKLOAD,
+        metavar="MODULE:ATTR", default_text="model(batch) and the loss rules above")
+    optimizer: Any = option(
+        None, "the optimizer trials train with: a class or a factory taking the parameters, e.g. torch.optim:SGD "
+        "(its state is part of every step's memory)", group=WORKLOAD, metavar="MODULE:ATTR",
+        default_text="torch.optim:AdamW")
+    optimizer_kwargs: str | dict | None = option(
+        None, "keyword arguments for the optimizer, as a JSON object (or a dict), e.g. '{\"momentum\": 0.9}'",
+        group=WORKLOAD, metavar="JSON")
     device: Any = option(None, "cpu, cuda or cuda:N", group=SPACE, default_text="cuda if available, else cpu")
     budget: str | int | None = option(
         None, "memory budget such as 24GiB or 512MiB", group=SPACE, metavar="SIZE",

@@ -1,7 +1,7 @@
 """The tuner's first three stages: the options resolved on this machine, the model looked at once, the study.
 
     Options -> resolve -> Target          the device's backend, the venue, the workload, budgets, the data's worst batches
-            -> preflight -> ModelFacts    the model built once: its size, its blocks, its library's switch
+            -> preflight -> ModelFacts    the model built once: its size, its optimizer's state, its blocks, its library's switch
             -> plan_study -> Study        the plans checked on the model, the space, the study's identity
 
 :mod:`autotune.tuner` runs them, then the search, the analysis, the probe and the comparison.
@@ -24,6 +24,7 @@ from autotune.errors import UsageError, first_line
 from autotune.options import Options
 from autotune.plans.check import run_checks
 from autotune.plans import ALL, Plan, auto_plans
+from autotune.training.optimizer import UNPRIMED_NOTICE, measure_state_bytes
 from autotune.training.precision import keep_in_fp32
 from autotune.execution.venue import venue_for
 from autotune.execution.work import Venue
@@ -67,7 +68,9 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
     """Stage 1: the device, the workload (with the data's worst batch of every size), budgets and precisions."""
     device = resolve_device(options.device)
     backend = backend_for(job.device(device) if job else device)
-    workload = Workload.from_specs(options.model, model_kwargs=options.model_kwargs, data=options.data, loss=options.loss)
+    workload = Workload.from_specs(options.model, model_kwargs=options.model_kwargs, data=options.data, loss=options.loss,
+                                   optimizer=options.optimizer, optimizer_kwargs=options.optimizer_kwargs,
+                                   step=options.step)
     budget = options.memory if options.budget is not None else Budget(backend.total_bytes(), (), options.headroom)
     isolation = backend.default_isolation if options.isolation == "auto" else options.isolation
     if job is not None:
@@ -129,6 +132,16 @@ class ModelFacts:
     parameter_bytes: int
     chain: Chain | None  # the repeated blocks, in forward order
     library_checkpointing: str | None  # the library's own per-layer checkpointing switch, if it has one
+    optimizer_state_bytes: int | None = None  # the optimizer's state for these parameters (None: not measurable)
+    unprimed: str | None = None  # why the optimizer could not be primed (autotune.training.optimizer)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What a step holds whatever the batch: weights, gradients and the optimizer's state (4x the weights,
+        AdamW's, where the state could not be measured)."""
+        if self.optimizer_state_bytes is None:
+            return 4 * self.parameter_bytes
+        return 2 * self.parameter_bytes + self.optimizer_state_bytes
 
 
 def preflight(target: Target) -> ModelFacts:
@@ -148,19 +161,23 @@ def preflight(target: Target) -> ModelFacts:
     _check_fits(facts, target.budget.bytes)
     try:
         chain = _forward(model, workload, device, batch_size, facts)
+        state, unprimed = measure_state_bytes(workload.optimizer, model, target.options.trial_settings.lr)
         library = _library_switch(model)
     finally:
         del model
         target.backend.release()  # gc.collect, then the allocator's cache: nothing of the preflight stays
-    return dataclasses.replace(facts, chain=chain, library_checkpointing=library)
+    if unprimed is not None:
+        logger.warning(UNPRIMED_NOTICE.format(name=workload.optimizer.name, why=unprimed))
+    return dataclasses.replace(facts, chain=chain, library_checkpointing=library, optimizer_state_bytes=state,
+                               unprimed=unprimed)
 
 
 def _check_fits(facts: ModelFacts, budget_bytes: int | None) -> None:
     if budget_bytes is not None and facts.parameter_bytes >= budget_bytes:
         raise UsageError(
             f"--budget {format_bytes(budget_bytes)} is smaller than the model's parameters alone "
-            f"({facts.parameter_count:,} parameters, {format_bytes(facts.parameter_bytes)}); training needs about 4x that "
-            f"with AdamW: raise --budget"
+            f"({facts.parameter_count:,} parameters, {format_bytes(facts.parameter_bytes)}); training needs their "
+            f"gradients and the optimizer's state too (AdamW: about 4x the parameters in all): raise --budget"
         )
 
 
@@ -215,12 +232,14 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
     options, workload = target.options, target.workload.with_chain(facts.chain)
     kwargs = parse_model_kwargs(options.model_kwargs)  # the same kwargs as text or dict make the same study
     described = {"model_kwargs": kwargs, "data": describe(options.data), "loss": describe(options.loss)}
+    if options.optimizer is not None or options.optimizer_kwargs is not None or options.step is not None:
+        described.update(optimizer=workload.optimizer.to_dict(), step=describe(options.step))  # else: the key of before
     # Workers on several GPUs of one kind share a study: the key names the kind of device, not its index.
     # A distributed job's trials are another job's: the wrapper and world size are part of what they measure.
     job = target.job
     parallel = {"parallel": f"{job.wrapper}x{job.world_size}"} if job else {}
     workload_key = fingerprint(model=workload.name, **described, device=target.backend.kind, **parallel)
-    options_key = fingerprint(**described) if (kwargs or options.data or options.loss) else None
+    options_key = fingerprint(**described) if (kwargs or options.data or options.loss or len(described) > 3) else None
     name = options.study or default_study_name(workload.name, target.device.type, options_key)
     if job and not options.study:
         name = f"{name}-{job.wrapper}{job.world_size}"

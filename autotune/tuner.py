@@ -107,7 +107,7 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
     """Stage 4: the strategy's trials in the study (partial when interrupted: the report is still made)."""
     options = target.options
     strategy = make_strategy(options.strategy, headroom=target.budget.headroom, budgets=target.budget.all,
-                             fixed_bytes_hint=4 * facts.parameter_bytes, n_trials=options.n_trials)
+                             fixed_bytes_hint=facts.fixed_bytes, n_trials=options.n_trials)
     space = study.space
     planned = {"grid": len(space), "optuna": min(len(space), options.n_trials or max(1, len(space) // 4))}.get(strategy.name)
     events.call("search_started", space_size=len(space), planned=planned, strategy=strategy.name,
@@ -137,6 +137,9 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "model_kwargs": parse_model_kwargs(options.model_kwargs),
             "data": describe(options.data),
             "loss": describe(options.loss),
+            "step": describe(options.step),
+            "optimizer": {**study.workload.optimizer.to_dict(), "state_bytes": facts.optimizer_state_bytes},
+            "fixed_bytes": facts.fixed_bytes,
             "parameter_count": facts.parameter_count,
             "parameter_bytes": facts.parameter_bytes,
             "chain": None if facts.chain is None else facts.chain.to_dict(),

@@ -10,7 +10,9 @@ Both wrappers, through autotune's own trial code (``Trainer`` with a :class:`Wra
   which turns the 1e-7 rounding of a gradient near eps (summed in another order) into 1e-5 of a weight;
 
 * ``peaks``: each rank's peak at the same micro-batch under DDP and under FSDP2, on a model whose
-  parameters, gradients and AdamW state dwarf its activations.
+  parameters, gradients and AdamW state dwarf its activations; ``sgd_peaks`` the same with the
+  user's optimizer, SGD with momentum; ``states``: each rank's optimizer state under each wrapper, AdamW's
+  and SGD's (one buffer a parameter where AdamW keeps two), as the trial primes it: over the shards under FSDP2.
 
 Rank 0 writes what it found to OUT.json.
 """
@@ -142,6 +144,26 @@ def zoo_plans_under_the_wrappers(job) -> dict[str, float | str]:
     return found
 
 
+def optimizer_states(job, workloads: dict[str, Workload]) -> dict[str, list[int]]:
+    """Each rank's optimizer state under each wrapper ("ddp/adamw", ...), as the trial primes it before its first step."""
+    from autotune.training.optimizer import state_bytes
+
+    states = {}
+    for wrapper in ("ddp", "fsdp"):
+        wjob = distributed.Job(wrapper, job.rank, job.world_size, job.local_rank, job.backend, job.control,
+                               trials=job.trials)
+        for name, workload in workloads.items():
+            job.trials = wjob.trials = wjob.trials + 1
+            group = dist.new_group(backend="gloo")
+            trainer = Trainer(workload, Config("fp32", "0", 4), torch.device("cpu"),
+                              parallel=Wrapping(wjob, group, torch.device("cpu")))
+            trainer.build()
+            states[f"{wrapper}/{name}"] = job.gather(state_bytes(trainer.ballast))
+            trainer.release()
+            dist.destroy_process_group(group)
+    return states
+
+
 def main(out: str) -> None:
     job = distributed.join("ddp", torch.device("cpu"))
     workload = Workload.from_specs(Wide).with_chain(None)
@@ -152,6 +174,8 @@ def main(out: str) -> None:
     half = GLOBAL_BATCH // job.world_size
     mine = slice(job.rank * half, (job.rank + 1) * half)
     found: dict = {"grads": {}, "params": {}, "peaks": {}}
+    sgd = Workload.from_specs(Wide, optimizer="torch.optim:SGD", optimizer_kwargs={"lr": 0.1, "momentum": 0.9})
+    sgd = sgd.with_chain(workload.chain)
     single = {plan: one_step(workload, plan, job, None, x, y) for plan in ("0", "all")}
     for wrapper in ("ddp", "fsdp"):
         wjob = distributed.Job(wrapper, job.rank, job.world_size, job.local_rank, job.backend, job.control,
@@ -162,14 +186,15 @@ def main(out: str) -> None:
             dist.destroy_process_group(group)
             found["grads"][f"{wrapper}/{plan}"] = largest_relative_difference(grads, single[plan][0])
             found["params"][f"{wrapper}/{plan}"] = largest_relative_difference(params, single[plan][1])
-        job.trials = wjob.trials = wjob.trials + 1
-        group = dist.new_group(backend="gloo")
-        m = run_trial(workload, Config("fp32", "0", half), device="cpu", meter=TensorMeter("cpu"),
-                      settings=TrialSettings(), timed=False, parallel=Wrapping(wjob, group, torch.device("cpu")))
-        dist.destroy_process_group(group)
-        peaks = job.gather(m.peak_bytes)
-        found["peaks"][wrapper] = peaks
-        found.setdefault("status", {})[wrapper] = m.status
+        for name, load in (("peaks", workload), ("sgd_peaks", sgd)):  # AdamW, then the user's SGD over the shards
+            job.trials = wjob.trials = wjob.trials + 1
+            group = dist.new_group(backend="gloo")
+            m = run_trial(load, Config("fp32", "0", half), device="cpu", meter=TensorMeter("cpu"),
+                          settings=TrialSettings(), timed=False, parallel=Wrapping(wjob, group, torch.device("cpu")))
+            dist.destroy_process_group(group)
+            found.setdefault(name, {})[wrapper] = job.gather(m.peak_bytes)
+            found.setdefault("status", {})[f"{wrapper}/{name}"] = m.status
+    found["states"] = optimizer_states(job, {"adamw": workload, "sgd": sgd})
     found["zoo"] = zoo_plans_under_the_wrappers(job)
     if job.rank == 0:
         found["parameter_bytes"] = sum(p.numel() * 4 for p in Wide().parameters())

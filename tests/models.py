@@ -330,3 +330,37 @@ class DeviceAssert(nn.Module):
 
     def example_batch(self, batch_size):
         return torch.randint(8, (batch_size, 3))
+
+
+class TwoHeads(nn.Module):
+    """A model whose loss is computed outside it (--step): a main output and an auxiliary one."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(3))
+        self.main, self.aux = nn.Linear(width, 4), nn.Linear(width, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.main(x), self.aux(x)
+
+    def example_batch(self, batch_size):
+        g = torch.Generator().manual_seed(batch_size)
+        return torch.randn(batch_size, 16, generator=g), torch.randint(0, 4, (batch_size,), generator=g)
+
+
+def two_heads_step(model, batch):
+    """The loss as a training loop computes it: cross-entropy on the main head, a penalty on the auxiliary one."""
+    x, y = batch
+    main, aux = model(x)
+    return nn.functional.cross_entropy(main, y) + 0.1 * aux.pow(2).mean()
+
+
+def step_without_loss(model, batch):
+    model(batch[0])  # forgets to return the loss
+
+
+def two_heads_data():
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(160, 16, generator=g), torch.randint(0, 4, (160,), generator=g))

@@ -104,6 +104,13 @@ BAD_INPUT = [
     (["--model", "autotune.examples:TinyGPT", "--clip-grad-norm", "-1"], "--clip-grad-norm"),
     (["--model", "autotune.examples:TinyGPT", "--export", "hf,keras"], "keras"),
     ([], "required: --model"),
+    (["--model", "autotune.examples:TinyGPT", "--optimizer", "torch.optim:NoSuch"], "has no attribute 'NoSuch'"),
+    (["--model", "autotune.examples:TinyGPT", "--optimizer-kwargs", "{momentum: 0.9}"], "--optimizer-kwargs is not valid JSON"),
+    (["--model", "autotune.examples:TinyGPT", "--optimizer", "torch.optim:SGD", "--optimizer-kwargs", '{"momentum": -1}'],
+     "--optimizer torch.optim:SGD(momentum=-1) raised ValueError"),
+    (["--model", "tests.models:TwoHeads", "--step", "tests.models:step_without_loss"],
+     "--step step_without_loss returned a NoneType, not the scalar loss tensor"),
+    (["--model", "tests.models:TwoHeads", "--step", "tests.models:NOT_CALLABLE"], "--step 'tests.models:NOT_CALLABLE' is not callable"),
 ]
 
 

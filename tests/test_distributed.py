@@ -257,11 +257,21 @@ def test_ddp_and_fsdp_steps_match_one_process_and_fsdp_shards_memory(tmp_path, p
     results = finish(start_ranks(str(out), cwd=tmp_path, processes=processes, module="tests.dist_helper"))
     assert [c for c, _ in results] == [0, 0], results
     found = json.loads(out.read_text())
-    assert found["status"] == {"ddp": "ok", "fsdp": "ok"}
+    assert set(found["status"].values()) == {"ok"} and len(found["status"]) == 4, found["status"]
     for key, diff in {**found["grads"], **found["params"]}.items():
         assert diff < 1e-6, (key, diff)  # relative to the tensor's largest value, plan "all" included
     ddp, fsdp = found["peaks"]["ddp"], found["peaks"]["fsdp"]
     assert max(fsdp) < 0.75 * min(ddp), found["peaks"]  # parameters, gradients and AdamW state: half on each rank
+    # The user's optimizer under both wrappers, over the parameters each rank holds: SGD keeps one buffer a
+    # parameter, AdamW two (and a step counter a tensor); FSDP2's ranks hold half of each. Under DDP the peaks
+    # differ by at least that buffer (AdamW's step makes temporaries too); FSDP2's peak here is the model's build,
+    # before it is sharded, so SGD's is no higher
+    params, states = found["parameter_bytes"], found["states"]
+    for wrapper, share in (("ddp", 1.0), ("fsdp", 0.5)):
+        for sgd, adamw in zip(states[f"{wrapper}/sgd"], states[f"{wrapper}/adamw"]):
+            assert abs(sgd - share * params) <= 0.01 * params and abs(adamw - 2 * sgd) <= 1024, (wrapper, states)
+        for adamw, sgd in zip(found["peaks"][wrapper], found["sgd_peaks"][wrapper]):
+            assert adamw - sgd >= (share * params if wrapper == "ddp" else 0), (wrapper, adamw, sgd, params)
     # A plan never changes the model under a wrapper either: BatchNorm, per-layer arguments, dropout with experts,
     # T5's encoder-decoder, Mixtral's routed experts; plans all and 2 against plan 0, each under DDP and FSDP2
     zoo = found["zoo"]

@@ -24,7 +24,7 @@ def test_json_has_the_documented_fields(report, tmp_path):
     path = tmp_path / "out.json"
     report.to_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 3
+    assert data["schema_version"] == 4
     assert {"torch_version", "device_name", "total_memory_bytes"} <= set(data["environment"])
     assert data["workload"]["model"] == "autotune.examples:TinyGPT" and data["workload"]["parameter_count"] > 0
     assert data["workload"]["chain"] == {"length": 4, "containers": ["transformer.h"], "block_types": ["Block"],
@@ -81,7 +81,7 @@ def test_reports_of_schema_version_1_still_load_show_and_apply(tmp_path, caplog)
     old = autotune.load(path)
     assert old.search["space"]["segments"] == ["0", "2"] and old.search["space"]["blocks"] == 12
     assert {m.segments for m in old.trials} == {"0", "2"} and old.recommendation is not None
-    assert json.loads(old.to_json())["schema_version"] == 3  # written again in today's terms
+    assert json.loads(old.to_json())["schema_version"] == 4  # written again in today's terms
     assert {r["segments"] for r in old.memory_model.to_list()} == {"0", "2"}
     out = subprocess.run([sys.executable, "-m", "autotune", "show", path], capture_output=True, text=True)
     assert out.returncode == 0 and "recommendation: bf16, segments 0" in out.stdout

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 __all__ = ["TrialWork", "run_trial"]
 
+_STATE_STEPS = 8  # an optimizer that could not be primed: steps until it holds state (fp16's skipped steps make none)
+
 
 class _Run(Trainer):
     """A trial: the trainer, its worst batch (memory) and its random batches (timed steps)."""
@@ -115,6 +117,13 @@ def run_trial(
             for _ in range(warmup):
                 run.step(run.batch)
                 run._log_step("warm-up (metered)" if metered and meter.slows_steps else "warm-up")
+            if run.unprimed is not None:  # no ballast: step until the optimizer holds state, then once with it
+                for _ in range(_STATE_STEPS):
+                    if run.holds_state:
+                        break
+                    run.step(run.batch)
+                run.step(run.batch)
+                run._log_step("warm-up (the optimizer's state made)")
             if timed_inside:
                 run.timed_steps(deadline)
         if timed and not timed_inside:

@@ -18,14 +18,17 @@ from autotune.analysis.pareto import batch_limits, choose, pareto_front, recomme
 from autotune.plans import Plan
 from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan
 from autotune.report.files import write_atomically
+from autotune.units import format_bytes
 
-__all__ = ["SCHEMA_VERSION", "Report", "load"]
+__all__ = ["SCHEMA_VERSION", "Report", "load", "nothing_fits_hint"]
 
 # 2: checkpoint plans by name ("segments": "2", "all", "every2"), the blocks, plan_checks.
 # 3: the gradient-accumulation plan is "accumulation" (was "plan"); oom trials hold oom_held_bytes and
 #    oom_needed_bytes; probe candidates peak_reserved_bytes_max.
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: the workload names its optimizer ("optimizer": name, kwargs, state_bytes), its "step" and the "fixed_bytes" a step
+#    holds whatever the batch (weights, gradients, optimizer state); older reports trained with AdamW.
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 def _from_version_1(data: dict[str, Any]) -> dict[str, Any]:
@@ -71,8 +74,10 @@ class Report:
         """``peak = fixed + per_sample x batch`` per variant (precision, plan), fitted to the trials."""
         space = self.search.get("space") or {}
         variants = [(p, s) for p in space.get("precisions", ()) for s in space.get("segments", ())]
-        hint = self.workload.get("parameter_bytes")
-        return MemoryModel.fit(self.trials, variants, fixed_bytes_hint=4 * hint if hint else None, blocks=space.get("blocks"))
+        hint = self.workload.get("fixed_bytes")  # weights, gradients, optimizer state; before schema 4: AdamW's 4x
+        if hint is None and self.workload.get("parameter_bytes"):
+            hint = 4 * self.workload["parameter_bytes"]
+        return MemoryModel.fit(self.trials, variants, fixed_bytes_hint=hint, blocks=space.get("blocks"))
 
     def for_budget(self, budget_bytes: int | None) -> dict[str, Any]:
         """Limits and recommendation (from the short trials) for another budget, with the same headroom."""
@@ -214,3 +219,29 @@ def load(path: str | os.PathLike) -> Report:
     """Read a report written by :meth:`Report.to_json`."""
     with open(path) as f:
         return Report.from_dict(json.load(f))
+
+
+def nothing_fits_hint(report: "Report") -> str:
+    """What the CLI says when nothing fits (exit 3), and what :class:`~autotune.errors.NothingFits` says: why, and
+    what to try."""
+    if report.probe:
+        reasons = "; ".join(f"{r.config}: {r.reason}" for r in report.probe)
+        return (f"autotune: every probed candidate was rejected ({reasons}): try a larger --budget, a smaller --headroom, "
+                f"--probe-top to probe more candidates, or --no-probe to take the short trials' answer")
+
+    measured = [m for m in report.trials if m.peak_bytes is not None and m.status in ("ok", "oom")]
+    smallest = min(measured, key=lambda m: m.peak_bytes, default=None)
+    tries = []
+    space = report.search["space"]
+    if "bf16" not in space["precisions"] and "fp16" not in space["precisions"]:
+        tries.append("--precisions with bf16 or fp16")
+    if all(str(s) in ("0", "1") for s in space["segments"]) and report.workload.get("chain"):
+        tries.append("--segments auto")
+    if min(space["batch_sizes"]) > 1:
+        tries.append("smaller --batch-sizes")
+    tries.append("a larger --budget")
+    least = (f"; the smallest peak measured was {format_bytes(smallest.peak_bytes)} ({smallest.config}, {smallest.status})"
+             if smallest else "")
+    statuses = sorted({m.status for m in report.trials})
+    return (f"autotune: nothing fits within {format_bytes(report.budget_bytes)} less {report.headroom:.0%} headroom "
+            f"(trial outcomes: {', '.join(statuses)}){least}: try {', '.join(tries)}")

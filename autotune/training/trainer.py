@@ -1,4 +1,4 @@
-"""One configuration's training state, as trials and the probe train it: the user's model, prepared, and AdamW."""
+"""One configuration's training state, as trials and the probe train it: the user's model, prepared, and optimizer."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from autotune.device import Backend, backend_for
 from autotune.records import Config, GuardRails
 from autotune.training.applied import Applied, prepare
+from autotune.training.optimizer import prime as prime_optimizer
 from autotune.training.workload import Workload
 
 if TYPE_CHECKING:
@@ -18,7 +19,8 @@ __all__ = ["Trainer"]
 
 
 class Trainer:
-    """One configuration's training state: a fresh model prepared as :func:`autotune.apply` does, AdamW.
+    """One configuration's training state: a fresh model prepared as :func:`autotune.apply` does, the workload's
+    optimizer (AdamW unless the user gave one).
 
     Used by trials and the probe. Each step is the loop a user of :func:`autotune.apply` runs
     (autocast, backward through the GradScaler, :meth:`Applied.step`); the trainer records losses,
@@ -33,14 +35,17 @@ class Trainer:
         self.backend: Backend = backend_for(device)
         self.lr, self.seed, self.record_grad_norm = lr, seed, record_grad_norm
         self.losses: list[float] = []
+        self.ballast: list[torch.Tensor] = []  # the optimizer's state-to-be, until its first step (prime)
+        self.unprimed: str | None = None  # why the optimizer could not be primed: its state comes with a step
         self.run: Applied | None = None
         self.plan: dict[str, Any] = {}
 
     def build(self, *, prime: bool = True) -> None:
         """Build the model (seeded), prepare it (fp32 modules, checkpoint plan), make the optimizer and its state.
 
-        With ``prime`` the optimizer's state exists before the first step (:meth:`prime`), so that
-        step already holds what every later step holds: one metered step sees the steady peak.
+        With ``prime`` the optimizer's state exists before the first step (as ballast of its size,
+        :func:`autotune.training.optimizer.prime`), so that step already holds what every later step
+        holds: one metered step sees the steady peak.
         """
         torch.manual_seed(self.seed)
         model = self.workload.build_model()
@@ -53,36 +58,15 @@ class Trainer:
         self.module = model  # the user's module (batches come from its example_batch), under any wrapper
         if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
             self.run.model = self.parallel.wrap(model, self.workload.chain.blocks if self.workload.chain else ())
-        self.optimizer = torch.optim.AdamW(self.run.model.parameters(), lr=self.lr)  # FSDP2's: the shards
+        self.optimizer = self.workload.optimizer.make(model, self.lr)  # the wrapper's parameters (FSDP2's: the shards)
         if prime:
-            self.prime()
+            self.ballast, failed = prime_optimizer(self.optimizer)
+            self.unprimed = None if failed is None else f"{type(failed).__name__}: {failed}"
 
-    def prime(self) -> None:
-        """Create the optimizer's state with a step that changes nothing, then make it a fresh optimizer's again.
-
-        AdamW creates its moments in its first step, so without this the first step of a trial
-        peaks lower than every later one (and in fp16 a step the GradScaler skips creates none).
-        The step here runs on zero gradients at learning rate 0: parameters and moments stay
-        exactly as they were (zero), and the step counters go back to 0, so training goes on
-        bitwise as from a fresh optimizer.
-        """
-        groups = self.optimizer.param_groups
-        for group in groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-        rates = [group["lr"] for group in groups]
-        for group in groups:
-            group["lr"] = 0.0
-        self.optimizer.step()
-        for group, lr in zip(groups, rates):
-            group["lr"] = lr
-        for state in self.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"].zero_()
-            elif "step" in state:
-                state["step"] = 0
-        self.optimizer.zero_grad(set_to_none=True)
+    @property
+    def holds_state(self) -> bool:
+        """Whether the optimizer's state (or the ballast standing in for it) exists: a step now is a steady one."""
+        return bool(self.ballast) or bool(self.optimizer.state)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -110,6 +94,7 @@ class Trainer:
         """Drop the model, optimizer, scaler and batch; keep the records."""
         if self.run is not None:
             self.run.model = self.run.scaler = None
+        self.ballast = []
         for name in ("optimizer", "batch", "module"):
             self.__dict__.pop(name, None)
 

@@ -14,6 +14,10 @@ The workload protocol, for models used with autotune:
 * The loss is the output itself when it is a scalar tensor, else its ``.loss`` attribute or
   ``"loss"`` key, else ``--loss MODULE:ATTR`` called as ``loss(output, target)`` (the dict batch
   is the target of a dict batch), else the model's own ``loss(output, target)`` method.
+* ``--step MODULE:ATTR`` replaces the two rules above: ``step(model, batch)`` runs the forward
+  pass and returns the scalar loss (several outputs, auxiliary losses, a teacher).
+* ``--optimizer MODULE:ATTR`` (and ``--optimizer-kwargs``) is the optimizer every trial trains
+  with (:mod:`autotune.training.optimizer`); AdamW without it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 
 from autotune.plans.checkpointing import Chain
 from autotune.training.data import random_indices, scan_items, worst_indices
+from autotune.training.optimizer import OptimizerSpec
 from autotune.errors import AutotuneError, UsageError, is_oom
 
 __all__ = ["Workload", "load_object", "to_device", "parse_model_kwargs"]
@@ -79,6 +84,8 @@ class Workload:
     _found: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)  # worst batches found here
     # The from_specs() arguments, so that a worker process can build the same workload again.
     spec: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+    optimizer: OptimizerSpec = dataclasses.field(default_factory=OptimizerSpec)  # what every trial trains with
+    step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None  # --step: the forward pass and loss, the user's
 
     @classmethod
     def from_specs(
@@ -91,6 +98,9 @@ class Workload:
         library_checkpointing: bool = False,
         chain: Chain | dict | None = None,
         worst_batches: Mapping[int, Sequence[int]] | None = None,
+        optimizer: Any = None,
+        optimizer_kwargs: str | dict | None = None,
+        step: str | Callable | None = None,
     ) -> "Workload":
         """Build a workload from ``MODULE:ATTR`` strings (the CLI's flags) or the objects themselves.
 
@@ -106,28 +116,17 @@ class Workload:
             raise UsageError(f"--model {name!r} is a module instance: name its class or a function that builds it")
         if not callable(target):
             raise UsageError(f"--model {name!r} is a {type(target).__name__}, not an nn.Module class or a factory function")
-        if isinstance(data, str):
-            data_obj = load_object(data, flag="--data")
-        else:
-            data_obj = data
-        dataset = collate_fn = None
-        notes: tuple[str, ...] = ()
-        if data_obj is not None:
-            dataset = data_obj if isinstance(data_obj, (Dataset, DataLoader)) else _call(data_obj, "--data", data)
-            if isinstance(dataset, DataLoader):  # a loader brings its collate_fn (padding, say)
-                notes = _loader_notes(dataset)
-                dataset, collate_fn = dataset.dataset, dataset.collate_fn
-            if isinstance(dataset, IterableDataset):
-                raise UsageError(f"--data {data!r} is an IterableDataset: autotune needs a map-style Dataset (with "
-                                 f"__getitem__ and __len__) to find the worst batch and draw random ones")
-            if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-                raise UsageError(f"--data {data!r} gave a {type(dataset).__name__}, not a map-style Dataset (with __getitem__ and __len__)")
-            if len(dataset) == 0:
-                raise UsageError(f"--data {data!r} is an empty dataset")
+        dataset, collate_fn, notes = _dataset(data)
         loss_fn = load_object(loss, flag="--loss") if isinstance(loss, str) else loss
         if loss_fn is not None and not callable(loss_fn):
             raise UsageError(f"--loss {loss!r} is not callable: name a function loss(output, target)")
+        step_fn = load_object(step, flag="--step") if isinstance(step, str) else step
+        if step_fn is not None and not callable(step_fn):
+            raise UsageError(f"--step {step!r} is not callable: name a function step(model, batch) returning the loss")
         spec = {"model": model, "model_kwargs": model_kwargs, "data": data, "loss": loss}
+        for key, value in (("optimizer", optimizer), ("optimizer_kwargs", optimizer_kwargs), ("step", step)):
+            if value is not None:
+                spec[key] = value
         factory = functools.partial(_call, target, "--model", name, **kwargs)
         if library_checkpointing:
             spec["library_checkpointing"] = True
@@ -139,7 +138,11 @@ class Workload:
         worst = {int(b): tuple(v) for b, v in (worst_batches or {}).items()}
         if worst:
             spec["worst_batches"] = worst
-        return cls(factory, name, dataset, loss_fn, collate_fn, chain, worst, notes, spec)
+        chosen = load_object(optimizer, flag="--optimizer") if isinstance(optimizer, str) else optimizer
+        return cls(factory, name, dataset, loss_fn, collate_fn, chain, worst, notes, spec=spec,
+                   optimizer=OptimizerSpec.resolve(chosen, optimizer_kwargs,
+                                                   spelled=optimizer if isinstance(optimizer, str) else None),
+                   step_fn=step_fn)
 
     def with_chain(self, chain: Chain | None) -> "Workload":
         """The same workload, with plans counting in ``chain`` (in worker processes too)."""
@@ -204,7 +207,9 @@ class Workload:
         return example_batch(batch_size)
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """Run the forward pass on ``batch`` and return the scalar loss."""
+        """Run the forward pass on ``batch`` and return the scalar loss (the user's ``--step`` when given)."""
+        if self.step_fn is not None:
+            return self._user_step(model, batch)
         if isinstance(batch, Mapping):
             output, target = model(**batch), batch
         elif isinstance(batch, (tuple, list)) and len(batch) == 2:
@@ -222,6 +227,15 @@ class Workload:
                 f"a batch is a {type(batch).__name__}: batches must be (input, target) tuples, dicts or tensors"
             )
         return self._loss_of(model, output, target)
+
+    def _user_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        name = getattr(self.step_fn, "__qualname__", type(self.step_fn).__name__)
+        loss = self.step_fn(model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise UsageError(f"--step {name} returned a {type(loss).__name__}"
+                             f"{f' of shape {tuple(loss.shape)}' if isinstance(loss, torch.Tensor) else ''}, not the "
+                             f"scalar loss tensor: return the loss that backward() is called on")
+        return loss
 
     def _loss_of(self, model: nn.Module, output: Any, target: Any) -> torch.Tensor:
         if isinstance(output, torch.Tensor) and output.ndim == 0:
@@ -243,6 +257,27 @@ class Workload:
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             raise UsageError(f"the loss is a {type(loss).__name__} of shape {getattr(loss, 'shape', '?')}, not a scalar tensor")
         return loss
+
+
+def _dataset(data: Any) -> tuple[Dataset | None, Callable[[list], Any] | None, tuple[str, ...]]:
+    """``--data`` (``MODULE:ATTR``, a Dataset or DataLoader, or a factory for one): the map-style dataset, the
+    loader's ``collate_fn`` and what the loader's form means for the limits."""
+    data_obj = load_object(data, flag="--data") if isinstance(data, str) else data
+    if data_obj is None:
+        return None, None, ()
+    dataset = data_obj if isinstance(data_obj, (Dataset, DataLoader)) else _call(data_obj, "--data", data)
+    collate_fn, notes = None, ()
+    if isinstance(dataset, DataLoader):  # a loader brings its collate_fn (padding, say)
+        notes = _loader_notes(dataset)
+        dataset, collate_fn = dataset.dataset, dataset.collate_fn
+    if isinstance(dataset, IterableDataset):
+        raise UsageError(f"--data {data!r} is an IterableDataset: autotune needs a map-style Dataset (with "
+                         f"__getitem__ and __len__) to find the worst batch and draw random ones")
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise UsageError(f"--data {data!r} gave a {type(dataset).__name__}, not a map-style Dataset (with __getitem__ and __len__)")
+    if len(dataset) == 0:
+        raise UsageError(f"--data {data!r} is an empty dataset")
+    return dataset, collate_fn, notes
 
 
 def _loader_notes(loader: DataLoader) -> tuple[str, ...]:

@@ -1,0 +1,190 @@
+"""The user's optimizer: how a trial makes it, how its state exists before the first metered step, its size.
+
+``--optimizer MODULE:ATTR`` names an optimizer class (``torch.optim:SGD``) or a factory taking the
+parameters; ``--optimizer-kwargs`` (JSON) are passed to it; the API also takes the class, a
+factory or a ``functools.partial``. Without one, trials train with AdamW at ``TrialSettings.lr``.
+
+**Priming.** An optimizer creates its state (AdamW's two moments, SGD's momentum buffer,
+Adafactor's row and column factors) in its first step, so without priming the first step of a
+trial peaks lower than every later one, and in fp16 a step the GradScaler skips creates none. A
+step on zero gradients at learning rate 0 is not neutral for every optimizer (SGD's weight decay
+fills its momentum buffer; Adafactor's relative step ignores the learning rate), so the state is
+not made by stepping the user's optimizer at all. :func:`prime` makes, for each parameter, a twin:
+the same optimizer class with that parameter's group settings, over a zero tensor of the
+parameter's shape, and steps it once. The twin's state has the shapes, dtypes and devices the
+real state will have; it is held as *ballast* until the real optimizer's first step begins (a
+step pre-hook), where the real state takes its place. The user's optimizer is untouched: training
+is bitwise that of a fresh optimizer. Where a twin cannot be made (a class whose constructor needs
+more than a parameter group), :func:`prime` returns ``None`` and the trial's metered warm-up runs
+until the optimizer holds state instead (:data:`UNPRIMED_NOTICE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any, Callable, Iterable
+
+import torch
+
+from autotune.errors import AutotuneError, UsageError, first_line, is_oom
+
+__all__ = ["OptimizerSpec", "prime", "state_bytes", "measure_state_bytes", "UNPRIMED_NOTICE"]
+
+UNPRIMED_NOTICE = ("the optimizer {name} could not be primed by a twin ({why}): each trial's metered warm-up runs "
+                   "until the optimizer holds state (the first steps the GradScaler does not skip), so the peak "
+                   "includes it")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer trials train with: a class or a factory over the parameters, and its keyword arguments."""
+
+    factory: Callable[..., torch.optim.Optimizer] | None = None  # None: AdamW at the trial's lr
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    name: str = "torch.optim:AdamW"  # stable across runs: the study's identity and the report name it
+
+    @classmethod
+    def resolve(cls, optimizer: Any = None, kwargs: str | dict | None = None, *,
+                spelled: str | None = None) -> "OptimizerSpec":
+        """``--optimizer`` (a class, a factory or a partial; loaded from ``spelled``, its ``MODULE:ATTR``) and
+        ``--optimizer-kwargs`` (JSON text or a dict) as a spec."""
+        parsed = _parse_kwargs(kwargs)
+        if optimizer is None:
+            if parsed:
+                return cls(torch.optim.AdamW, parsed, _name(torch.optim.AdamW, parsed))
+            return cls()
+        factory = optimizer
+        if isinstance(factory, torch.optim.Optimizer):
+            raise UsageError(f"--optimizer {_name(factory, {})!r} is an optimizer instance: name its class or a "
+                             f"function that makes one from the parameters")
+        if not callable(factory):
+            raise UsageError(f"--optimizer {spelled or _name(factory, {})!r} is a {type(factory).__name__}, not an "
+                             f"optimizer class or a factory taking the parameters")
+        return cls(factory, parsed, spelled if spelled and not parsed else _name(factory, parsed))
+
+    def make(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        """The optimizer over ``model``'s parameters (``lr`` is used by the default AdamW only).
+
+        A factory with a true ``takes_model`` attribute is given the model instead (to group the
+        parameters by name, as a framework's trainer does).
+        """
+        params = list(model.parameters())
+        if self.factory is None:
+            return torch.optim.AdamW(params, lr=lr)
+        try:
+            made = self.factory(model if getattr(self.factory, "takes_model", False) else params, **self.kwargs)
+        except AutotuneError:
+            raise
+        except Exception as exc:
+            if is_oom(exc):
+                raise
+            raise UsageError(f"--optimizer {self.name} raised {type(exc).__name__} when made over the model's "
+                             f"parameters: {first_line(exc)}") from None
+        if not isinstance(made, torch.optim.Optimizer):
+            raise UsageError(f"--optimizer {self.name} made a {type(made).__name__}, not a torch.optim.Optimizer")
+        return made
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kwargs": self.kwargs}
+
+
+def _parse_kwargs(kwargs: str | dict | None) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if isinstance(kwargs, dict):
+        return dict(kwargs)
+    try:
+        parsed = json.loads(kwargs)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--optimizer-kwargs is not valid JSON ({exc.msg} at character {exc.pos}): write e.g. "
+                         f"'{{\"momentum\": 0.9}}'") from None
+    if not isinstance(parsed, dict):
+        raise UsageError("--optimizer-kwargs must be a JSON object, e.g. '{\"momentum\": 0.9}'")
+    return parsed
+
+
+def _name(obj: Any, kwargs: dict[str, Any]) -> str:
+    """``module:Qualname(key=value, ...)`` for a class, a function or a partial: the same in every run."""
+    if isinstance(obj, functools.partial):
+        kwargs = {**obj.keywords, **kwargs}
+        args = ", ".join(map(repr, obj.args))
+        inner = _name(obj.func, {})
+        return f"{inner}({args}{', ' if args and kwargs else ''}{_kwargs_text(kwargs)})" if args or kwargs else inner
+    target = obj if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+    module = getattr(target, "__module__", "") or ""
+    if module.startswith("torch.optim."):
+        module = "torch.optim"  # torch.optim.sgd:SGD is torch.optim:SGD
+    name = f"{module}:{target.__qualname__}"
+    return f"{name}({_kwargs_text(kwargs)})" if kwargs else name
+
+
+def _kwargs_text(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
+
+
+# -- priming: the state before the first step, without touching the optimizer ------------------------------------
+
+
+def _tensors(state: Iterable[dict[str, Any]]) -> list[torch.Tensor]:
+    return [t for s in state for t in s.values() if torch.is_tensor(t)]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2): this rank's shard
+
+
+def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes ``tensors`` hold on this rank."""
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def _twin_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, group: dict[str, Any]) -> list[torch.Tensor]:
+    """The state ``optimizer`` will keep for ``param``: a twin of the same class over a zero tensor, stepped once."""
+    settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    with torch.no_grad():
+        dummy = torch.nn.Parameter(torch.zeros_like(param))
+        dummy.grad = dummy.detach()  # the same memory as the tensor: a twin adds one parameter's bytes at most
+    twin = type(optimizer)([{**settings, "params": [dummy]}])
+    twin.step()
+    return _tensors(twin.state.values())
+
+
+def prime(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], Exception | None]:
+    """Hold the state ``optimizer`` will create, as ballast, until its first step begins (module docstring).
+
+    Returns the ballast and ``None``, or an empty list and the exception that kept a twin from
+    being made (the caller then warms up until the optimizer holds state).
+    """
+    ballast: list[torch.Tensor] = []
+    try:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad:
+                    ballast.extend(_twin_state(optimizer, param, group))
+    except Exception as exc:  # noqa: BLE001 - a class that cannot be rebuilt for one parameter: said, not fatal
+        if is_oom(exc):
+            raise
+        return [], exc
+
+    def drop(*_: Any) -> None:
+        ballast.clear()  # the real state is made in this step: the ballast stood in for it until now
+        handle.remove()
+
+    handle = optimizer.register_step_pre_hook(drop)
+    return ballast, None
+
+
+def measure_state_bytes(spec: OptimizerSpec, model: torch.nn.Module, lr: float) -> tuple[int | None, str | None]:
+    """The bytes of the optimizer's state for ``model``'s parameters (twins, as :func:`prime` makes them), or None
+    and why it could not be measured."""
+    optimizer = spec.make(model, lr)
+    ballast, failed = prime(optimizer)
+    if failed is not None:
+        return None, f"{type(failed).__name__}: {first_line(failed)}"
+    try:
+        return state_bytes(ballast), None
+    finally:
+        ballast.clear()
+        del optimizer
