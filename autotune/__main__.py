@@ -30,6 +30,7 @@ from autotune.cli.parser import (
     options_from,
 )
 from autotune.errors import AutotuneError, UsageError, first_line
+from autotune.report import nothing_fits_hint
 
 __all__ = ["main", "build_parser", "options_from"]
 
@@ -254,7 +255,7 @@ def _finish(args: argparse.Namespace, report: Any, frameworks: tuple[str, ...], 
     if frameworks and report.recommendation is None:
         _say("nothing to export: no configuration fits (see below)")
     if report.recommendation is None:
-        print(_nothing_fits_hint(report), file=sys.stderr)
+        print(nothing_fits_hint(report), file=sys.stderr)
         return EXIT_NOTHING_FITS
     return EXIT_OK
 
@@ -265,32 +266,6 @@ def _write(report, out: str | None) -> str:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     report.to_json(out)
     return out
-
-
-def _nothing_fits_hint(report) -> str:
-    from autotune.units import format_bytes
-
-    if report.probe:
-        reasons = "; ".join(f"{r.config}: {r.reason}" for r in report.probe)
-        return (f"autotune: every probed candidate was rejected ({reasons}): try a larger --budget, a smaller --headroom, "
-                f"--probe-top to probe more candidates, or --no-probe to take the short trials' answer")
-
-    measured = [m for m in report.trials if m.peak_bytes is not None and m.status in ("ok", "oom")]
-    smallest = min(measured, key=lambda m: m.peak_bytes, default=None)
-    tries = []
-    space = report.search["space"]
-    if "bf16" not in space["precisions"] and "fp16" not in space["precisions"]:
-        tries.append("--precisions with bf16 or fp16")
-    if all(str(s) in ("0", "1") for s in space["segments"]) and report.workload.get("chain"):
-        tries.append("--segments auto")
-    if min(space["batch_sizes"]) > 1:
-        tries.append("smaller --batch-sizes")
-    tries.append("a larger --budget")
-    least = (f"; the smallest peak measured was {format_bytes(smallest.peak_bytes)} ({smallest.config}, {smallest.status})"
-             if smallest else "")
-    statuses = sorted({m.status for m in report.trials})
-    return (f"autotune: nothing fits within {format_bytes(report.budget_bytes)} less {report.headroom:.0%} headroom "
-            f"(trial outcomes: {', '.join(statuses)}){least}: try {', '.join(tries)}")
 
 
 if __name__ == "__main__":

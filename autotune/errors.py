@@ -13,6 +13,7 @@ __all__ = [
     "AutotuneError",
     "UsageError",
     "Interrupted",
+    "NothingFits",
     "TrialTimeoutError",
     "is_oom",
     "is_device_crash",
@@ -33,6 +34,15 @@ class Interrupted(AutotuneError):
 
     def __init__(self, report: object) -> None:
         super().__init__("interrupted; finished trials are kept in the store: run the same command to continue")
+        self.report = report
+
+
+class NothingFits(AutotuneError):
+    """Nothing fits the budget (the CLI's exit 3), raised where an answer was to be written back (a trainer's
+    settings): ``report`` holds every trial, and the message what to try."""
+
+    def __init__(self, message: str, report: object) -> None:
+        super().__init__(message)
         self.report = report
 
 

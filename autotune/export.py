@@ -26,7 +26,7 @@ from autotune.records import GROWTH_INTERVAL, INIT_LOSS_SCALE
 if TYPE_CHECKING:
     from autotune.report import Report
 
-__all__ = ["FRAMEWORKS", "export", "write_exports", "parse_frameworks"]
+__all__ = ["FRAMEWORKS", "export", "write_exports", "parse_frameworks", "lightning_trainer_kwargs"]
 
 FRAMEWORKS = ("hf", "lightning", "deepspeed", "accelerate")
 
@@ -113,6 +113,12 @@ def export(report: Report, framework: str) -> dict[str, Any]:
     return data
 
 
+def lightning_trainer_kwargs(report: Report) -> dict[str, Any]:
+    """The keyword arguments of a Lightning ``Trainer`` that trains the recommendation (precision, accumulation,
+    clipping; the strategy of a --parallel report): what an existing trainer cannot take after it is made."""
+    return dict(export(report, "lightning")["trainer"])
+
+
 def write_exports(report: Report, json_path: str | os.PathLike, frameworks: str | Iterable[str]) -> list[str]:
     """Write ``<stem>.<framework>.json`` next to the report at ``json_path`` for each framework; return the paths."""
     stem = os.path.splitext(os.fspath(json_path))[0]
@@ -142,7 +148,7 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         if ctx.plan.every and ctx.plan.every > 1:
             args["gradient_checkpointing_kwargs"]["every_n_layers"] = ctx.plan.every
             notes.append("every_n_layers needs transformers 5.24 or later: earlier releases pass it on to "
-                         f"torch.utils.checkpoint, which refuses it")
+                         "torch.utils.checkpoint, which refuses it")
         elif not ctx.plan.every:
             notes.append(
                 f"autotune measured {ctx.plan_text}; TrainingArguments has no setting for it, so this export turns "

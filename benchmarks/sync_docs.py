@@ -8,6 +8,8 @@ A page copies a file between two comment lines, the path relative to the reposit
 
 ``shift-headings=N`` after the path (``<!-- include: results/claims-cpu.md shift-headings=2 -->``) adds N
 levels to the file's Markdown headings, so its ``#`` title sits under the page's own headings.
+``fence=LANG`` (``<!-- include: docs/examples/x.py fence=python -->``) shows the file as a fenced code
+block: a script the tests run, on the page as it is.
 
     python benchmarks/sync_docs.py           # rewrite every block of README.md and docs/**/*.md from its file
     python benchmarks/sync_docs.py --check   # change nothing; exit 1 naming each stale block
@@ -44,6 +46,7 @@ class Block(NamedTuple):
     end: int
     body: str
     shift: int
+    fence: str = ""  # the language of the code fence the file is shown in ("" : the file is Markdown)
 
 
 class IncludeError(ValueError):
@@ -80,19 +83,25 @@ def blocks(page: Path) -> Iterator[Block]:
         line = next(text.count("\n", 0, at) + 1 for at in opened if at not in closed)
         raise IncludeError(f"{page}:{line}: an include block without its '<!-- end include -->' line")
     for m in matches:
-        shift = 0
+        shift, fence = 0, ""
         for option in m.group("options").split():
             key, _, value = option.partition("=")
-            if key != "shift-headings" or not value.isdigit():
+            if key == "shift-headings" and value.isdigit():
+                shift = int(value)
+            elif key == "fence" and value.isalnum():
+                fence = value
+            else:
                 raise IncludeError(f"{page}:{text.count(chr(10), 0, m.start()) + 1}: unknown option {option!r}")
-            shift = int(value)
         yield Block(page, text.count("\n", 0, m.start()) + 1, m.group("path"), m.start("body"), m.end("body"),
-                    m.group("body"), shift)
+                    m.group("body"), shift, fence)
 
 
-def rendered(source: Path, shift: int = 0) -> str:
-    """The text a block of ``source`` holds: the file as it is, its headings moved down ``shift`` levels."""
+def rendered(source: Path, shift: int = 0, fence: str = "") -> str:
+    """The text a block of ``source`` holds: the file as it is, its headings moved down ``shift`` levels (or the
+    file in a code fence of language ``fence``)."""
     lines = source.read_text(encoding="utf-8").rstrip("\n").split("\n")
+    if fence:
+        return "\n".join([f"```{fence}", *lines, "```"]) + "\n"
     fenced = False
     for i, line in enumerate(lines):
         if _FENCE.match(line):
@@ -108,7 +117,7 @@ def _expected(block: Block, root: Path) -> str:
     source = root / block.source
     if not source.is_file():
         raise IncludeError(f"{_name(block, root)}: includes {block.source}, which does not exist")
-    return rendered(source, block.shift)
+    return rendered(source, block.shift, block.fence)
 
 
 def _name(block: Block, root: Path) -> str:

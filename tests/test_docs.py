@@ -232,6 +232,20 @@ def test_a_stale_include_block_is_named_then_synced(tmp_path):
     assert sync.main(["--check", "--root", str(tmp_path)]) == 0
 
 
+def test_a_script_is_included_in_a_code_fence(tmp_path):
+    sync = _sync_docs()
+    (tmp_path / "docs" / "examples").mkdir(parents=True)
+    (tmp_path / "docs" / "examples" / "x.py").write_text("# a comment, not a heading\nprint(1)\n", encoding="utf-8")
+    page = tmp_path / "docs" / "p.md"
+    page.write_text("# P\n\n<!-- include: docs/examples/x.py fence=python shift-headings=1 -->\n<!-- end include -->\n",
+                    encoding="utf-8")
+    assert sync.main(["--root", str(tmp_path)]) == 0
+    assert page.read_text(encoding="utf-8") == (
+        "# P\n\n<!-- include: docs/examples/x.py fence=python shift-headings=1 -->\n```python\n# a comment, not a heading\n"
+        "print(1)\n```\n<!-- end include -->\n")
+    assert sync.check(tmp_path) == []
+
+
 @pytest.mark.parametrize("block, error", [
     ("<!-- include: results/none.md -->\n<!-- end include -->\n", "results/none.md, which does not exist"),
     ("<!-- include: results/x.md -->\ntext\n", "without its '<!-- end include -->' line"),

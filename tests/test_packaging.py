@@ -21,7 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = ROOT / "pyproject.toml"
 # a module autotune imports that only an extra provides: the extra
-OPTIONAL_IMPORTS = {"matplotlib": "plot"}
+# Modules imported only by optional parts of autotune, and the extra that brings each
+OPTIONAL_IMPORTS = {"matplotlib": "plot", "transformers": "hf", "accelerate": "hf", "lightning": "frameworks"}
 _CLASSIFIER = re.compile(r"^Programming Language :: Python :: (\d+)\.(\d+)$")
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq,
         "!=": operator.ne}

@@ -1,0 +1,84 @@
+"""What the trainer integrations share: the model's copies, the batch sizes that keep the global batch, the summary."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from autotune._log import logger
+from autotune.errors import NothingFits, UsageError
+from autotune.report import Report, nothing_fits_hint
+
+__all__ = ["ModelCopy", "divisors", "trainer_options", "on_host", "recommendation_of", "say_changes"]
+
+
+class ModelCopy:
+    """A model factory for trials: an exact copy of ``model`` (its current weights, on the CPU) each time.
+
+    Its name is the model's class and a fingerprint of its parameters' names, shapes and dtypes,
+    so that another configuration of the same class is another study.
+    """
+
+    def __init__(self, model: nn.Module, prepare: Any = None) -> None:
+        self.model, self.prepare = model, prepare
+        shapes = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
+        self.__qualname__ = f"{type(model).__name__}-{hashlib.sha1(shapes.encode()).hexdigest()[:8]}"
+        self.__module__ = type(model).__module__
+
+    def __call__(self) -> nn.Module:
+        made = copy.deepcopy(self.model)
+        if self.prepare is not None:
+            self.prepare(made)
+        return made
+
+
+def divisors(n: int) -> list[int]:
+    """The micro batch sizes that make a batch of exactly ``n`` with whole accumulation steps."""
+    if n < 1:
+        raise UsageError(f"the trainer's batch per rank is {n}: it must be at least 1")
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def trainer_options(per_rank: int, world: Any) -> dict[str, Any]:
+    """tune()'s options for a trainer whose batch per rank (micro batch x accumulation) is ``per_rank``: that
+    global batch kept, trials in this process (the trainer's objects are not rebuilt in a worker)."""
+    world = max(1, int(world or 1))
+    if world > 1:
+        raise UsageError("tune_trainer under a distributed launch is not supported yet: tune on one process (a world "
+                         "size of 1), then launch the training")
+    return {"isolation": "none", "batch_sizes": ",".join(map(str, divisors(per_rank))), "target_batch_size": per_rank}
+
+
+@contextlib.contextmanager
+def on_host(model: nn.Module) -> Iterator[torch.device]:
+    """The trainer's model on the CPU while trials have the device, then back where it was."""
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    model.to("cpu")
+    try:
+        yield device
+    finally:
+        model.to(device)
+
+
+def recommendation_of(report: Report) -> tuple[Any, int]:
+    """The recommended trial and its accumulation steps; :class:`NothingFits` (the trainer left as it was) if none."""
+    best = report.recommendation
+    if best is None:
+        raise NothingFits(f"{nothing_fits_hint(report)}; the trainer is unchanged", report)
+    steps = int((report.accumulation or {}).get("accumulation_steps") or 1)
+    return best, steps
+
+
+def say_changes(what: str, changes: list[tuple[str, Any, Any]]) -> str:
+    """One line of what the integration set on the trainer: ``name old -> new`` for each value that changed."""
+    changed = [f"{name} {old!r} -> {new!r}" for name, old, new in changes if old != new]
+    line = f"autotune: {what}: " + (", ".join(changed) if changed else "nothing changed (it already trains the recommendation)")
+    logger.log(logging.WARNING, line)
+    return line

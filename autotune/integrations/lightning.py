@@ -1,0 +1,172 @@
+"""Tune a Lightning ``Trainer`` and ``LightningModule`` as they are, and write the answer where Lightning reads it.
+
+    report = tune_trainer(trainer, model, datamodule=dm, budget="24GiB")   # options as autotune.tune takes them
+    trainer.fit(model, datamodule=dm)                                     # trains the recommendation
+
+What the trials train is what ``trainer.fit`` would: the module as it is now (each trial starts from
+an exact copy), its ``training_step`` as the step (an auxiliary loss included), the first optimizer
+of its ``configure_optimizers()``, the training dataloader of the datamodule (or of the module)
+with its collate function, and the trainer's gradient clipping (by norm).
+
+The global batch stays the user's: the dataloader's batch size x ``accumulate_grad_batches`` x
+the world size; the micro batches tried divide it. The recommendation is written back where
+Lightning's own batch-size finder writes it (``model.batch_size``, ``model.hparams.batch_size``,
+``datamodule.batch_size``, ``datamodule.hparams.batch_size``), ``trainer.accumulate_grad_batches``,
+and the checkpoint plan (:func:`autotune.apply` on the module, in place). A trainer's precision
+plugin is made with the trainer: when the recommendation's precision is another, one line says so
+and ``autotune.export.lightning_trainer_kwargs(report)`` gives the keyword arguments of a trainer that trains it.
+When nothing fits, :class:`~autotune.errors.NothingFits` is raised and nothing is changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.errors import UsageError
+from autotune.export import LIGHTNING_PRECISION
+from autotune.integrations.common import ModelCopy, on_host, recommendation_of, say_changes, trainer_options
+from autotune.plans import Plan
+from autotune.report import Report
+
+__all__ = ["tune_trainer"]
+
+
+def tune_trainer(trainer: Any, model: Any, datamodule: Any = None, **options: Any) -> Report:
+    """Tune ``model`` as ``trainer`` would fit it; set the batch size, accumulation and plan; return the report.
+
+    ``options`` are :func:`autotune.tune`'s (``budget`` defaults to the device's memory). Trials run
+    in this process (``isolation="none"``).
+    """
+    from autotune.tuner import tune
+
+    loader = _train_loader(model, datamodule)
+    holders = _batch_size_holders(model, datamodule)
+    defaults = trainer_options(loader.batch_size * trainer.accumulate_grad_batches, getattr(trainer, "world_size", 1))
+    if getattr(trainer, "gradient_clip_val", None) and getattr(trainer, "gradient_clip_algorithm", "norm") == "norm":
+        defaults["clip_grad_norm"] = float(trainer.gradient_clip_val)
+    if not isinstance(getattr(trainer, "accelerator", None), _cuda_accelerator()):
+        defaults["device"] = "cpu"  # a CPU trainer's module is tuned where it trains
+    with on_host(model):
+        report = tune(ModelCopy(model), data=torch.utils.data.DataLoader(loader.dataset, batch_size=1,
+                                                                          collate_fn=loader.collate_fn),
+                      step=_TrainingStep(type(model)), optimizer=_FirstOptimizer(type(model)), **{**defaults, **options})
+    said = _write_back(trainer, model, holders, report)
+    return dataclasses.replace(report, notices=(*report.notices, said))
+
+
+def _cuda_accelerator() -> type:
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    return CUDAAccelerator
+
+
+def _train_loader(model: Any, datamodule: Any) -> torch.utils.data.DataLoader:
+    """The training dataloader, from the datamodule (set up for fitting) or the module."""
+    source = datamodule if datamodule is not None else model
+    if datamodule is not None and hasattr(datamodule, "setup"):
+        datamodule.setup("fit")
+    make = getattr(source, "train_dataloader", None)
+    try:
+        loader = make() if callable(make) else None
+    except NotImplementedError:
+        loader = None
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise UsageError(f"{type(source).__name__}.train_dataloader() gave {type(loader).__name__}: autotune needs one "
+                         f"DataLoader of a map-style dataset (pass datamodule=... or define train_dataloader)")
+    if loader.batch_size is None:
+        raise UsageError("the training DataLoader has a batch_sampler and no batch_size: autotune sets the batch size, "
+                         "as Lightning's batch-size finder does, so give the loader batch_size=...")
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset) or not hasattr(loader.dataset, "__len__"):
+        raise UsageError(f"the training data is a {type(loader.dataset).__name__} without a length: autotune needs a "
+                         f"map-style dataset (with __getitem__ and __len__) to find its worst batch")
+    return loader
+
+
+def _batch_size_holders(model: Any, datamodule: Any) -> list[Any]:
+    """Where the batch size lives, as Lightning's batch-size finder looks for it (checked before any trial)."""
+    holders: list[Any] = []
+    for owner in (model, datamodule):
+        if owner is None:
+            continue
+        if "batch_size" in vars(owner) or isinstance(getattr(type(owner), "batch_size", None), property):
+            holders.append(owner)
+        hparams = getattr(owner, "hparams", None)
+        if hparams is not None and "batch_size" in hparams:
+            holders.append(hparams)
+    if not holders:
+        raise UsageError(f"{type(model).__name__} (and its datamodule) keep no batch_size attribute or hparam: autotune "
+                         f"writes the batch size where Lightning's batch-size finder does, so store it as "
+                         f"self.batch_size or in self.hparams and build the train_dataloader from it")
+    return holders
+
+
+class _TrainingStep:
+    """``--step``: the module's own ``training_step(batch, batch_idx)``; its loss (a tensor, or ``["loss"]``)."""
+
+    def __init__(self, cls: type) -> None:
+        self.__qualname__ = f"{cls.__qualname__}.training_step"
+        self.__module__ = cls.__module__
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        out = model.training_step(batch, 0)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise UsageError(f"{type(model).__name__}.training_step returned {type(out).__name__}: return the scalar "
+                             f"loss, or a dict with it under 'loss' (autotune trains on it)")
+        return loss
+
+
+class _FirstOptimizer:
+    """The module's ``configure_optimizers()`` on the trial's copy: its (first) optimizer."""
+
+    takes_model = True
+
+    def __init__(self, cls: type) -> None:
+        self.__qualname__ = f"{cls.__qualname__}.configure_optimizers"
+        self.__module__ = cls.__module__
+
+    def __call__(self, model: nn.Module) -> torch.optim.Optimizer:
+        found = model.configure_optimizers()
+        while not isinstance(found, torch.optim.Optimizer):
+            if isinstance(found, Mapping) and "optimizer" in found:
+                found = found["optimizer"]
+            elif isinstance(found, (list, tuple)) and found:
+                found = found[0]  # [optimizers], ([optimizers], [schedulers]) or (optimizer, ...)
+            else:
+                raise UsageError(f"{type(model).__name__}.configure_optimizers() gave no optimizer "
+                                 f"({type(found).__name__}): return one, as Lightning expects")
+        return found
+
+
+def _write_back(trainer: Any, model: Any, holders: list[Any], report: Report) -> str:
+    """Set the batch size, accumulation and plan (raises NothingFits, nothing changed, when none)."""
+    best, steps = recommendation_of(report)
+    old_batch = _batch_size(holders[0])
+    for holder in holders:
+        if isinstance(holder, Mapping):
+            holder["batch_size"] = best.batch_size
+        else:
+            holder.batch_size = best.batch_size
+    old_steps, trainer.accumulate_grad_batches = trainer.accumulate_grad_batches, steps
+    plan = Plan(best.segments)
+    if not plan.off:
+        from autotune.training.applied import apply
+
+        apply(model, report)  # the checkpoint plan (and fp32 modules) on the module, in place
+    wanted = LIGHTNING_PRECISION[best.precision]
+    current = str(getattr(trainer, "precision", wanted))
+    precision = ("" if current == wanted else
+                 f"; the trainer's precision is {current!r} and Lightning fixes it when the Trainer is made: build "
+                 f"one with Trainer(**autotune.export.lightning_trainer_kwargs(report)) to train {wanted!r}")
+    return say_changes(f"the module now trains batch {best.batch_size} x {steps} steps, checkpointing "
+                f"{plan.label}{precision}", [("batch_size", old_batch, best.batch_size),
+                                             ("accumulate_grad_batches", old_steps, steps)])
+
+
+def _batch_size(holder: Any) -> Any:
+    return holder["batch_size"] if isinstance(holder, Mapping) else holder.batch_size

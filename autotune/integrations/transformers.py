@@ -1,0 +1,186 @@
+"""Tune a Hugging Face ``transformers.Trainer`` as it is, and write the answer into its arguments.
+
+    trainer = Trainer(model=model, args=TrainingArguments(...), train_dataset=ds, data_collator=collator)
+    report = tune_trainer(trainer, budget="24GiB")   # options as autotune.tune takes them
+    trainer.train()                                   # trains the recommendation
+
+What the trials train is what ``trainer.train()`` would:
+
+* **the model** as it is now (each trial starts from an exact copy of its current weights; the
+  trainer's own model waits on the CPU while trials have the device);
+* **the data**: ``train_dataset`` with the trainer's column removal and ``data_collator``, so the
+  worst-batch search meets the real padded batches;
+* **the optimizer** the trainer would make: ``get_optimizer_cls_and_kwargs`` (``optim="adafactor"``,
+  ``"sgd"``, ``"adamw_torch_fused"``, ...) over its weight-decay groups, or the class and settings of
+  an optimizer passed as ``optimizers=``;
+* **the loss**: ``trainer.compute_loss``, a subclass's override included;
+* **clipping**: ``max_grad_norm``.
+
+The global batch stays the user's: ``per_device_train_batch_size x gradient_accumulation_steps x
+world size``. The micro batches tried divide it, and the accumulation steps rise as the micro batch
+falls. The recommendation is written back: ``per_device_train_batch_size``,
+``gradient_accumulation_steps``, ``bf16``/``fp16`` (the trainer's accelerator made again for the new
+precision), and the checkpoint plan: the model's own ``gradient_checkpointing`` where the plan is
+the one it makes (every block), else :func:`autotune.apply` on the trainer's model. One line says
+what changed. When nothing fits, :class:`~autotune.errors.NothingFits` is raised with what to try,
+and the trainer is left as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.errors import UsageError
+from autotune.integrations.common import ModelCopy, on_host, recommendation_of, say_changes, trainer_options
+from autotune.plans import ALL, Plan
+from autotune.report import Report
+
+__all__ = ["tune_trainer"]
+
+
+def tune_trainer(trainer: Any, **options: Any) -> Report:
+    """Tune ``trainer`` (a ``transformers.Trainer``) and set its arguments to the recommendation; return the report.
+
+    ``options`` are :func:`autotune.tune`'s (``budget`` defaults to the device's memory). Trials run
+    in this process (``isolation="none"``): the trainer's objects are not rebuilt in a worker.
+    """
+    from autotune.tuner import tune
+
+    args = trainer.args
+    dataset, collator = _training_data(trainer)
+    defaults = trainer_options(args.per_device_train_batch_size * args.gradient_accumulation_steps,
+                               getattr(args, "world_size", 1))
+    if getattr(args, "use_cpu", False):
+        defaults["device"] = "cpu"
+    if args.max_grad_norm:
+        defaults["clip_grad_norm"] = float(args.max_grad_norm)
+    model = trainer.model
+    with on_host(model):
+        report = tune(ModelCopy(model, _without_library_checkpointing),
+                      data=torch.utils.data.DataLoader(dataset, batch_size=1, collate_fn=collator),
+                      step=_ComputeLoss(trainer), optimizer=_TrainerOptimizer(trainer), **{**defaults, **options})
+    said = _write_back(trainer, report)
+    return dataclasses.replace(report, notices=(*report.notices, said))
+
+
+def _training_data(trainer: Any) -> tuple[Any, Any]:
+    """The train dataset and collator as the trainer's dataloader would use them (unused columns removed)."""
+    dataset = trainer.train_dataset
+    if dataset is None:
+        raise UsageError("the trainer has no train_dataset: pass train_dataset=... to Trainer (autotune tunes on it)")
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        raise UsageError(f"the trainer's train_dataset is a {type(dataset).__name__} without a length: autotune needs a "
+                         f"map-style dataset (with __getitem__ and __len__) to find its worst batch")
+    if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):  # a datasets.Dataset, as the trainer asks
+        return trainer._remove_unused_columns(dataset, description="training"), trainer.data_collator
+    return dataset, trainer._get_collator_with_removed_columns(trainer.data_collator, description="training")
+
+
+def _without_library_checkpointing(model: nn.Module) -> None:
+    """A trial's copy starts without the library's checkpointing: the plan under test decides what is recomputed.
+    (Newer transformers call it activation checkpointing and warn on the old names.)"""
+    for name in _SWITCHES:
+        if hasattr(type(model), f"is_{name}"):
+            if getattr(model, f"is_{name}"):
+                getattr(model, f"{name}_disable")()
+            return
+
+
+class _ComputeLoss:
+    """``--step``: the trainer's own ``compute_loss(model, inputs)`` (a subclass's override included)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.__qualname__ = f"{type(trainer).__name__}.compute_loss"
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        # compute_loss may pop the labels (label smoothing, compute_loss_func): a trial steps on one batch many times
+        return self.trainer.compute_loss(model, dict(batch) if isinstance(batch, dict) else batch)
+
+
+class _TrainerOptimizer:
+    """The optimizer the trainer would create, over the trial's model (its weight-decay groups, by name)."""
+
+    takes_model = True
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        given = trainer.optimizer
+        if given is not None:  # optimizers=(optimizer, scheduler): its class and settings
+            self.cls, self.kwargs = type(given), {k: v for k, v in given.defaults.items() if k != "params"}
+        elif getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
+            self.cls, self.kwargs = trainer.optimizer_cls_and_kwargs
+        else:
+            self.cls, self.kwargs = type(trainer).get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
+        unsupported = sorted(set(self.kwargs) & {"params", "model", "optimizer_dict"})
+        if unsupported or not isinstance(self.cls, type):
+            raise UsageError(f"the trainer's optimizer ({trainer.args.optim}) builds itself from the model "
+                             f"({', '.join(unsupported) or 'a factory'}): autotune cannot make it for a trial; pass "
+                             f"optimizer=... to tune_trainer")
+        settings = ", ".join(f"{k}={v!r}" for k, v in sorted(self.kwargs.items()))
+        self.__module__, self.__qualname__ = self.cls.__module__, f"{self.cls.__qualname__}({settings})"
+
+    def __call__(self, model: nn.Module) -> torch.optim.Optimizer:
+        decay = set(self.trainer.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.trainer.args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        return self.cls([g for g in groups if g["params"]], **self.kwargs)
+
+
+def _write_back(trainer: Any, report: Report) -> str:
+    """Set the trainer to train the recommendation (raises NothingFits, the trainer unchanged, when none)."""
+    best, steps = recommendation_of(report)
+    args, model = trainer.args, trainer.model
+    plan = Plan(best.segments)
+    before = (args.per_device_train_batch_size, args.gradient_accumulation_steps, bool(args.bf16), bool(args.fp16),
+              _checkpointing(args))
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = best.batch_size, steps
+    if hasattr(trainer, "_train_batch_size"):
+        trainer._train_batch_size = args.train_batch_size  # train() reads it, set once when the trainer was made
+    args.bf16, args.fp16 = best.precision == "bf16", best.precision == "fp16"
+    if (args.bf16, args.fp16) != before[2:4]:
+        _new_accelerator(trainer, {"fp32": "no"}.get(best.precision, best.precision))
+    library = plan == ALL and report.workload.get("library_checkpointing") is not None  # the switch makes plan all
+    _set_checkpointing(args, library)
+    _without_library_checkpointing(model)
+    applied = "the model's gradient_checkpointing" if library else "none"
+    if not plan.off and not library:
+        from autotune.training.applied import apply
+
+        apply(model, report)  # the checkpoint plan (and fp32 modules) on the trainer's model, in place
+        applied = f"{plan.label} (autotune.apply on the trainer's model)"
+    after = (best.batch_size, steps, args.bf16, args.fp16, _checkpointing(args))
+    names = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "gradient_checkpointing")
+    return say_changes(f"the trainer now trains {best.precision}, batch {best.batch_size} x {steps} steps, checkpointing "
+                f"{applied}", list(zip(names, before, after)))
+
+
+_SWITCHES = ("activation_checkpointing", "gradient_checkpointing")  # newer transformers' name first
+
+
+def _checkpointing(args: Any) -> bool:
+    return any(bool(getattr(args, name, False)) for name in _SWITCHES)
+
+
+def _set_checkpointing(args: Any, on: bool) -> None:
+    """The trainer's own per-layer checkpointing switch, under each name this transformers reads."""
+    for name in _SWITCHES:
+        if hasattr(args, name):
+            setattr(args, name, on)
+            if on:
+                kwargs = getattr(args, f"{name}_kwargs", None) or {}
+                setattr(args, f"{name}_kwargs", {**kwargs, "use_reentrant": False})  # autotune measured non-reentrant
+
+
+def _new_accelerator(trainer: Any, mixed_precision: str) -> None:
+    """The trainer's accelerator made again for another precision (accelerate keeps one state per process)."""
+    from accelerate.state import AcceleratorState
+
+    trainer.args.mixed_precision = mixed_precision
+    AcceleratorState._reset_state(reset_partial_state=False)
+    trainer.create_accelerator_and_postprocess()

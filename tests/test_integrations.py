@@ -1,0 +1,156 @@
+"""Tune the trainer you have: a Hugging Face Trainer and a Lightning Trainer, tuned, written back, trained within budget.
+
+The training after tuning is metered by PyTorch's profiler (the memory timeline of its allocator events), not
+by autotune's tensor meter: the check does not share the code it checks.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from autotune.errors import NothingFits, UsageError
+from autotune.units import parse_size
+
+from tests.optional import needs
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "examples")
+
+
+def example(name: str, framework: str):
+    """A script of docs/examples (the docs show it as it is), imported: the tests train what the page shows."""
+    needs(framework)
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def peak_while(run, tmp_path) -> int:
+    """Bytes held at most while ``run()`` trains, on top of what was held before (the model's weights): PyTorch's
+    memory timeline of the CPU allocator's events, from its profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        run()
+    with warnings.catch_warnings():  # deprecated for CUDA's memory snapshots; on the CPU it is the profiler's own
+        warnings.simplefilter("ignore", FutureWarning)
+        prof.export_memory_timeline(str(tmp_path / "timeline.json"), device="cpu")
+    _, sizes = json.loads((tmp_path / "timeline.json").read_text())
+    return max(sum(s) for s in sizes)
+
+
+def weights(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+# -- Hugging Face ---------------------------------------------------------------------------------------------------
+
+
+def hf_trainer(tmp_path):
+    """The docs' Hugging Face example's trainer, and its budget."""
+    hf = example("tune_hf_trainer", "transformers")
+    return hf.make_trainer(str(tmp_path / "hf")), hf.BUDGET
+
+
+def test_a_hugging_face_trainer_is_tuned_and_then_trains_the_recommendation_within_the_budget(tmp_path, caplog):
+    from autotune.integrations.transformers import tune_trainer
+
+    trainer, BUDGET = hf_trainer(tmp_path)
+    args = trainer.args
+    report = tune_trainer(trainer, budget=BUDGET, precisions="fp32,bf16", segments="0,all", measure_steps=2,
+                          storage=f"sqlite:///{tmp_path}/s.db", compare_library=False)
+    best = report.recommendation
+    # The trials trained what the trainer trains: its optimizer (transformers' Adafactor), its loss, its data
+    assert report.workload["optimizer"]["name"].startswith("transformers.optimization:Adafactor(")
+    assert report.workload["step"].endswith("Trainer.compute_loss") and report.data is not None
+    assert report.guard.clip_grad_norm == 1.0
+    # The trainer's arguments hold the recommendation, and the user's global batch of 16
+    assert (args.per_device_train_batch_size, args.bf16) == (best.batch_size, best.precision == "bf16")
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 16
+    assert trainer._train_batch_size == best.batch_size
+    said = [r.getMessage() for r in caplog.records if "the trainer now trains" in r.getMessage()]
+    assert len(said) == 1 and said[0] == report.notices[-1]  # logged once, and kept in the report
+    # One epoch of the trainer's own training stays within the budget
+    held = weights(trainer.model)
+    peak = peak_while(trainer.train, tmp_path)
+    print(f"recommendation {best.config} {best.peak_bytes} B; trainer.train() {held} + {peak} B; budget {BUDGET}")
+    assert held + peak <= parse_size(BUDGET)
+    assert trainer.state.global_step == 64 // 16  # 64 examples, a global batch of 16
+
+
+def test_a_trainer_that_cannot_fit_is_left_as_it_was(tmp_path):
+    from autotune.integrations.transformers import tune_trainer
+
+    trainer, BUDGET = hf_trainer(tmp_path)
+    with pytest.raises(NothingFits, match="nothing fits.*the trainer is unchanged"):
+        tune_trainer(trainer, budget="3MiB", precisions="fp32", segments="0", measure_steps=2, probe=False,
+                     storage=f"sqlite:///{tmp_path}/s.db", compare_library=False)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (8, 2)
+
+
+def test_a_trainer_without_a_train_dataset_is_one_clear_line(tmp_path):
+    from autotune.integrations.transformers import tune_trainer
+
+    trainer, BUDGET = hf_trainer(tmp_path)
+    trainer.train_dataset = None
+    with pytest.raises(UsageError, match="the trainer has no train_dataset"):
+        tune_trainer(trainer, budget=BUDGET)
+
+
+# -- Lightning ------------------------------------------------------------------------------------------------------
+
+
+def lightning_objects():
+    """The docs' Lightning example's trainer, module and datamodule, and its budget."""
+    lightning = example("tune_lightning_trainer", "lightning")
+    return (*lightning.make(), lightning.BUDGET)
+
+
+def test_a_lightning_trainer_is_tuned_and_then_fits_the_recommendation_within_the_budget(tmp_path, caplog):
+    from autotune.integrations.lightning import tune_trainer
+
+    trainer, model, data, BUDGET = lightning_objects()
+    report = tune_trainer(trainer, model, datamodule=data, budget=BUDGET, precisions="fp32", segments="0,all",
+                          measure_steps=2, storage=f"sqlite:///{tmp_path}/s.db")
+    best = report.recommendation
+    assert report.workload["optimizer"]["name"].endswith("Tagger.configure_optimizers")
+    assert report.workload["optimizer"]["state_bytes"] == report.workload["parameter_bytes"]  # SGD: one buffer each
+    assert report.workload["step"].endswith("Tagger.training_step")
+    assert data.hparams.batch_size == best.batch_size and best.batch_size * trainer.accumulate_grad_batches == 16
+    said = [r.getMessage() for r in caplog.records if "the module now trains" in r.getMessage()]
+    assert len(said) == 1 and said[0] == report.notices[-1]
+    held = weights(model)
+    peak = peak_while(lambda: trainer.fit(model, datamodule=data), tmp_path)
+    print(f"recommendation {best.config} {best.peak_bytes} B; trainer.fit() {held} + {peak} B; budget {BUDGET}")
+    assert held + peak <= parse_size(BUDGET)
+    assert trainer.global_step == 64 // 16
+
+
+def test_a_lightning_module_without_a_batch_size_or_a_loss_is_one_clear_line(tmp_path):
+    from autotune.integrations.lightning import tune_trainer
+
+    trainer, model, data, BUDGET = lightning_objects()
+    data.setup()
+    collate = data.train_dataloader().collate_fn
+    del data.hparams["batch_size"]
+    data.train_dataloader = lambda: torch.utils.data.DataLoader(data.data, batch_size=8, collate_fn=collate)
+    with pytest.raises(UsageError, match="keep no batch_size attribute or hparam"):
+        tune_trainer(trainer, model, datamodule=data, budget=BUDGET)
+    trainer, model, data, BUDGET = lightning_objects()
+    model.training_step = lambda batch, batch_idx: None
+    with pytest.raises(UsageError, match="training_step returned NoneType"):
+        tune_trainer(trainer, model, datamodule=data, budget=BUDGET, storage=f"sqlite:///{tmp_path}/s.db")
+
+
+def test_import_autotune_imports_neither_framework():
+    code = ("import sys, autotune, autotune.integrations; "
+            "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
