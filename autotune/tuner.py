@@ -73,12 +73,12 @@ def run(options: Options, *, progress: Any = None, on_trial: Callable[[Measureme
     """
     if options.parallel != "none":
         from autotune.execution.job import join
-        from autotune.execution.ranks import follow, lead
+        from autotune.execution.ranks import follow, lead, own_spec
 
         device = resolve_device(options.device)
         job = join(options.parallel, device)
         if not job.leader:
-            return follow(job, job.device(device))
+            return follow(job, job.device(device), own_spec(options))
         return lead(job, lambda: _stages(options, progress, on_trial, on_probe, job))
     return _stages(options, progress, on_trial, on_probe, None)
 

@@ -281,6 +281,21 @@ def test_ddp_and_fsdp_steps_match_one_process_and_fsdp_shards_memory(tmp_path, p
     assert len(exact) >= 12 and all(v == 0.0 for v in exact.values()), exact
 
 
+def test_a_hugging_face_trainer_is_tuned_on_every_rank_of_a_torchrun_job(tmp_path, processes):
+    # Each rank calls tune_trainer on its own trainer (its objects stay on it); rank 0 searches, every rank trains
+    # every trial under DDP, and every rank's trainer gets the same answer, keeping the global batch of
+    # 8 a device x 2 accumulation steps x 2 ranks
+    needs("transformers")
+    results = finish(start_ranks(str(tmp_path), cwd=tmp_path, processes=processes, module="tests.dist_trainer_helper"))
+    assert [c for c, _ in results] == [0, 0], results
+    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert found[0]["world_size"] == 2 and found[0]["distributed"]["world_size"] == 2, found[0]
+    same = ("per_device_train_batch_size", "gradient_accumulation_steps", "recommendation", "global_step", "trials")
+    assert [found[0][k] for k in same] == [found[1][k] for k in same], found
+    assert found[0]["per_device_train_batch_size"] * found[0]["gradient_accumulation_steps"] * 2 == 32
+    assert found[0]["global_step"] == 64 // 32  # one epoch of the example's 64 examples
+
+
 # -- the agreement, without processes ------------------------------------------------------------------------------
 
 

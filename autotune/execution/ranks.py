@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from autotune.execution.wrapping import Wrapping
 from autotune.signals import shielded
 from autotune.training.workload import Workload
 
-__all__ = ["Ranks", "lead", "follow"]
+__all__ = ["Ranks", "lead", "follow", "portable", "own_spec", "OWN"]
 
 
 class Ranks(Venue):
@@ -55,7 +56,7 @@ class Ranks(Venue):
         job, instead = self.job, None
         try:
             with shielded(), _ranks_gone():  # the command goes out whole
-                job.send(("work", workload.spec, work))
+                job.send(("work", portable(workload.spec), work))
         except KeyboardInterrupt:  # sent: the others are making the work's group, so this rank joins and leaves it
             instead = RankInterrupted(job.rank)
         local = _on_group(job, work, workload, self.device, instead)
@@ -66,6 +67,23 @@ class Ranks(Venue):
         if isinstance(agreed, RankRefused):
             raise UsageError(agreed.message if agreed.rank == 0 else f"rank {agreed.rank}: {agreed.message}")
         return agreed
+
+
+OWN = "<each rank's own>"  # a spec entry every rank fills from its own call (an object, not a MODULE:ATTR)
+_OBJECTS = ("model", "data", "loss", "step", "optimizer")  # the entries that may hold the user's objects
+
+
+def portable(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` as the leader sends it: the user's objects (a model copy, a dataset, a trainer's loss) stay on each
+    rank, which passed its own to its own call under torchrun; names, classes and functions go as they are."""
+    return {k: OWN if k in _OBJECTS and not (v is None or isinstance(v, (str, type)) or inspect.isfunction(v)) else v
+            for k, v in spec.items()}
+
+
+def own_spec(options: Any) -> dict[str, Any]:
+    """The entries a follower fills with its own objects: what its own call was given."""
+    return {"model": options.model, "data": options.data, "loss": options.loss, "step": options.step,
+            "optimizer": options.optimizer}
 
 
 @contextlib.contextmanager
@@ -160,8 +178,11 @@ def lead(job: Job, run: Any) -> Any:
             job.ended = True
 
 
-def follow(job: Job, device: torch.device) -> Any:
-    """A follower's life: run the leader's pieces of work until it ends; return its report or raise what it raised."""
+def follow(job: Job, device: torch.device, own: dict[str, Any] | None = None) -> Any:
+    """A follower's life: run the leader's pieces of work until it ends; return its report or raise what it raised.
+
+    ``own`` (:func:`own_spec`) fills the entries the leader left to each rank (:func:`portable`).
+    """
     workloads: dict[str, Workload] = {}
     interrupted = False
     while True:
@@ -186,6 +207,7 @@ def follow(job: Job, device: torch.device) -> Any:
                 raise UsageError(outcome.message)
             raise AutotuneError(outcome.message)
         _, spec, work = command
+        spec = {k: (own or {}).get(k) if isinstance(v, str) and v == OWN else v for k, v in spec.items()}
         key = repr(sorted(spec.items()))
         instead = RankInterrupted(job.rank) if interrupted else None
         try:

@@ -15,7 +15,7 @@ from autotune._log import logger
 from autotune.errors import NothingFits, UsageError
 from autotune.report import Report, nothing_fits_hint
 
-__all__ = ["ModelCopy", "divisors", "trainer_options", "on_host", "recommendation_of", "say_changes"]
+__all__ = ["ModelCopy", "divisors", "trainer_options", "on_host", "distributed_job", "recommendation_of", "say_changes"]
 
 
 class ModelCopy:
@@ -45,14 +45,19 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def trainer_options(per_rank: int, world: Any) -> dict[str, Any]:
+def trainer_options(per_rank: int, world: Any, parallel: str | None = None) -> dict[str, Any]:
     """tune()'s options for a trainer whose batch per rank (micro batch x accumulation) is ``per_rank``: that
-    global batch kept, trials in this process (the trainer's objects are not rebuilt in a worker)."""
+    global batch kept, trials in this process (the trainer's objects are not rebuilt in a worker) or, in a job of
+    ``world`` ranks, on every rank under the trainer's ``parallel`` wrapper (each rank passes its own trainer)."""
     world = max(1, int(world or 1))
+    options = {"isolation": "none", "batch_sizes": ",".join(map(str, divisors(per_rank))),
+               "target_batch_size": per_rank * world}
     if world > 1:
-        raise UsageError("tune_trainer under a distributed launch is not supported yet: tune on one process (a world "
-                         "size of 1), then launch the training")
-    return {"isolation": "none", "batch_sizes": ",".join(map(str, divisors(per_rank))), "target_batch_size": per_rank}
+        if parallel is None:
+            raise UsageError("tune_trainer under a distributed launch is not supported for this trainer yet: tune on "
+                             "one process (a world size of 1), then launch the training")
+        options["parallel"] = parallel
+    return options
 
 
 @contextlib.contextmanager
@@ -65,6 +70,19 @@ def on_host(model: nn.Module) -> Iterator[torch.device]:
         yield device
     finally:
         model.to(device)
+
+
+@contextlib.contextmanager
+def distributed_job(options: dict[str, Any]) -> Iterator[None]:
+    """Under ``parallel``: the job's groups autotune made (its control group) are destroyed when tuning ends, so
+    the trainer's training, and the process's exit, meet only the groups they made themselves."""
+    try:
+        yield
+    finally:
+        if options.get("parallel", "none") != "none":
+            from autotune.execution.job import leave
+
+            leave()
 
 
 def recommendation_of(report: Report) -> tuple[Any, int]:

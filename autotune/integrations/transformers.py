@@ -4,6 +4,10 @@
     report = tune_trainer(trainer, budget="24GiB")   # options as autotune.tune takes them
     trainer.train()                                   # trains the recommendation
 
+Under ``torchrun`` (the trainer's world size above 1) every rank calls ``tune_trainer`` on its own
+trainer, as it would call ``trainer.train()``: the trials run on every rank under DDP (FSDP2 when the
+arguments ask for ``fsdp``), rank 0 runs the search, and every rank's trainer is set to the same answer.
+
 What the trials train is what ``trainer.train()`` would:
 
 * **the model** as it is now (each trial starts from an exact copy of its current weights; the
@@ -35,7 +39,8 @@ import torch
 from torch import nn
 
 from autotune.errors import UsageError
-from autotune.integrations.common import ModelCopy, on_host, recommendation_of, say_changes, trainer_options
+from autotune.integrations.common import (ModelCopy, distributed_job, on_host, recommendation_of, say_changes,
+                                          trainer_options)
 from autotune.plans import ALL, Plan
 from autotune.report import Report
 
@@ -53,18 +58,26 @@ def tune_trainer(trainer: Any, **options: Any) -> Report:
     args = trainer.args
     dataset, collator = _training_data(trainer)
     defaults = trainer_options(args.per_device_train_batch_size * args.gradient_accumulation_steps,
-                               getattr(args, "world_size", 1))
+                               getattr(args, "world_size", 1), _wrapper(args))
     if getattr(args, "use_cpu", False):
         defaults["device"] = "cpu"
     if args.max_grad_norm:
         defaults["clip_grad_norm"] = float(args.max_grad_norm)
     model = trainer.model
-    with on_host(model):
+    with on_host(model), distributed_job(defaults):
         report = tune(ModelCopy(model, _without_library_checkpointing),
                       data=torch.utils.data.DataLoader(dataset, batch_size=1, collate_fn=collator),
                       step=_ComputeLoss(trainer), optimizer=_TrainerOptimizer(trainer), **{**defaults, **options})
     said = _write_back(trainer, report)
     return dataclasses.replace(report, notices=(*report.notices, said))
+
+
+def _wrapper(args: Any) -> str:
+    """The wrapper the trainer trains under when the job is distributed: FSDP2 for ``fsdp``, else DDP."""
+    if getattr(args, "deepspeed", None):
+        raise UsageError("tune_trainer does not measure DeepSpeed's engine: tune with the same arguments less "
+                         "deepspeed (--parallel fsdp measures a sharded job), or use --export deepspeed")
+    return "fsdp" if getattr(args, "fsdp", None) else "ddp"
 
 
 def _training_data(trainer: Any) -> tuple[Any, Any]:
