@@ -95,13 +95,21 @@ def test_a_trainer_that_cannot_fit_is_left_as_it_was(tmp_path):
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (8, 2)
 
 
-def test_a_trainer_without_a_train_dataset_is_one_clear_line(tmp_path):
+def test_a_trainer_without_a_train_dataset_or_with_an_unsized_one_is_one_clear_line(tmp_path):
     from autotune.integrations.transformers import tune_trainer
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield {"input_ids": [1, 2, 3]}
 
     trainer, BUDGET = hf_trainer(tmp_path)
     trainer.train_dataset = None
     with pytest.raises(UsageError, match="the trainer has no train_dataset"):
         tune_trainer(trainer, budget=BUDGET)
+    trainer.train_dataset = Stream()
+    with pytest.raises(UsageError, match="train_dataset is a Stream without a length: autotune needs a map-style"):
+        tune_trainer(trainer, budget=BUDGET)
+    assert trainer.args.per_device_train_batch_size == 8  # nothing changed
 
 
 # -- Lightning ------------------------------------------------------------------------------------------------------
