@@ -102,7 +102,7 @@ def completed(memory: "Measurement", timing: "Measurement", memory_trial: int | 
         distributed = {**distributed, "ranks": [{**t, "peak_bytes": m["peak_bytes"]} for m, t in
                                                 zip(memory.distributed["ranks"], distributed["ranks"])]}
     return dataclasses.replace(timing, **peaks, distributed=distributed, memory_from=memory_trial,
-                               wall_s=memory.wall_s + timing.wall_s)
+                               wall_s=memory.wall_s + timing.wall_s, **_seconds(memory, timing))
 
 
 def retimed(earlier: "Measurement", later: "Measurement") -> "Measurement":
@@ -113,7 +113,13 @@ def retimed(earlier: "Measurement", later: "Measurement") -> "Measurement":
     a, b = _tokens(earlier), _tokens(later)
     fields = timing_fields(later.batch_size * later.world_size, times, None if a is None or b is None else a + b, True)
     return dataclasses.replace(earlier, **fields, timings=earlier.timings + later.timings,
-                               wall_s=earlier.wall_s + later.wall_s)
+                               wall_s=earlier.wall_s + later.wall_s, **_seconds(earlier, later))
+
+
+def _seconds(a: "Measurement", b: "Measurement") -> dict[str, float | None]:
+    """The set-up and step seconds of two runs of one configuration, together (None where neither says)."""
+    return {f: None if getattr(a, f) is None and getattr(b, f) is None else (getattr(a, f) or 0.0) + (getattr(b, f) or 0.0)
+            for f in ("setup_s", "steps_s")}
 
 
 def quantile(values: list[float] | list[int], q: float) -> Any:
@@ -210,6 +216,10 @@ class Measurement:
     plan: dict[str, Any] = dataclasses.field(default_factory=dict)  # the checkpoint plan applied (name, blocks)
     error: str | None = None
     wall_s: float = 0.0
+    # From asking for the trial to its first step (a worker's start if one started, imports, the model's build and
+    # preparation), and from its first step to its end; None where a worker died before it could say
+    setup_s: float | None = None
+    steps_s: float | None = None
     timed: bool = True  # False: a memory trial, metered and not timed (no step time, no samples/s)
     timings: int = 1  # timed runs whose steps step_times_s holds (a near tie is timed again: 2)
     memory_from: int | None = None  # the memory trial (its Optuna number) whose peaks a later timing completed

@@ -158,6 +158,9 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             # configurations by what their trials measured; those timed after a memory trial of their own
             "figures": {f: sum(m.figures == f for m in result.measurements) for f in ("memory+time", "memory", "none")},
             "timed_after_memory_trial": sum(m.memory_from is not None for m in result.measurements),
+            # the trials' seconds before their first step (worker start, imports, model build) and in their steps
+            "setup_s": round(sum(m.setup_s or 0.0 for m in result.measurements), 3),
+            "steps_s": round(sum(m.steps_s or 0.0 for m in result.measurements), 3),
         },
         trials=result.measurements,
         notices=target.notices + study.notices,

@@ -1,7 +1,7 @@
 """Jobs in fresh worker processes: what comes back, how a death or a hang is told, and what cannot be sent.
 
-Each spawned worker imports torch (seconds): this file starts five of them, one per outcome of
-``run_isolated``. The jobs are module-level functions, which the worker imports by name. A worker
+Each spawned worker imports torch (seconds): this file starts six of them, one per outcome of
+``run_isolated`` and one trial. The jobs are module-level functions, which the worker imports by name. A worker
 killed by SIGKILL inside a search is tested in tests/test_reliability.py.
 """
 
@@ -115,6 +115,21 @@ def test_exit_causes(code, cause):
 
 
 # --- check_picklable -----------------------------------------------------------------------------
+
+
+def test_a_trial_in_a_worker_counts_the_workers_start_as_set_up():
+    import torch
+
+    from autotune.execution.spawn import Spawned
+    from autotune.execution.trial import TrialWork
+    from autotune.records import Config, TrialSettings
+
+    asked = time.time()
+    m = Spawned(torch.device("cpu")).run(gpt(), TrialWork(Config("fp32", "0", 2), TrialSettings(measure_steps=1), None,
+                                                           asked_at=asked))
+    elapsed = time.time() - asked
+    assert m.status == "ok" and m.setup_s > 0 and m.steps_s > 0
+    assert m.setup_s + m.steps_s <= elapsed  # from the ask, in this process's clock, to the worker's last step
 
 
 def test_a_module_attr_workload_can_be_sent():

@@ -87,7 +87,7 @@ def test_priming_holds_the_state_to_be_and_trains_bitwise_as_a_fresh_optimizer(n
     assert ballast == state > 0
 
 
-def test_an_optimizer_without_a_twin_is_primed_by_its_own_steps_and_its_peak_is_the_same():
+def test_an_optimizer_without_a_twin_is_primed_by_its_own_steps_and_its_peak_holds_the_state():
     # Positional(params, scale) cannot be rebuilt from a parameter group: trials step until it holds state
     optimizer = Positional(Wide().parameters(), 1.0)
     ballast, failed = prime(optimizer)
@@ -100,7 +100,9 @@ def test_an_optimizer_without_a_twin_is_primed_by_its_own_steps_and_its_peak_is_
                       timed=False)
         assert m.status == "ok", m.error
         peaks[name] = m.peak_bytes
-    assert peaks["positional"] == peaks["sgd"]
+    # The state is in the peak (no lower than a primed SGD's); its extra steps may add a temporary of a parameter
+    largest = max(p.numel() * 4 for p in Wide().parameters())
+    assert peaks["sgd"] <= peaks["positional"] <= peaks["sgd"] + largest, peaks
 
 
 def _peak(spec, batch_size):

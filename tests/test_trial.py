@@ -98,3 +98,23 @@ def test_measurement_round_trips_through_a_dict_with_non_finite_losses():
     back = Measurement.from_dict(data)
     assert back.config == m.config and back.loss_scale_history == m.loss_scale_history
     assert back.loss_final == float("inf")
+
+
+def test_a_trial_says_how_long_it_took_to_set_up_and_to_step(gpt):
+    import time
+
+    from autotune.records import completed, retimed
+
+    m = run_trial(gpt, Config("fp32", "0", 4), device="cpu", meter=TensorMeter(), settings=QUICK)
+    assert m.setup_s >= 0 and m.steps_s > 0 and m.setup_s + m.steps_s <= m.wall_s + 0.01
+    # Asked for 2 s ago (a worker starting, say): the set-up counts from the ask
+    late = run_trial(gpt, Config("fp32", "0", 4), device="cpu", meter=TensorMeter(), settings=QUICK,
+                     asked_at=time.time() - 2.0)
+    assert late.setup_s >= 2.0
+    # A memory trial completed by a timing run, or a timing run again: the two runs' seconds together
+    for both in (completed(dataclasses.replace(m, timed=False), late, 0), retimed(m, late)):
+        assert both.setup_s == pytest.approx(m.setup_s + late.setup_s)
+        assert both.steps_s == pytest.approx(m.steps_s + late.steps_s)
+    # A trial that never reached its first step is all set-up
+    oom = run_trial(gpt, Config("fp32", "0", 4), device="cpu", meter=TensorMeter(budget_bytes=1000), settings=QUICK)
+    assert oom.status == "oom" and oom.steps_s == 0.0 and oom.setup_s > 0

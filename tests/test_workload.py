@@ -82,3 +82,45 @@ def test_missing_batches_say_how_to_fix_it():
     w = Workload.from_specs("tests.models:DictLoss")
     with pytest.raises(UsageError, match="--data"):
         w.make_batch(w.build_model(), 2)
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_warm_workload_hands_out_exact_copies_of_the_model_a_seeded_build_gives():
+    import threading
+
+    from autotune.records import Config
+    from autotune.training.trainer import Trainer
+
+    def losses(workload, warm):
+        if warm:
+            workload.warm(0)
+        trainer = Trainer(workload, Config("fp32", "2", 4), torch.device("cpu"))
+        trainer.build()
+        batch = trainer.module.example_batch(4)
+        for _ in range(3):
+            trainer.step(batch)  # dropout draws from the random state the build left
+        return trainer.losses, torch.get_rng_state()
+
+    spec = dict(model_kwargs={"n_layer": 2, "block_size": 16, "n_embd": 32, "n_head": 2, "vocab_size": 64,
+                              "dropout": 0.3})
+    fresh = Workload.from_specs("autotune.examples:TinyGPT", **spec)
+    warm = Workload.from_specs("autotune.examples:TinyGPT", **spec)
+    warm.warm(0)
+    a, b = fresh.build_model(seed=0), warm.build_model(seed=0)
+    assert a is not b and all(torch.equal(x, y) for x, y in zip(_state(a).values(), _state(b).values()))
+    assert warm.build_model(seed=0) is not b  # a copy each time
+    cold_losses, cold_rng = losses(Workload.from_specs("autotune.examples:TinyGPT", **spec), warm=False)
+    warm_losses, warm_rng = losses(Workload.from_specs("autotune.examples:TinyGPT", **spec), warm=True)
+    assert cold_losses == warm_losses and torch.equal(cold_rng, warm_rng)
+
+    class Locked(torch.nn.Linear):  # a model that cannot be deep-copied is built every time
+        def __init__(self):
+            super().__init__(2, 2)
+            self.lock = threading.Lock()
+
+    locked = Workload.from_specs(Locked)
+    locked.warm(0)
+    assert locked._found[("model", 0)] is None and isinstance(locked.build_model(seed=0), Locked)

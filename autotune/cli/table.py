@@ -18,6 +18,7 @@ def render(report: Any) -> str:
     """Return a human-readable summary: every trial, the limits, the front and the recommendation."""
     lines = _trial_rows(report)
     lines.append("")
+    lines += _search_lines(report)
     lines += _limit_lines(report)
     lines += _probe_lines(report)
     lines += _recommendation_lines(report)
@@ -42,6 +43,17 @@ def _trial_rows(report: Any) -> list[str]:
             f"{step:>8} {sps:>10}  {mark}".rstrip()
         )
     return lines
+
+
+def _search_lines(report: Any) -> list[str]:
+    """Where the trials' time went: set-up (a worker's start, imports, the model's build) against their steps."""
+    search = report.search
+    if "setup_s" not in search:  # a report from before set-up was measured
+        return []
+    setup, steps = search["setup_s"], search["steps_s"]
+    share = f" ({setup / (setup + steps):.0%})" if setup + steps > 0 else ""
+    return [f"search: {search['n_trials']} configurations in {search['wall_s']:.1f} s; the trials spent {setup:.1f} s "
+            f"setting up{share} (worker start, imports, the model's build) and {steps:.1f} s in steps"]
 
 
 def _limit_lines(report: Any) -> list[str]:

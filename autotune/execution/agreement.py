@@ -93,6 +93,8 @@ def combine(parts: list[Measurement | RankInterrupted | RankRefused], job: "Job"
         peak_nvml_bytes=_largest(ms, "peak_nvml_bytes"),
         **timing_fields(first.config.batch_size * job.world_size, times, real, ok),
         wall_s=max(m.wall_s for m in ms),
+        setup_s=max((m.setup_s for m in ms if m.setup_s is not None), default=None),
+        steps_s=max((m.steps_s for m in ms if m.steps_s is not None), default=None),
         distributed={**job.describe(), "outcome_rank": origin, "ranks": ranks},
     )
 

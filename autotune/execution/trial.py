@@ -44,6 +44,7 @@ class _Run(Trainer):
         self.settings = settings
         self.step_times: list[float] = []
         self.tokens: list[int | None] = []  # real tokens of each timed step's batch
+        self.first_step_at: float | None = None  # time.time() when the model was ready and its first step began
 
     def build(self) -> None:
         super().build()
@@ -72,6 +73,15 @@ class _Run(Trainer):
             self.step_times.append(seconds)
             self._log_step("timed", self.step_times[-1])
 
+    def make_state(self) -> None:
+        """For an optimizer that could not be primed: step until it holds state, then once more with it held."""
+        for _ in range(_STATE_STEPS):
+            if self.holds_state:
+                break
+            self.step(self.batch)
+        self.step(self.batch)
+        self._log_step("warm-up (the optimizer's state made)")
+
     def _log_step(self, kind: str, seconds: float | None = None) -> None:
         """One line per step with --verbose: the step's time, its loss and, in fp16, the loss scale."""
         if logger.isEnabledFor(logging.DEBUG):
@@ -91,6 +101,7 @@ def run_trial(
     timed: bool = True,
     metered: bool = True,
     parallel: "Wrapping | None" = None,
+    asked_at: float | None = None,
 ) -> Measurement:
     """Train ``config`` for a few steps on a fresh model and optimizer; return what was measured.
 
@@ -98,11 +109,14 @@ def run_trial(
     ``metered=False`` (for a meter that slows steps, the tensor meter) times without the meter: the
     timing that completes an earlier memory trial of the configuration (:func:`records.completed`).
     ``parallel`` (:mod:`autotune.execution.ranks`) trains this rank's part of a distributed trial.
+    ``asked_at`` (``time.time()``, in any process of this machine) is when the trial was asked for: its
+    ``setup_s`` runs from then to its first step (a worker's start included), else from this call.
     Out-of-memory, time-outs, a crashed device and errors in the user's model are outcomes (status
     ``oom``, ``timeout``, ``crashed``, ``failed``), not exceptions; bad input (:class:`UsageError`)
     and ``KeyboardInterrupt`` propagate. Memory is released before returning.
     """
     device = torch.device(device)
+    asked_at = time.time() if asked_at is None else asked_at
     started = time.monotonic()
     deadline = started + settings.timeout_s if settings.timeout_s else None
     run = _Run(workload, config, device, settings, parallel)
@@ -111,19 +125,16 @@ def run_trial(
     # holds all a step holds), and the timed steps run after it without the meter.
     warmup = 1 if meter.slows_steps else settings.warmup_steps
     timed_inside = timed and metered and not meter.slows_steps  # a meter that costs nothing times in its region
+    workload.warm(settings.seed)  # the model built once per process, outside the meter: trials start from copies
     try:
         with meter.measure(deadline=deadline) if metered else contextlib.nullcontext() as handle:
             run.build()
+            run.first_step_at = time.time()
             for _ in range(warmup):
                 run.step(run.batch)
                 run._log_step("warm-up (metered)" if metered and meter.slows_steps else "warm-up")
             if run.unprimed is not None:  # no ballast: step until the optimizer holds state, then once with it
-                for _ in range(_STATE_STEPS):
-                    if run.holds_state:
-                        break
-                    run.step(run.batch)
-                run.step(run.batch)
-                run._log_step("warm-up (the optimizer's state made)")
+                run.make_state()
             if timed_inside:
                 run.timed_steps(deadline)
         if timed and not timed_inside:
@@ -131,7 +142,8 @@ def run_trial(
     except Exception as exc:  # noqa: BLE001 - every failure of the user's code is an outcome
         status, error = outcome(exc)
     finally:
-        records = (run.plan, run.losses, list(run.scales), run.skipped, run.step_times, run.tokens)
+        records = (run.plan, run.losses, list(run.scales), run.skipped, run.step_times, run.tokens,
+                   _setup_and_steps(asked_at, run.first_step_at))
         run.release()
         del run  # model, optimizer, batch and activations go with it
         backend_for(device).release()
@@ -141,7 +153,7 @@ def run_trial(
 def _measurement(config: Config, status: str, error: str | None, records: tuple, reading: Any,
                  started: float, timed: bool) -> Measurement:
     """The trial's :class:`Measurement` from its records and the meter's reading."""
-    plan, losses, scales, skipped, step_times, tokens = records
+    plan, losses, scales, skipped, step_times, tokens, (setup_s, steps_s) = records
     ok = status == "ok"
     real = sum(tokens) if tokens and None not in tokens else None
     return Measurement(
@@ -163,8 +175,17 @@ def _measurement(config: Config, status: str, error: str | None, records: tuple,
         plan=plan,
         error=error,
         wall_s=time.monotonic() - started,
+        setup_s=setup_s,
+        steps_s=steps_s,
         timed=timed,
     )
+
+
+def _setup_and_steps(asked_at: float, first_step_at: float | None) -> tuple[float, float]:
+    """Seconds from the ask to the first step, and from it to now (a trial that never stepped: all set-up)."""
+    now = time.time()
+    first = now if first_step_at is None else first_step_at
+    return round(max(0.0, first - asked_at), 4), round(now - first, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +197,7 @@ class TrialWork(Work):
     enforced_bytes: int | None  # the budget the trial runs under (each rank's own share in a --parallel job)
     timed: bool = True
     metered: bool = True
+    asked_at: float | None = None  # time.time() when the search asked for it: set-up counts from here
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -187,7 +209,8 @@ class TrialWork(Work):
 
     def run(self, workload: Workload, place: Place) -> Measurement:
         return run_trial(workload, self.config, device=place.device, meter=place.meter_for(self.enforced_bytes),
-                         settings=self.settings, timed=self.timed, metered=self.metered, parallel=place.parallel)
+                         settings=self.settings, timed=self.timed, metered=self.metered, parallel=place.parallel,
+                         asked_at=self.asked_at)
 
     def failed(self, status: str, error: str, seconds: float) -> Measurement:
         if status == "crashed":

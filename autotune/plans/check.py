@@ -42,8 +42,7 @@ def _step(workload: Workload, plan: str, batch_size: int, device: torch.device, 
 
     The paths of the blocks the plan recomputes go to ``blocks[plan]``.
     """
-    torch.manual_seed(seed)
-    model = workload.build_model()
+    model = workload.build_model(seed=seed)
     keep_in_fp32(model, guard.fp32_modules, device.type)
     applied = apply_plan(model, plan, workload.chain)
     if blocks is not None and applied.chain is not None:

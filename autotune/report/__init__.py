@@ -26,7 +26,8 @@ __all__ = ["SCHEMA_VERSION", "Report", "load", "nothing_fits_hint"]
 # 3: the gradient-accumulation plan is "accumulation" (was "plan"); oom trials hold oom_held_bytes and
 #    oom_needed_bytes; probe candidates peak_reserved_bytes_max.
 # 4: the workload names its optimizer ("optimizer": name, kwargs, state_bytes), its "step" and the "fixed_bytes" a step
-#    holds whatever the batch (weights, gradients, optimizer state); older reports trained with AdamW.
+#    holds whatever the batch (weights, gradients, optimizer state); older reports trained with AdamW. Trials hold
+#    setup_s and steps_s, and the search their sums.
 SCHEMA_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
 

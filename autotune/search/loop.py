@@ -237,7 +237,7 @@ def run_search(
                     on_trial_start(config)
 
                 def run(**kind: bool) -> Measurement:
-                    return venue.run(workload, TrialWork(config, settings, enforced_bytes, **kind))
+                    return venue.run(workload, TrialWork(config, settings, enforced_bytes, asked_at=time.time(), **kind))
 
                 with Heartbeat(loop.study, loop.trial):
                     loop.finished = loop.measure(proposal, run, venue.slows_steps)

@@ -47,8 +47,7 @@ class Trainer:
         :func:`autotune.training.optimizer.prime`), so that step already holds what every later step
         holds: one metered step sees the steady peak.
         """
-        torch.manual_seed(self.seed)
-        model = self.workload.build_model()
+        model = self.workload.build_model(seed=self.seed)  # the same seeded model every time (a copy once warm)
         self.run = prepare(model, precision=self.config.precision, segments=self.config.plan,
                            chain=self.workload.chain, guard=self.guard, device_type=self.device.type,
                            micro_batch_size=self.config.batch_size, record_loss_scale=True,

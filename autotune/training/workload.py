@@ -3,7 +3,8 @@
 The workload protocol, for models used with autotune:
 
 * ``--model MODULE:ATTR`` names an ``nn.Module`` class or a factory returning a module;
-  ``--model-kwargs`` (JSON) are passed to it. Every trial builds a fresh model from it.
+  ``--model-kwargs`` (JSON) are passed to it. Every trial starts from a fresh model: built once
+  per process and copied exactly (:meth:`Workload.warm`), or built again where it cannot be copied.
 * Batches come from ``--data MODULE:ATTR``, a map-style ``Dataset`` (or a factory for one) whose
   items are ``(input, target)`` tuples or dicts, collated with ``default_collate``, or a
   ``DataLoader`` (or a factory for one), whose dataset and ``collate_fn`` are used; without
@@ -22,6 +23,8 @@ The workload protocol, for models used with autotune:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import functools
 import importlib
@@ -155,12 +158,41 @@ class Workload:
         spec = None if self.spec is None else {**self.spec, "worst_batches": worst}
         return dataclasses.replace(self, worst_batches=worst, spec=spec)
 
-    def build_model(self) -> nn.Module:
-        """Return a freshly built model (on the CPU, in training mode)."""
+    def build_model(self, seed: int | None = None) -> nn.Module:
+        """Return a freshly built model (on the CPU, in training mode).
+
+        With ``seed``: the model ``torch.manual_seed(seed)`` and a build give, with the random state
+        left as that build leaves it (dropout's masks then follow as they would). After
+        :meth:`warm`, it is an exact copy of the model built once, not a build.
+        """
+        cached = self._found.get(("model", seed)) if seed is not None else None
+        if cached is not None:
+            template, states = cached
+            _set_random_states(states)
+            return _copy_model(template).train()
+        if seed is not None:
+            torch.manual_seed(seed)
         model = self.model_factory()
         if not isinstance(model, nn.Module):
             raise UsageError(f"--model {self.name!r} built a {type(model).__name__}, not a torch.nn.Module")
         return model.train()
+
+    def warm(self, seed: int) -> None:
+        """Build the model for ``seed`` once and keep it (on the CPU) for :meth:`build_model` to copy.
+
+        Called before a trial's meter starts, so that the kept model is not in its peak. A model that
+        cannot be copied exactly (deep copy fails, or it was built on a device) is built each time.
+        """
+        key = ("model", seed)
+        if key in self._found:
+            return
+        self._found[key] = None  # tried: a failure here is met again, and said, by the trial's own build
+        with contextlib.suppress(Exception):
+            template = self.build_model(seed)
+            states = _random_states()
+            if all(t.device.type == "cpu" for t in (*template.parameters(), *template.buffers())):
+                _copy_model(template)  # a model that cannot be copied is built every time
+                self._found[key] = (template, states)
 
     def make_batch(self, model: nn.Module, batch_size: int) -> Any:
         """Return the batch of ``batch_size`` samples that memory is measured on (on the CPU).
@@ -278,6 +310,41 @@ def _dataset(data: Any) -> tuple[Dataset | None, Callable[[list], Any] | None, t
     if len(dataset) == 0:
         raise UsageError(f"--data {data!r} is an empty dataset")
     return dataset, collate_fn, notes
+
+
+def _copy_model(template: nn.Module) -> nn.Module:
+    """An exact copy of ``template`` whose parameters and buffers are new tensors, each made by an allocation and a copy.
+
+    Not ``copy.deepcopy`` alone: a parameter's deep copy passes through ``.data``, an alias of the
+    template's storage, which a meter in force (the tensor meter) would count as the trial's.
+    Tied parameters stay tied; everything else is deep-copied as usual.
+    """
+    memo: dict[int, Any] = {}
+    with torch.no_grad():
+        for t in (*template.parameters(), *template.buffers()):
+            if id(t) not in memo:
+                fresh = torch.empty_like(t).copy_(t)
+                memo[id(t)] = type(t)(fresh, t.requires_grad) if isinstance(t, nn.Parameter) else fresh
+    return copy.deepcopy(template, memo)
+
+
+def _random_states() -> tuple[Any, ...]:
+    """The random states a model's build may draw from: torch's on the CPU, Python's, NumPy's."""
+    import random
+
+    import numpy
+
+    return torch.get_rng_state(), random.getstate(), numpy.random.get_state()
+
+
+def _set_random_states(states: tuple[Any, ...]) -> None:
+    import random
+
+    import numpy
+
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    numpy.random.set_state(states[2])
 
 
 def _loader_notes(loader: DataLoader) -> tuple[str, ...]:
