@@ -51,9 +51,9 @@ def _search_lines(report: Any) -> list[str]:
     if "setup_s" not in search:  # a report from before set-up was measured
         return []
     setup, steps = search["setup_s"], search["steps_s"]
-    share = f" ({setup / (setup + steps):.0%})" if setup + steps > 0 else ""
+    share = f"{setup / (setup + steps):.0%}, " if setup + steps > 0 else ""
     return [f"search: {search['n_trials']} configurations in {search['wall_s']:.1f} s; the trials spent {setup:.1f} s "
-            f"setting up{share} (worker start, imports, the model's build) and {steps:.1f} s in steps"]
+            f"setting up ({share}a worker's start, imports, the model's build) and {steps:.1f} s in steps"]
 
 
 def _limit_lines(report: Any) -> list[str]:
