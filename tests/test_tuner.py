@@ -89,6 +89,11 @@ def test_search_and_analyse_make_the_report_the_stages_describe(tmp_path):
     assert not result.partial and {m.config for m in result.measurements} == set(seen) and len(seen) >= 2
     assert report.search["space"] == study.space.to_dict() and report.plan_checks == study.checks
     assert report.recommendation is not None
+    # where the trials' time went: set-up and steps, summed over the trials, and said in the table
+    assert report.search["setup_s"] == pytest.approx(sum(m.setup_s for m in report.trials), abs=1e-3)
+    assert report.search["steps_s"] == pytest.approx(sum(m.steps_s for m in report.trials), abs=1e-3)
+    assert report.search["steps_s"] > 0
+    assert any(line.startswith("search: ") and "setting up" in line for line in report.table().splitlines())
     assert tuner.probe(report, target, study, tuner._Events(None, None, None)) is report  # probe=False: as it was
     assert autotune.tune("autotune.examples:TinyGPT", **{f.name: getattr(options, f.name) for f in
                                                            options.__dataclass_fields__.values() if f.name != "model"}
