@@ -86,6 +86,53 @@ def test_isolated_trial_killed_by_sigkill_is_recorded_and_the_search_finishes(tm
     assert report.recommendation == fastest and report.recommendation.batch_size != 4
 
 
+def _group(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that are still running (zombies do not count)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process groups from /proc")
+def test_a_search_killed_with_sigkill_leaves_no_worker_training(tmp_path, cli):
+    # SIGKILL cannot be handled: the search cannot kill its worker, so the worker must notice and exit on its own
+    storage = f"sqlite:///{tmp_path}/k.db"
+    slow = [a if a != "40" else "1000000" for a in SEARCH]  # one trial far longer than the test
+    proc = cli(*[a if a != "none" else "process" for a in slow], "--storage", storage, "--study", "k",
+               "--trial-timeout", "600", "--quiet")  # quiet: a worker writing to a closed pipe would die of that
+    deadline = time.monotonic() + 180
+    busiest = 0.0
+    while time.monotonic() < deadline:  # a worker that has used 6 s of CPU has imported torch and is training
+        busiest = max((_cpu_seconds(p) for p in _group(proc.pid) if p != proc.pid), default=0.0)
+        if busiest > 6:
+            break
+        time.sleep(0.5)
+    assert busiest > 6, "no worker is training"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)  # not communicate(): a worker left running holds the pipes open
+    deadline = time.monotonic() + 30
+    while _group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _group(proc.pid) == []
+
+
 def test_isolated_trial_that_hangs_is_killed_at_the_time_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(isolation, "STARTUP_GRACE_S", 5.0)
     w = Workload.from_specs("tests.models:Hangs")

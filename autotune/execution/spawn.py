@@ -6,7 +6,8 @@ confined to their own process: the worker is started with ``spawn`` (a clean int
 fresh CUDA context), builds the workload again from its spec, runs the work
 (:mod:`autotune.execution.work`), sends back its result and exits. A worker that dies is recorded
 as ``crashed`` with its exit code or signal; one that hangs past the work's time limit (plus
-start-up time) is killed and recorded as ``timeout``.
+start-up time) is killed and recorded as ``timeout``. A worker whose parent dies (a SIGKILL of the
+search, which cannot take its workers with it) exits within a second instead of training on.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 import io
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -35,11 +38,19 @@ _POLL_S = 1.0
 _EXIT_GRACE_S = 30.0
 
 
+def _exit_with(parent: int) -> None:
+    """Exit once ``parent`` is gone (killed by SIGKILL, say, it could not kill this worker): no orphan trains on."""
+    while os.getppid() == parent:
+        time.sleep(_POLL_S)
+    os._exit(1)
+
+
 def _worker(conn: Any, spec: dict, job: Callable[..., Any], job_kwargs: dict, log_level: int = logging.WARNING) -> None:
     # Ctrl-C reaches the whole process group, and a scheduler's SIGTERM often does (systemd's control group,
-    # torchrun's children): the parent decides, and kills this worker.
+    # torchrun's children): the parent decides, and kills this worker. If the parent dies first, the worker exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with, args=(os.getppid(),), name="autotune-parent-watch", daemon=True).start()
     if log_level < logging.WARNING:  # --verbose: the trial's per-step lines, on the stderr the worker shares
         logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
         logger.setLevel(log_level)
