@@ -232,14 +232,16 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
     options, workload = target.options, target.workload.with_chain(facts.chain)
     kwargs = parse_model_kwargs(options.model_kwargs)  # the same kwargs as text or dict make the same study
     described = {"model_kwargs": kwargs, "data": describe(options.data), "loss": describe(options.loss)}
-    if options.optimizer is not None or options.optimizer_kwargs is not None or options.step is not None:
-        described.update(optimizer=workload.optimizer.to_dict(), step=describe(options.step))  # else: the key of before
+    default_training = options.optimizer is None and options.optimizer_kwargs is None and options.step is None
+    if not default_training:  # another optimizer or step is another study; the default keeps the key of before
+        described.update(optimizer=workload.optimizer.to_dict(), step=describe(options.step))
     # Workers on several GPUs of one kind share a study: the key names the kind of device, not its index.
     # A distributed job's trials are another job's: the wrapper and world size are part of what they measure.
     job = target.job
     parallel = {"parallel": f"{job.wrapper}x{job.world_size}"} if job else {}
     workload_key = fingerprint(model=workload.name, **described, device=target.backend.kind, **parallel)
-    options_key = fingerprint(**described) if (kwargs or options.data or options.loss or len(described) > 3) else None
+    plain = not (kwargs or options.data or options.loss) and default_training
+    options_key = None if plain else fingerprint(**described)
     name = options.study or default_study_name(workload.name, target.device.type, options_key)
     if job and not options.study:
         name = f"{name}-{job.wrapper}{job.world_size}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import logging
 from typing import Any, Iterator
 
 import torch
@@ -98,5 +97,5 @@ def say_changes(what: str, changes: list[tuple[str, Any, Any]]) -> str:
     """One line of what the integration set on the trainer: ``name old -> new`` for each value that changed."""
     changed = [f"{name} {old!r} -> {new!r}" for name, old, new in changes if old != new]
     line = f"autotune: {what}: " + (", ".join(changed) if changed else "nothing changed (it already trains the recommendation)")
-    logger.log(logging.WARNING, line)
+    logger.warning(line)
     return line
