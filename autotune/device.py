@@ -17,7 +17,7 @@ import gc
 import os
 import platform
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -120,6 +120,23 @@ class Backend:
     def release(self) -> None:
         """Free what a finished trial left: reference cycles first (a model's weights may sit in one)."""
         gc.collect()
+
+    def held_bytes(self, kept: Iterable[torch.Tensor] = ()) -> int:
+        """The bytes this process holds on the device now, after :meth:`release`, not counting ``kept``.
+
+        What a warm worker compares with the bytes it held before its first trial
+        (:mod:`autotune.execution.spawn`). Without an allocator's count (the CPU, any device the
+        tensor meter measures), the storages of every tensor Python can reach on this device, each
+        counted once: a tensor only C++ holds (none of autotune's, nor a module's) is not seen.
+        """
+        skip = {_storage_key(t) for t in kept}
+        held: dict[tuple[int, int], int] = {}
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.Tensor) and obj.device == self.device:  # type(): no __class__ lookups
+                key = _storage_key(obj)
+                if key is not None and key not in skip:
+                    held[key] = obj.untyped_storage().nbytes()
+        return sum(held.values())
 
     @property
     def meter_class(self) -> type[Meter]:
@@ -229,6 +246,16 @@ class CudaBackend(Backend):
             logger.info("releasing CUDA memory failed (%s: %s): the device is unusable", type(exc).__name__,
                         first_line(exc))
 
+    def held_bytes(self, kept: Iterable[torch.Tensor] = ()) -> int:
+        """The caching allocator's allocated bytes now (``kept`` lives on the CPU), with cuBLAS's workspaces handed
+        back first: a trial that follows makes them again inside its own peak, as a fresh process would."""
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
     def budget(self, budget_bytes: int | None) -> contextlib.AbstractContextManager:
         """``torch.cuda.set_per_process_memory_fraction`` inside the block, the previous fraction after (the meter's)."""
         from autotune.meters.cuda import memory_budget
@@ -254,6 +281,15 @@ class CudaBackend(Backend):
         props = torch.cuda.get_device_properties(self.device)
         return {"device_name": props.name, "total_memory_bytes": props.total_memory, "cuda_version": torch.version.cuda,
                 "compute_capability": f"{props.major}.{props.minor}"}
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """Which storage ``tensor`` views (its device and address), or None for one without a storage of its own."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.device.index or 0, storage.data_ptr()
+    except Exception:  # noqa: BLE001 - sparse, meta, functional and subclass tensors without a plain storage
+        return None
 
 
 def backend_for(device: str | torch.device) -> Backend:

@@ -116,8 +116,12 @@ class Options:
         _TRIAL.timeout_s, "stop a trial running longer than this (status timeout)", group=TRIALS, metavar="SECONDS",
         type=float)
     isolation: str = option(
-        "auto", "process: each trial in a fresh worker process (a crash or a sticky CUDA error stays there); none: in "
-        "this process; auto: process on CUDA, none on CPU", group=TRIALS, choices=ISOLATION_MODES)
+        "auto", "process: trials in a worker process (a crash or a sticky CUDA error stays there), kept warm from trial "
+        "to trial while it stays clean; none: in this process; auto: process on CUDA, none on CPU", group=TRIALS, choices=ISOLATION_MODES)
+    trials_per_worker: int | None = option(
+        None, "with --isolation process: the trials one worker process serves before a new one starts (1: a fresh "
+        "worker per trial); a worker is replaced anyway after a crash, a time-out, or when it holds more device memory "
+        "than before its first trial", group=TRIALS, metavar="N", type=int, default_text="as many as stay clean")
     parallel: str = option(
         "none", "under torchrun: ddp or fsdp runs every trial on every rank under DistributedDataParallel or FSDP2 "
         "(fully_shard on each repeated block), batch sizes per rank; none: the ranks are independent workers sharing "
@@ -186,6 +190,8 @@ class Options:
                              "--num-workers 0 or more")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UsageError(f"--clip-grad-norm {self.clip_grad_norm} must be positive")
+        if self.trials_per_worker is not None and self.trials_per_worker < 1:
+            raise UsageError(f"--trials-per-worker {self.trials_per_worker} must be at least 1 (1: a fresh worker per trial)")
         if self.target_batch_size is not None and self.target_batch_size < 1:
             raise UsageError(f"--target-batch-size {self.target_batch_size} must be at least 1")
 

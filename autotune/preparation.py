@@ -75,7 +75,7 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
     isolation = backend.default_isolation if options.isolation == "auto" else options.isolation
     if job is not None:
         isolation = "none"  # each rank runs its part of a trial in its own process (options refuse "process")
-    venue = venue_for(isolation, backend.device, job)
+    venue = venue_for(isolation, backend.device, job, trials_per_worker=options.trials_per_worker)
     venue.admit(workload)  # one clear line now, not every trial crashed later
     workload, profile = _with_data(workload, options.batch_sizes)
     notices = list(workload.notes)

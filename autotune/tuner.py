@@ -87,17 +87,18 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
             on_probe: Callable[[ProbeResult], None] | None, job: "Job | None") -> Report:
     events = _Events(progress, on_trial, on_probe)
     target = resolve(options, job)
-    facts = preflight(target)
-    study = plan_study(target, facts)
-    result = search(target, facts, study, events)
-    report = analyse(target, facts, study, result)
-    if result.partial:
-        raise Interrupted(report)
-    try:
-        report = probe(report, target, study, events)
-        return compare_library(report, target, facts, study)
-    except KeyboardInterrupt:
-        raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
+    with target.venue:  # a warm worker stops with the stages
+        facts = preflight(target)
+        study = plan_study(target, facts)
+        result = search(target, facts, study, events)
+        report = analyse(target, facts, study, result)
+        if result.partial:
+            raise Interrupted(report)
+        try:
+            report = probe(report, target, study, events)
+            return compare_library(report, target, facts, study)
+        except KeyboardInterrupt:
+            raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
 
 
 # -- stage 4: the search -----------------------------------------------------------------------------------------
@@ -154,7 +155,7 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "warmup_steps": options.warmup_steps, "measure_steps": options.measure_steps,
             "settle_steps": options.settle_steps,
             "trial_timeout_s": options.trial_timeout, "memory_meter": target.backend.meter_name,
-            "isolation": target.isolation, "partial": result.partial,
+            "isolation": target.isolation, **target.venue.describe(), "partial": result.partial,
             # configurations by what their trials measured; those timed after a memory trial of their own
             "figures": {f: sum(m.figures == f for m in result.measurements) for f in ("memory+time", "memory", "none")},
             "timed_after_memory_trial": sum(m.memory_from is not None for m in result.measurements),

@@ -106,6 +106,24 @@ class SelfKill(nn.Module):
         return torch.randn(batch_size, 4)
 
 
+LEAKED = []  # what Leaky keeps between trials, as a model that caches its activations in a global would
+
+
+class Leaky(nn.Module):
+    """Keeps 4 MiB of every forward pass in a module-level list: a process that runs it ends up holding more."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        LEAKED.append(torch.zeros(1 << 20))
+        return self.lin(x).square().mean()
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 4)
+
+
 class Hangs(nn.Module):
     """Sleeps in forward at batch size 2, where no operator runs to notice the time limit."""
 

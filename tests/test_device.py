@@ -112,3 +112,32 @@ def test_the_cuda_budget_is_a_context_manager_that_puts_the_fraction_back(monkey
     assert fractions == [0.75, 0.25, 0.75]
     with backend.budget(None), Backend(torch.device("cpu")).budget(2**30):
         assert fractions == [0.75, 0.25, 0.75]  # no budget, and the CPU's: nothing process-wide
+
+
+# --- what a warm worker checks between two trials (autotune.execution.spawn) --------------------------------------
+
+
+def test_the_cpu_counts_each_storage_it_holds_once_and_leaves_out_what_is_kept():
+    backend = backend_for("cpu")
+    before = backend.held_bytes()
+    held = torch.zeros(1 << 18)  # 1 MiB
+    views = [held[:10], held.view(512, 512), held]  # one storage, seen four times
+    assert backend.held_bytes() - before == 1 << 20
+    kept = torch.zeros(1 << 16)  # 256 KiB
+    assert backend.held_bytes([kept]) - before == 1 << 20  # the workload's kept model is not the trial's
+    assert backend.held_bytes([held]) - before == 1 << 18
+    del held, views, kept
+    assert backend.held_bytes() == before
+
+
+def test_the_cuda_backend_counts_the_allocator_after_handing_its_cache_back(monkeypatch):
+    from tests.fake_cuda import FakeCuda, MiB
+
+    fake = FakeCuda().install(monkeypatch)
+    cleared = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(True), raising=False)
+    fake.allocate(10 * MiB)
+    fake.free(4 * MiB)  # cached, not allocated
+    assert CudaBackend(torch.device("cuda", 0)).held_bytes() == 6 * MiB
+    assert cleared == [True]  # cuBLAS's workspaces go back first: the next trial's peak counts them, as a fresh process's
+    assert (fake.reserved_bytes, fake.peak_allocated_bytes) == (6 * MiB, 6 * MiB)

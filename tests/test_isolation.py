@@ -1,7 +1,7 @@
 """Jobs in fresh worker processes: what comes back, how a death or a hang is told, and what cannot be sent.
 
-Each spawned worker imports torch (seconds): this file starts six of them, one per outcome of
-``run_isolated`` and one trial. The jobs are module-level functions, which the worker imports by name. A worker
+Each spawned worker imports torch (seconds): this file starts about twenty of them, one per outcome of
+``run_isolated``, and a few warm workers, each serving several trials. The jobs are module-level functions, which the worker imports by name. A worker
 killed by SIGKILL inside a search is tested in tests/test_reliability.py.
 """
 
@@ -112,6 +112,90 @@ def test_a_workload_without_a_spec_cannot_be_isolated():
 ])
 def test_exit_causes(code, cause):
     assert _exit_cause(code) == cause
+
+
+# --- warm workers: one worker, trial after trial, while it stays clean -------------------------------------------
+
+
+def _trial(batch_size, budget=2**30, precision="fp32"):
+    from autotune.execution.trial import TrialWork
+    from autotune.records import Config, TrialSettings
+
+    return TrialWork(Config(precision, "0", batch_size), TrialSettings(measure_steps=1), budget, asked_at=time.time())
+
+
+def test_a_warm_worker_serves_trial_after_trial_and_measures_what_this_process_measures():
+    import torch
+
+    from autotune.execution.spawn import Spawned
+    from autotune.execution.venue import Here
+
+    works = [_trial(2), _trial(8, precision="bf16"), _trial(64, budget=200_000), _trial(4)]  # the third runs out of memory
+    with Spawned("cpu") as venue:
+        there, pids = [], []
+        for work in works:
+            there.append(venue.run(gpt(), work))
+            pids.append(venue.workers.pid)
+        assert venue.describe() == {"workers_started": 1, "workers_replaced_unclean": 0, "trials_per_worker": None}
+    assert len(set(pids)) == 1 and pids[0] != os.getpid()  # one worker served all four, an OOM included
+    assert multiprocessing.active_children() == []  # and stopped with the venue
+    here = [Here(torch.device("cpu")).run(gpt(), work) for work in works]
+    assert [m.status for m in there] == [m.status for m in here] == ["ok", "ok", "oom", "ok"]
+    assert [m.peak_bytes for m in there] == [m.peak_bytes for m in here]  # a reused worker measures as a fresh one
+    assert there[0].setup_s > 0 and all(m.setup_s is not None for m in there)
+
+
+@pytest.mark.parametrize("when", ["found dead", "dies as it is handed the trial"])
+def test_a_worker_killed_between_two_trials_is_replaced_and_the_next_trial_runs(monkeypatch, when):
+    from autotune.execution.spawn import Spawned, _Worker
+
+    with Spawned("cpu") as venue:
+        assert venue.run(gpt(), _trial(2)).status == "ok"
+        pid = venue.workers.pid
+        os.kill(pid, signal.SIGKILL)
+        if when == "found dead":
+            while venue.workers._worker.proc.is_alive():
+                time.sleep(0.05)
+        else:  # the check before handing over passes: the death is met as the worker should take the trial
+            monkeypatch.setattr(_Worker, "serves", lambda self, spec: True)
+        m = venue.run(gpt(), _trial(4))
+        assert m.status == "ok", m.error  # not recorded as crashed: the trial never ran in the dead worker
+        assert venue.workers.started == 2 and venue.workers.pid != pid
+
+
+def test_a_worker_that_holds_more_than_before_its_first_trial_is_replaced():
+    from autotune.execution.spawn import Spawned
+
+    leaky = Workload.from_specs("tests.models:Leaky")
+    with Spawned("cpu") as venue:
+        first = venue.run(leaky, _trial(2))
+        assert first.status == "ok" and venue.workers.pid is None  # retired at once: it holds the leaked tensors
+        assert venue.run(leaky, _trial(2)).status == "ok"
+        assert venue.describe()["workers_started"] == 2 and venue.describe()["workers_replaced_unclean"] == 2
+    with Spawned("cpu", trials_per_worker=1) as venue:  # a fresh worker per trial, as before warm workers
+        for batch_size in (2, 4):
+            assert venue.run(gpt(), _trial(batch_size)).status == "ok"
+            assert venue.workers.pid is None
+        assert venue.describe()["workers_started"] == 2 and venue.describe()["workers_replaced_unclean"] == 0
+
+
+def test_a_warm_worker_that_hangs_is_killed_after_the_limit_and_a_crashed_one_is_replaced(monkeypatch):
+    from autotune.execution.spawn import Workers
+
+    monkeypatch.setattr(isolation, "WARM_GRACE_S", 1.0)
+    workers = Workers("cpu")
+    try:
+        assert workers.run(gpt(), job_describe, {"tag": "a"}, name="autotune-test", timeout_s=60)[0] == "result"
+        outcome, payload, seconds = workers.run(gpt(), job_hang, {}, name="autotune-test", timeout_s=1.5)
+        assert (outcome, payload) == ("timeout", "the worker ran past 2.5 s and was killed (--trial-timeout plus 1 s)")
+        assert workers.pid is None and 2.5 < seconds < 30
+        assert workers.run(gpt(), job_describe, {"tag": "b"}, name="autotune-test", timeout_s=60)[0] == "result"
+        assert workers.run(gpt(), job_exit, {"code": 9}, name="autotune-test", timeout_s=60)[:2] == \
+            ("crashed", "worker process exited with code 9")
+        assert workers.started == 2 and workers.pid is None  # the crashed worker is not waited on for the next
+    finally:
+        workers.close()
+    assert multiprocessing.active_children() == []
 
 
 # --- check_picklable -----------------------------------------------------------------------------

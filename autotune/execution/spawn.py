@@ -1,17 +1,39 @@
-"""The spawned-worker venue: each piece of work in a fresh process, so that nothing it does takes the search down.
+"""The spawned-worker venue: work in a worker process of its own, so that nothing it does takes the search down.
 
 A trial, a probe candidate or the plan checks that segfault, hit a sticky CUDA error (an illegal
 memory access poisons the whole CUDA context), leak, or fragment the caching allocator are
-confined to their own process: the worker is started with ``spawn`` (a clean interpreter and a
-fresh CUDA context), builds the workload again from its spec, runs the work
-(:mod:`autotune.execution.work`), sends back its result and exits. A worker that dies is recorded
-as ``crashed`` with its exit code or signal; one that hangs past the work's time limit (plus
-start-up time) is killed and recorded as ``timeout``. A worker whose parent dies (a SIGKILL of the
-search, which cannot take its workers with it) exits within a second instead of training on.
+confined to a worker process: started with ``spawn`` (a clean interpreter and a fresh CUDA
+context), it builds the workload again from its spec and then serves one piece of work
+(:mod:`autotune.execution.work`) after another, sending back each result.
+
+**Warm workers.** Starting a worker costs seconds (an interpreter, ``import torch``, a CUDA
+context, the model's build) while a short trial on a GPU steps for milliseconds, so a worker is
+kept for the next piece of work of the same workload as long as it is as clean as it started:
+after each piece of work it releases what that work left (garbage collection, the allocator's
+cache, cuBLAS's workspaces, the peak statistics) and counts what it still holds on the device
+(:meth:`~autotune.device.Backend.held_bytes`); more than ``CLEAN_TOLERANCE_BYTES`` above what it
+held before its first piece of work, and it is replaced. That check, not the work's status,
+decides whether a worker survives an out-of-memory error. A worker that crashed or timed out is
+replaced too, and one found dead between two pieces of work is replaced before it takes the next.
+
+What a reused worker shares with the next trial: the interpreter and its imports, the CUDA
+context, the libraries' handles and plans (cuDNN, cuBLAS: a real training run holds them too),
+the model's build on the CPU (:meth:`~autotune.training.workload.Workload.warm`: each trial trains
+an exact copy) and the worst batches found. What it does not share: anything on the device (the
+caching allocator's blocks are handed back and the check above proves it), the peak statistics
+(reset), the random state (each trial starts from the seed's), the meter and the budget (each
+trial makes its own). ``trials_per_worker=1`` (``--trials-per-worker 1``) is a fresh worker per
+piece of work, as before warm workers.
+
+A worker that dies is recorded as ``crashed`` with its exit code or signal; one that hangs past
+the work's time limit (plus start-up time for a new worker, ``WARM_GRACE_S`` for a warm one) is
+killed and recorded as ``timeout``. A worker whose parent dies (a SIGKILL of the search, which
+cannot take its workers with it) exits within a second instead of training on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import multiprocessing
@@ -27,13 +49,16 @@ from typing import Any, Callable
 import torch
 
 from autotune._log import logger
+from autotune.device import backend_for
 from autotune.errors import UsageError, first_line
 from autotune.execution.work import Place, Venue, Work
 from autotune.training.workload import Workload
 
-__all__ = ["Spawned", "run_isolated", "check_picklable", "STARTUP_GRACE_S"]
+__all__ = ["Spawned", "run_isolated", "check_picklable", "STARTUP_GRACE_S", "WARM_GRACE_S", "CLEAN_TOLERANCE_BYTES"]
 
 STARTUP_GRACE_S = 120.0  # importing torch and building a CUDA context can take this long on a busy machine
+WARM_GRACE_S = 30.0  # a warm worker's time on top of the work's limit: the model's copy, the release and the check
+CLEAN_TOLERANCE_BYTES = 1 << 20  # what a reused worker may hold above its first baseline (lazily made constants)
 _POLL_S = 1.0
 _EXIT_GRACE_S = 30.0
 
@@ -45,7 +70,8 @@ def _exit_with(parent: int) -> None:
     os._exit(1)
 
 
-def _worker(conn: Any, spec: dict, job: Callable[..., Any], job_kwargs: dict, log_level: int = logging.WARNING) -> None:
+def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING) -> None:
+    """The worker: build the workload from ``spec`` at the first job, then run jobs until told to stop."""
     # Ctrl-C reaches the whole process group, and a scheduler's SIGTERM often does (systemd's control group,
     # torchrun's children): the parent decides, and kills this worker. If the parent dies first, the worker exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -54,15 +80,37 @@ def _worker(conn: Any, spec: dict, job: Callable[..., Any], job_kwargs: dict, lo
     if log_level < logging.WARNING:  # --verbose: the trial's per-step lines, on the stderr the worker shares
         logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
         logger.setLevel(log_level)
+    workload = backend = baseline = None
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the parent closed its end
+            return
+        if message[0] == "stop":
+            return
+        _, job, job_kwargs = message
+        conn.send(("taken",))
+        try:
+            if workload is None:
+                workload = Workload.from_specs(**spec)
+                backend = backend_for(device)
+                baseline = _held(backend, workload)
+            reply: tuple = ("result", job(workload, **job_kwargs))
+        except UsageError as exc:
+            reply = ("usage", str(exc))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, which records the trial
+            reply = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
+        held = None if workload is None else _held(backend, workload)
+        conn.send((*reply, held, baseline))
+
+
+def _held(backend: Any, workload: Workload) -> int | None:
+    """What the worker holds on the device once the last job's memory is released; None if the device cannot say."""
     try:
-        workload = Workload.from_specs(**spec)
-        conn.send(("result", job(workload, **job_kwargs)))
-    except UsageError as exc:
-        conn.send(("usage", str(exc)))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which records the trial
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"))
-    finally:
-        conn.close()
+        backend.release()
+        return backend.held_bytes(workload.kept_tensors())
+    except Exception:  # noqa: BLE001 - a sticky CUDA error: the worker is not reused
+        return None
 
 
 class _MainFinder(pickle.Pickler):
@@ -116,57 +164,182 @@ def _exit_cause(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+_LATE = object()
+
+
+class _Worker:
+    """The parent's handle on one worker process (see the module docstring)."""
+
+    def __init__(self, spec: dict, device: str, name: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.spec, self.jobs = spec, 0
+        self.proc = ctx.Process(target=_serve, args=(child, spec, device, logger.getEffectiveLevel()), name=name,
+                                daemon=True)
+        self.proc.start()
+        child.close()  # the worker holds the only other end: its death closes the pipe
+
+    def serves(self, spec: dict) -> bool:
+        """Whether this worker built the workload of ``spec`` and is still alive."""
+        try:
+            same = spec is self.spec or bool(spec == self.spec)
+        except Exception:  # noqa: BLE001 - values that do not compare (tensors): another workload
+            same = False
+        return same and self.proc.is_alive()
+
+    def run(self, job: Callable[..., Any], job_kwargs: dict, timeout_s: float | None) -> tuple[str, Any, Any]:
+        """Hand the worker a job and wait; return (outcome, payload, held bytes and baseline).
+
+        Outcomes: ``"result"``, ``"usage"``, ``"error"`` (payload: the worker's text), ``"timeout"``,
+        ``"crashed"`` (payload: one line) and ``"gone"``: the worker died before it took the job.
+        """
+        fresh = self.jobs == 0
+        self.jobs += 1
+        limit = timeout_s + (STARTUP_GRACE_S if fresh else WARM_GRACE_S) if timeout_s else None
+        deadline = time.monotonic() + limit if limit is not None else None
+        try:
+            self.conn.send(("job", job, job_kwargs))
+        except OSError:  # BrokenPipeError: it is gone
+            self.proc.join(_EXIT_GRACE_S)
+            return "gone", None, None
+        try:
+            taken = self._receive(deadline)
+            if taken is None:
+                self.proc.join(_EXIT_GRACE_S)
+                return "gone", None, None
+            message = self._receive(deadline) if taken is not _LATE else _LATE
+        except BaseException:  # KeyboardInterrupt: the worker goes with the work
+            self.kill()
+            raise
+        if message is _LATE:
+            self.kill()
+            grace = "start-up" if fresh else f"{WARM_GRACE_S:g} s"
+            return "timeout", f"the worker ran past {limit:g} s and was killed (--trial-timeout plus {grace})", None
+        if message is None:
+            self.proc.join(_EXIT_GRACE_S)
+            return "crashed", f"worker process {_exit_cause(self.proc.exitcode)}", None
+        kind, payload, held, baseline = message
+        return kind, payload, (held, baseline)
+
+    def _receive(self, deadline: float | None) -> Any:
+        """The worker's next message; None when it died first, ``_LATE`` past ``deadline``."""
+        while True:
+            if self.conn.poll(_POLL_S):
+                try:
+                    return self.conn.recv()
+                except (EOFError, OSError):
+                    return None
+            if not self.proc.is_alive() and not self.conn.poll(0):
+                return None
+            if deadline is not None and time.monotonic() > deadline:
+                return _LATE
+
+    def stop(self) -> None:
+        """Let the worker exit; kill it if it does not within ``_EXIT_GRACE_S``."""
+        with contextlib.suppress(OSError):
+            self.conn.send(("stop",))
+        self.proc.join(_EXIT_GRACE_S)  # a worker that hangs on its way out is not waited for
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+
+class Workers:
+    """At most one worker at a time, reused while it stays clean (see the module docstring).
+
+    ``trials_per_worker`` caps the pieces of work one worker serves (1: a fresh worker for each);
+    None serves as many as stay clean.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", trials_per_worker: int | None = None) -> None:
+        self.device = str(device)
+        self.trials_per_worker = trials_per_worker
+        self.started = 0  # workers started
+        self.replaced_unclean = 0  # workers retired because they held more than before their first job
+        self._worker: _Worker | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The live worker's process id, if one is waiting for work."""
+        return self._worker.proc.pid if self._worker is not None else None
+
+    def run(self, workload: Workload, job: Callable[..., Any], job_kwargs: dict, *, name: str,
+            timeout_s: float | None) -> tuple[str, Any, float]:
+        """Run ``job(workload, **job_kwargs)`` in a worker; return (outcome, payload, seconds) as :func:`run_isolated`."""
+        if workload.spec is None:
+            raise UsageError("process isolation needs a workload built by Workload.from_specs (or autotune.tune)")
+        started = time.monotonic()
+        for _ in range(2):  # a warm worker found dead as it is handed the job: once more, in a new one
+            worker = self._worker_for(workload.spec, name)
+            warm = worker.jobs > 0
+            kind, payload, memory = worker.run(job, job_kwargs, timeout_s)
+            if kind != "gone" or not warm:
+                break
+            logger.info("the worker died between two pieces of work (%s): a new one runs the next",
+                        _exit_cause(worker.proc.exitcode))
+            self._retire()
+        if kind == "gone":
+            kind, payload = "crashed", f"worker process {_exit_cause(self._worker.proc.exitcode)}"
+        if kind != "result" or not self._clean(memory) or worker.jobs == self.trials_per_worker:
+            self._retire()
+        seconds = time.monotonic() - started
+        if kind == "usage":
+            raise UsageError(payload)
+        if kind == "error":
+            return "failed", payload.splitlines()[0], seconds
+        return kind, payload, seconds
+
+    def _worker_for(self, spec: dict, name: str) -> _Worker:
+        if self._worker is not None and not self._worker.serves(spec):
+            if not self._worker.proc.is_alive():
+                logger.info("the waiting worker is gone (%s): a new one runs the next piece of work",
+                            _exit_cause(self._worker.proc.exitcode))
+            self._retire()
+        if self._worker is None:
+            self._worker = _Worker(spec, self.device, name)
+            self.started += 1
+        return self._worker
+
+    def _clean(self, memory: Any) -> bool:
+        held, baseline = memory if memory is not None else (None, None)
+        if held is None or baseline is None:
+            return False
+        if held > baseline + CLEAN_TOLERANCE_BYTES:
+            self.replaced_unclean += 1
+            logger.info("the worker holds %d bytes on the device, %d more than before its first trial: a new one "
+                        "runs the next", held, held - baseline)
+            return False
+        return True
+
+    def _retire(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+
+    def close(self) -> None:
+        """Stop the worker, if one is waiting."""
+        self._retire()
+
+
 def run_isolated(workload: Workload, job: Callable[..., Any], job_kwargs: dict, *, name: str,
-                 timeout_s: float | None) -> tuple[str, Any, float]:
+                 timeout_s: float | None, device: torch.device | str = "cpu") -> tuple[str, Any, float]:
     """Run ``job(workload, **job_kwargs)`` in a fresh spawned process; return (outcome, payload, seconds).
 
     ``job`` is a module-level function (the worker imports it by name) whose result pickles. The
     outcome is ``"result"`` (payload: what the job returned), ``"timeout"``, ``"crashed"`` or
-    ``"failed"`` (payload: one line saying why; for ``"crashed"``, "worker process killed by SIGKILL"). Bad input found in the worker is raised here as
-    :class:`UsageError`; ``KeyboardInterrupt`` kills the worker.
+    ``"failed"`` (payload: one line saying why; for ``"crashed"``, "worker process killed by SIGKILL").
+    Bad input found in the worker is raised here as :class:`UsageError`; ``KeyboardInterrupt`` kills
+    the worker. The worker has exited when this returns.
     """
-    if workload.spec is None:
-        raise UsageError("process isolation needs a workload built by Workload.from_specs (or autotune.tune)")
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    started = time.monotonic()
-    proc = ctx.Process(target=_worker, args=(sender, workload.spec, job, job_kwargs, logger.getEffectiveLevel()),
-                       name=name, daemon=True)
-    proc.start()
-    sender.close()  # the worker holds the only writing end: its death closes the pipe
-    limit = timeout_s + STARTUP_GRACE_S if timeout_s else None
-    message = None
+    workers = Workers(device, trials_per_worker=1)
     try:
-        while message is None:
-            if receiver.poll(_POLL_S):
-                try:
-                    message = receiver.recv()
-                except EOFError:
-                    break  # the worker died without a word
-            elif not proc.is_alive():
-                break
-            if message is None and limit is not None and time.monotonic() - started > limit:
-                proc.kill()
-                proc.join()
-                return ("timeout", f"the worker ran past {limit:g} s and was killed (--trial-timeout plus start-up)",
-                        time.monotonic() - started)
+        return workers.run(workload, job, job_kwargs, name=name, timeout_s=timeout_s)
     finally:
-        if message is None:
-            proc.kill()
-        proc.join(_EXIT_GRACE_S)  # a worker that has answered but hangs on its way out is not waited for
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        receiver.close()
-    seconds = time.monotonic() - started
-    if message is None:
-        return "crashed", f"worker process {_exit_cause(proc.exitcode)}", seconds
-    kind, payload = message
-    if kind == "usage":
-        raise UsageError(payload)
-    if kind == "error":
-        return "failed", payload.splitlines()[0], seconds
-    return "result", payload, seconds
+        workers.close()
 
 
 def _run_work(workload: Workload, *, work: Work, device: str) -> Any:
@@ -175,16 +348,27 @@ def _run_work(workload: Workload, *, work: Work, device: str) -> Any:
 
 
 class Spawned(Venue):
-    """Each piece of work in a fresh spawned worker process (see the module docstring)."""
+    """Each piece of work in a spawned worker process, warm from one piece of work to the next (see the module docstring)."""
 
     kind = "process"
+
+    def __init__(self, device: torch.device | str, trials_per_worker: int | None = None) -> None:
+        super().__init__(device)
+        self.workers = Workers(self.device, trials_per_worker)
 
     def admit(self, workload: Workload) -> None:
         check_picklable(workload)  # one clear line now, not every trial crashed later
 
     def run(self, workload: Workload, work: Work) -> Any:
-        status, payload, seconds = run_isolated(workload, _run_work, {"work": work, "device": str(self.device)},
-                                                name=work.name, timeout_s=work.timeout_s)
+        status, payload, seconds = self.workers.run(workload, _run_work, {"work": work, "device": str(self.device)},
+                                                    name=work.name, timeout_s=work.timeout_s)
         if status == "result":
             return work.decode(payload)
         return work.failed(status, payload, seconds)
+
+    def describe(self) -> dict[str, Any]:
+        return {"workers_started": self.workers.started, "workers_replaced_unclean": self.workers.replaced_unclean,
+                "trials_per_worker": self.workers.trials_per_worker}
+
+    def close(self) -> None:
+        self.workers.close()

@@ -43,8 +43,12 @@ class Here(Venue):
         return work.run(workload, Place(self.device, self.meter))
 
 
-def venue_for(isolation: str, device: torch.device, job: "Job | None" = None) -> Venue:
-    """The venue for ``--isolation`` (``none`` or ``process``, already resolved) or, with ``job``, every rank."""
+def venue_for(isolation: str, device: torch.device, job: "Job | None" = None, *,
+              trials_per_worker: int | None = None) -> Venue:
+    """The venue for ``--isolation`` (``none`` or ``process``, already resolved) or, with ``job``, every rank.
+
+    ``trials_per_worker`` caps the trials one worker process serves (``process``; 1: a fresh one each).
+    """
     if job is not None:
         from autotune.execution.ranks import Ranks
 
@@ -52,5 +56,5 @@ def venue_for(isolation: str, device: torch.device, job: "Job | None" = None) ->
     if isolation == "process":
         from autotune.execution.spawn import Spawned
 
-        return Spawned(device)
+        return Spawned(device, trials_per_worker)
     return Here(device)

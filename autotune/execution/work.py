@@ -126,3 +126,16 @@ class Venue(abc.ABC):
     @abc.abstractmethod
     def run(self, workload: "Workload", work: Work) -> Any:
         """Run ``work`` on ``workload`` here; return its result (failures are results; bad input raises)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the report's ``search`` says of this venue beyond its kind (the workers it started, say)."""
+        return {}
+
+    def close(self) -> None:
+        """Let go of what the venue holds between pieces of work (a warm worker); it may be used again after."""
+
+    def __enter__(self) -> "Venue":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -169,6 +169,7 @@ class Workload:
         if cached is not None:
             template, states = cached
             _set_random_states(states)
+            torch.cuda.manual_seed_all(seed)  # as the build's manual_seed left it (a build on the CPU draws none there)
             return _copy_model(template).train()
         if seed is not None:
             torch.manual_seed(seed)
@@ -193,6 +194,15 @@ class Workload:
             if all(t.device.type == "cpu" for t in (*template.parameters(), *template.buffers())):
                 _copy_model(template)  # a model that cannot be copied is built every time
                 self._found[key] = (template, states)
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The tensors this workload keeps between trials (the models :meth:`warm` built, their random states)."""
+        kept: list[torch.Tensor] = []
+        for key, value in self._found.items():
+            if isinstance(key, tuple) and key[0] == "model" and value is not None:
+                template, states = value
+                kept += [*template.parameters(), *template.buffers(), *(s for s in states if isinstance(s, torch.Tensor))]
+        return kept
 
     def make_batch(self, model: nn.Module, batch_size: int) -> Any:
         """Return the batch of ``batch_size`` samples that memory is measured on (on the CPU).
