@@ -30,7 +30,7 @@ from autotune.device import resolve_device
 from autotune.errors import Interrupted, first_line
 from autotune.options import Options
 from autotune.preparation import ModelFacts, Study, Target, describe, plan_study, preflight, resolve
-from autotune.analysis.pareto import probe_candidates
+from autotune.analysis.pareto import LineRule, probe_candidates
 from autotune.plans import ALL
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
@@ -108,7 +108,9 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
     """Stage 4: the strategy's trials in the study (partial when interrupted: the report is still made)."""
     options = target.options
     strategy = make_strategy(options.strategy, headroom=target.budget.headroom, budgets=target.budget.all,
-                             fixed_bytes_hint=facts.fixed_bytes, n_trials=options.n_trials)
+                             fixed_bytes_hint=facts.fixed_bytes, n_trials=options.n_trials,
+                             line_rule=LineRule.of(facts.fixed_bytes, facts.optimizer_state_bytes is not None,
+                                                   (target.data_profile or {}).get("shapes_vary", False)))
     space = study.space
     planned = {"grid": len(space), "optuna": min(len(space), options.n_trials or max(1, len(space) // 4))}.get(strategy.name)
     events.call("search_started", space_size=len(space), planned=planned, strategy=strategy.name,

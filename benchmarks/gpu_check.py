@@ -106,6 +106,21 @@ def main() -> int:
     check(crashed.status == "crashed" and "CUDA" in (crashed.error or ""), "the device-side assert is recorded as crashed")
     check(after.status == "ok", "a fresh worker trains the next trial")
 
+    print("3b. Warm workers: one worker serves an ok trial, an OOM and another, and measures as fresh workers do")
+    works = [TrialWork(Config("fp32", 0, 8), settings, budget), TrialWork(Config("fp32", 0, 4096), settings, budget),
+             TrialWork(Config("bf16" if "bf16" in names else "fp16", 0, 16), settings, budget)]
+    with Spawned(dev) as warm, Spawned(dev, trials_per_worker=1) as fresh:
+        warm_runs = [warm.run(workload, w) for w in works]
+        fresh_runs = [fresh.run(workload, w) for w in works]
+        started = warm.describe()
+    print(f"  warm: {[(m.status, m.peak_allocated_bytes, round(m.setup_s or 0, 2)) for m in warm_runs]}; {started}")
+    print(f"  fresh: {[(m.status, m.peak_allocated_bytes, round(m.setup_s or 0, 2)) for m in fresh_runs]}")
+    check([m.status for m in warm_runs] == ["ok", "oom", "ok"], "warm: ok, oom, ok")
+    check(started["workers_started"] == 1 and started["workers_replaced_unclean"] == 0,
+          "one warm worker served all three (the OOM left it at its baseline)")
+    check([m.peak_allocated_bytes for m in warm_runs] == [m.peak_allocated_bytes for m in fresh_runs],
+          "a warm worker's allocated peaks equal fresh workers' (cuBLAS workspaces counted in both)")
+
     print("4. A small tune: isolated trials (the CUDA default), then the probe on token_dataset")
     start = time.monotonic()
     report = autotune.tune("autotune.examples:TinyGPT", data="autotune.examples:token_dataset", device="cuda",
@@ -116,6 +131,9 @@ def main() -> int:
     print(f"  tune took {time.monotonic() - start:.1f} s")
     check(report.recommendation is not None, "a recommendation under 4 GiB")
     check(report.search["isolation"] == "process", "trials ran in worker processes")
+    print(f"  workers started {report.search.get('workers_started')}, replaced unclean "
+          f"{report.search.get('workers_replaced_unclean')}, set-up {report.search['setup_s']} s, steps "
+          f"{report.search['steps_s']} s")
     for c in report.plan_checks:
         print(f"  plan check {c.plan}: {c.status}, relative difference {c.max_rel_diff}, run-to-run noise {c.noise}")
     check(bool(report.plan_checks) and all(c.ok for c in report.plan_checks),

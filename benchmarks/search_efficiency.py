@@ -51,8 +51,9 @@ import torch
 import autotune
 from autotune.device import backend_for
 from autotune.meters import TensorMeter
-from autotune.analysis.pareto import recommend
-from autotune.records import Config
+from autotune.analysis.pareto import LineRule, batch_limits, line_failures, recommend
+from autotune.plans import Plan
+from autotune.records import Config, Measurement
 from autotune.search.space import SearchSpace
 from autotune.units import format_bytes, parse_size
 from autotune.training.workload import Workload
@@ -110,6 +111,74 @@ def finder_rows(grid, budget, headroom):
         rec = recommend(picks, budget, headroom) or recommend(picks, budget, 0.0)
         rows[name] = {"trials": trials, "trial_seconds": round(seconds, 1), "limits": found, "recommendation": rec}
     return rows
+
+
+def measured_state(report) -> tuple[float | None, str]:
+    """The fixed state a grid report's model holds (weights, gradients, optimizer state): the report's own where it
+    measured it (schema 4), else measured now as the tuner measures it (AdamW, the report's model and kwargs)."""
+    optimizer = report.workload.get("optimizer") or {}
+    if optimizer.get("state_bytes") is not None:
+        return report.workload["fixed_bytes"], "the report's"
+    from autotune.training.optimizer import OptimizerSpec, measure_state_bytes
+
+    workload = Workload.from_specs(report.workload["model"], model_kwargs=report.workload.get("model_kwargs"))
+    model = workload.build_model(seed=0)
+    state, _ = measure_state_bytes(OptimizerSpec(), model, 1e-4)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return (None if state is None else 2 * weights + state), "measured now"
+
+
+def oracle(report) -> dict:
+    """The fewest trials that know every limit of a grid report: an oracle that knows each boundary beforehand.
+
+    It measures each variant's largest fitting batch (or, where none fits, its smallest), times the
+    grid's recommendation (a point of its variant's line too), and measures each next size up
+    unless the rules auto uses imply it from the trials it has: the variant's memory line through
+    its trials and the measured state (:class:`~autotune.analysis.pareto.LineRule`), or a measured
+    failure at that size of a plan that needs no more memory (chosen greedily, the failure that
+    implies the most first). Every trial is the grid's own, so the limits it finds are checked
+    against the grid's.
+    """
+    space = report.search["space"]
+    sizes, plans, blocks, budget = sorted(space["batch_sizes"]), space["segments"], space.get("blocks"), report.budget_bytes
+    grid = {m.config: m for m in report.trials}
+    variants = list(dict.fromkeys(m.config.variant for m in report.trials))
+    state, state_source = measured_state(report)
+    rule = LineRule.of(state, state is not None, shapes_vary=report.data is not None)
+    chosen: dict[Config, Measurement] = {}
+    failing: set[Config] = set()
+    for variant in variants:
+        fits = [b for b in sizes if grid[Config(*variant, b)].fits(budget)]
+        if not fits:
+            chosen[Config(*variant, sizes[0])] = grid[Config(*variant, sizes[0])]
+            continue
+        chosen[Config(*variant, fits[-1])] = grid[Config(*variant, fits[-1])]
+        if fits[-1] != sizes[-1]:
+            failing.add(Config(*variant, sizes[sizes.index(fits[-1]) + 1]))
+    recommended = report.recommendation  # timed: a point of the variant's line too, so it comes first
+    timed_extra = recommended is not None and recommended.config not in chosen
+    if timed_extra:
+        chosen[recommended.config] = grid[recommended.config]
+    by_line = set(line_failures(chosen.values(), budget, sizes, rule)) & failing
+    open_ = failing - by_line
+    by_plan = 0
+    while open_:  # greedy cover: the measured failure that implies the most open failing sides
+        def covers(c: Config) -> set[Config]:
+            return {f for f in open_ if f.precision == c.precision and f.batch_size == c.batch_size
+                    and (f == c or Plan(c.segments).needs_no_more_memory_than(f.segments, blocks))}
+        candidates = [c for c in grid if not grid[c].fits(budget) and grid[c].status in ("oom", "ok") and c not in chosen]
+        best = max(candidates, key=lambda c: (len(covers(c)), c in open_))
+        covered = covers(best)
+        chosen[best] = grid[best]
+        by_plan += len(covered - {best})
+        open_ -= covered
+    found = {(r["precision"], r["segments"]): (r["max_batch_size"], r.get("bracketed"))
+             for r in batch_limits(chosen.values(), budget, batch_sizes=sizes, plans=plans, blocks=blocks, line_rule=rule)}
+    exact = {(r["precision"], r["segments"]): (r["max_batch_size"], True) for r in report.limits}
+    return {"trials": len(chosen), "share_of_grid": round(len(chosen) / len(grid), 3), "variants": len(variants),
+            "failing_sides": len(failing), "implied_by_line": len(by_line), "implied_by_plan": by_plan,
+            "recommendation_timed_extra": timed_extra, "state_bytes": state, "state_source": state_source,
+            "limits_equal_grid": found == exact}
 
 
 class _Batches(torch.utils.data.IterableDataset):
@@ -255,7 +324,11 @@ def run_model(name, args, folder):
             m.memory_from is not None for m in auto.trials),
         timed_after_memory_trial=sum(m.memory_from is not None for m in auto.trials),
         timed_again=sum(m.timings > 1 for m in auto.trials),
-        failures_implied=sum("min_oom_implied_by" in r for r in auto.limits))
+        failures_implied=sum(r.get("min_oom_rule") == "nested-plan" for r in auto.limits),
+        failures_implied_by_line=sum(r.get("min_oom_rule") == "memory-line" for r in auto.limits))
+    floor = oracle(grid)
+    row("oracle", floor["trials"], None, {(r["precision"], r["segments"]): r["max_batch_size"] for r in grid.limits}
+        if floor["limits_equal_grid"] else {}, best, "none", **{k: v for k, v in floor.items() if k != "trials"})
     for method, found in finder_rows(grid, budget, grid.headroom).items():
         row(method, found["trials"], found["trial_seconds"], found["limits"], found["recommendation"], "grid trial seconds")
     memory_model = auto.to_dict()["memory_model"]
@@ -277,6 +350,8 @@ def run_model(name, args, folder):
         "memory_model": memory_model,
         "methods": rows,
         "real_finders": real,
+        "auto_vs_oracle_trials": round(auto.search["n_run"] / floor["trials"], 3),
+        "auto_vs_grid_wall": round(auto.search["wall_s"] / grid.search["wall_s"], 3),
     }
 
 
@@ -315,7 +390,7 @@ def markdown(data) -> str:
                   "| method | trials | share of grid | seconds | exact limits | recommendation | throughput vs grid's best |",
                   "|---|---:|---:|---:|---:|---|---:|"]
         for r in model["methods"]:
-            secs = f"{r['seconds']}" + (" (grid's trials)" if r["seconds_kind"] != "wall" else "")
+            secs = "-" if r["seconds"] is None else f"{r['seconds']}" + (" (grid's trials)" if r["seconds_kind"] != "wall" else "")
             lines.append(f"| {r['method']} | {r['trials']} | {r['trials_share_of_grid']:.0%} | {secs} | "
                          f"{r['plans_exact']}/{r['plans']} | {r['recommendation']} | {r['throughput_vs_grid_best']} |")
         auto = next((r for r in model["methods"] if r["method"] == "auto"), None)
@@ -324,7 +399,15 @@ def markdown(data) -> str:
             lines += ["", f"auto: {auto['memory_trials']} of its {auto['trials']} trials were memory trials (metered, not "
                       f"timed), {auto['timed_after_memory_trial']} of them timed later; {auto['timed_again']} near ties "
                       f"timed again; {auto['failures_implied']} limits' failing side implied by a plan that needs no "
-                      f"more memory. Wall time {auto['seconds'] / grid['seconds']:.0%} of the grid's."]
+                      f"more memory and {auto.get('failures_implied_by_line', 0)} by the plan's own memory line. "
+                      f"Wall time {auto['seconds'] / grid['seconds']:.0%} of the grid's."]
+        floor = next((r for r in model["methods"] if r["method"] == "oracle"), None)
+        if auto and floor:
+            lines += ["", f"oracle: the fewest trials that know every limit (computed from the grid's trials: each plan's "
+                      f"largest fitting batch, the grid's recommendation timed, and each of the {floor['failing_sides']} "
+                      f"failing sides measured unless implied, {floor['implied_by_line']} by the memory line through the "
+                      f"state ({floor['state_source']}) and {floor['implied_by_plan']} by a nested plan's measured failure): "
+                      f"{floor['trials']} trials. auto ran {auto['trials'] / floor['trials']:.2f}x the oracle's trials."]
         if model["real_finders"]:
             if data.get("real_finders_command"):
                 lines += ["", f"Real finders rerun with `{data['real_finders_command']}`."]

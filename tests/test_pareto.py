@@ -1,4 +1,4 @@
-from autotune.analysis.pareto import batch_limits, implied_failures, pareto_front, recommend
+from autotune.analysis.pareto import LineRule, batch_limits, implied_failures, line_failures, pareto_front, recommend
 from autotune.records import Config, Measurement
 
 MiB = 2**20
@@ -58,8 +58,51 @@ def test_a_failure_implies_the_failures_of_plans_that_need_more_memory_and_the_l
     rows = {r["segments"]: r for r in batch_limits(trials, 1000 * MiB, batch_sizes=(32, 64, 128), plans=plans, blocks=12)
             if r["precision"] == "fp32"}
     assert rows["4"] == {"precision": "fp32", "segments": "4", "max_batch_size": 64, "min_oom_batch_size": 128,
-                         "min_oom_implied_by": "fp32 segments=all batch=128", "bracketed": True}
+                         "min_oom_implied_by": "fp32 segments=all batch=128", "min_oom_rule": "nested-plan",
+                         "bracketed": True}
     assert rows["2"]["min_oom_batch_size"] == 64 and "min_oom_implied_by" not in rows["2"]  # its own trial
     assert rows["all"]["bracketed"] and "min_oom_implied_by" not in rows["all"]
     # without the plans (an old report), nothing is implied: the limit is open
     assert not {r["segments"]: r for r in batch_limits(trials, 1000 * MiB, batch_sizes=(32, 64, 128))}["4"]["bracketed"]
+
+
+# --- failing sides implied by a variant's memory line (LineRule) -----------------------------------------------
+
+
+def _ok(precision, plan, b, peak):
+    return Measurement(Config(precision, plan, b), "ok", peak_bytes=peak, step_s=0.1, samples_per_s=b / 0.1)
+
+
+def test_the_memory_line_implies_sizes_it_predicts_well_over_the_limit():
+    rule = LineRule(100 * MiB)  # the state: weights, gradients and optimizer state, measured
+    trials = [_ok("fp32", "0", 4, 500 * MiB)]  # 100 MiB of state, 100 MiB per sample
+    sizes = [1, 2, 4, 8, 16, 32]
+    # at 8: 900 MiB predicted, under 1.25 x 1000 MiB (measure it); at 16: 1700 MiB
+    assert line_failures(trials, 1000 * MiB, sizes, rule) == {Config("fp32", "0", 16): 1700 * MiB,
+                                                              Config("fp32", "0", 32): 3300 * MiB}
+    assert line_failures(trials, 1000 * MiB, sizes, None) == {}  # no rule: the state was not measured
+    assert line_failures(trials, 1000 * MiB, sizes, LineRule(100 * MiB, min_points=2)) == {}  # data whose shapes vary
+    assert line_failures(trials, None, sizes, rule) == {}  # no budget, nothing fails
+    (row,) = batch_limits(trials + [_ok("fp32", "0", 8, 900 * MiB)], 1000 * MiB, batch_sizes=sizes, line_rule=rule)
+    assert row == {"precision": "fp32", "segments": "0", "max_batch_size": 8, "min_oom_batch_size": 16,
+                   "min_oom_implied_by": "memory line", "min_oom_rule": "memory-line",
+                   "min_oom_predicted_bytes": 1700 * MiB, "bracketed": True}
+
+
+def test_a_memory_line_that_misses_its_own_points_implies_nothing():
+    rule, sizes = LineRule(100 * MiB), [4, 8, 16, 32]
+    close = [_ok("fp32", "0", 4, 500 * MiB), _ok("fp32", "0", 8, 905 * MiB)]  # within 2% of one line
+    far = [_ok("fp32", "0", 4, 500 * MiB), _ok("fp32", "0", 8, 700 * MiB)]  # the state is not this line's fixed part
+    assert Config("fp32", "0", 16) in line_failures(close, 1000 * MiB, sizes, rule)
+    assert line_failures(far, 1000 * MiB, sizes, rule) == {}
+    assert LineRule.of(100 * MiB, state_measured=False, shapes_vary=False) is None
+    assert LineRule.of(100 * MiB, state_measured=True, shapes_vary=True).min_points == 2
+
+
+def test_a_measured_failure_of_a_nested_plan_is_named_before_the_memory_line():
+    rule, sizes = LineRule(100 * MiB), [4, 8, 16]
+    trials = [_ok("fp32", "0", 4, 500 * MiB), _ok("fp32", "0", 8, 900 * MiB),
+              Measurement(Config("fp32", "all", 16), "oom", peak_bytes=1001 * MiB)]
+    rows = {r["segments"]: r for r in batch_limits(trials, 1000 * MiB, batch_sizes=sizes, plans=["0", "all"], blocks=4,
+                                                    line_rule=rule)}
+    assert rows["0"]["min_oom_rule"] == "nested-plan" and rows["0"]["min_oom_implied_by"] == "fp32 segments=all batch=16"

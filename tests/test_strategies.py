@@ -12,7 +12,7 @@ import pytest
 
 from autotune.errors import UsageError
 from autotune.analysis.memory_model import MemoryModel
-from autotune.analysis.pareto import batch_limits, recommend
+from autotune.analysis.pareto import LineRule, batch_limits, recommend
 from autotune.plans import Plan
 from autotune.records import Config, Measurement
 from autotune.search.space import SearchSpace
@@ -77,10 +77,11 @@ def run(strategy, trial, space=SPACE, budget=BUDGET):
     return measured
 
 
-def limits(measured, budget=BUDGET, sizes=SPACE.batch_sizes, space=SPACE):
+def limits(measured, budget=BUDGET, sizes=SPACE.batch_sizes, space=SPACE, line_rule=None):
     """Each variant's largest fitting batch, and whether the next size up is known not to fit (measured or implied)."""
     return {(r["precision"], r["segments"]): (r["max_batch_size"], r["bracketed"])
-            for r in batch_limits(measured.values(), budget, batch_sizes=sizes, plans=space.segments, blocks=space.blocks)}
+            for r in batch_limits(measured.values(), budget, batch_sizes=sizes, plans=space.segments, blocks=space.blocks,
+                                  line_rule=line_rule)}
 
 
 def grid_limits(trial, space=SPACE, budget=BUDGET):
@@ -316,3 +317,72 @@ def test_a_selective_plan_does_not_hide_a_faster_block_plan_at_the_same_batch():
     best = recommend(grid.values(), BUDGET)
     assert best.config == Config("fp32", "every4", 16)
     assert recommend(auto.values(), BUDGET).config == best.config
+
+
+# The memory line implies a failing side only where it is measured: the state (8 MiB here, the curves' fixed part) and
+# the plan's own trials. A coarse allocator or noise must not move a limit.
+@pytest.mark.parametrize("curve", [linear, noisy, stepwise])
+def test_failing_sides_implied_by_the_memory_line_save_trials_and_move_no_limit(curve):
+    trial, rule = measure(curve), LineRule(8 * MiB)
+    without = run(AutoStrategy(fixed_bytes_hint=8 * MiB), trial)
+    auto = run(AutoStrategy(fixed_bytes_hint=8 * MiB, line_rule=rule), trial)
+    assert limits(auto, line_rule=rule) == grid_limits(trial)  # every limit bracketed, and the grid's
+    assert auto.trials <= without.trials
+    rows = batch_limits(auto.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.segments, blocks=BLOCKS,
+                        line_rule=rule)
+    by_line = [r for r in rows if r.get("min_oom_rule") == "memory-line"]
+    for r in by_line:  # not measured, predicted well over the budget, and really over it
+        config = Config(r["precision"], r["segments"], r["min_oom_batch_size"])
+        assert config not in auto and r["min_oom_predicted_bytes"] >= 1.25 * BUDGET and curve(config) > BUDGET
+    if curve is linear:
+        assert by_line and auto.trials < without.trials
+
+
+def test_the_memory_line_needs_two_points_where_batches_change_shape():
+    trial = measure(linear)
+    one = run(AutoStrategy(fixed_bytes_hint=8 * MiB, line_rule=LineRule(8 * MiB)), trial)
+    two = run(AutoStrategy(fixed_bytes_hint=8 * MiB, line_rule=LineRule(8 * MiB, min_points=2)), trial)
+    assert limits(two, line_rule=LineRule(8 * MiB, min_points=2)) == grid_limits(trial)
+    assert one.trials <= two.trials
+
+
+def _timed(precision, plan, b, step_s):
+    return Measurement(Config(precision, plan, b), "ok", peak_bytes=MiB, step_s=step_s, samples_per_s=b / step_s)
+
+
+def test_the_time_model_bounds_a_checkpointed_step_from_the_plan_without_recompute_and_the_recompute_seen():
+    from autotune.search.strategies.auto import step_time_bound
+
+    def base(b):
+        return 0.01 + 0.001 * b
+
+    measured = {m.config: m for m in (_timed("bf16", "0", 16, base(16)), _timed("bf16", "0", 32, base(32)))}
+    # before any checkpointed plan is timed, the bound is the plan without recompute's own line
+    assert step_time_bound(Config("bf16", "all", 128), measured, BLOCKS) == pytest.approx(128 / base(128))
+    slow = _timed("bf16", "all", 64, base(64) * 1.4)  # recomputing every block cost 40% here
+    measured[slow.config] = slow
+    share = Plan("2").recompute_share(BLOCKS)
+    assert step_time_bound(Config("bf16", "2", 128), measured, BLOCKS) == pytest.approx(128 / (base(128) * (1 + 0.4 * share)))
+    fast = _timed("bf16", "8", 64, base(64) * 0.9)  # faster than no recompute (noise): the bound takes no recompute cost
+    measured[fast.config] = fast
+    assert step_time_bound(Config("bf16", "2", 128), measured, BLOCKS) == pytest.approx(128 / base(128))
+    assert step_time_bound(Config("bf16", "0", 24), measured, BLOCKS) is None  # between plan 0's own timed sizes
+    assert step_time_bound(Config("bf16", "0", 8), measured, BLOCKS) == pytest.approx(8 / base(8))  # outside them
+    assert step_time_bound(Config("fp32", "2", 128), measured, BLOCKS) is None  # nothing timed in fp32
+
+
+def test_a_climb_step_to_a_checkpointed_point_is_skipped_once_the_time_model_says_it_cannot_win():
+    from autotune.search.strategies.auto import _View
+
+    def base(b):  # the plan without recompute: 76 samples/s at 32, 86 at 64, 93 at 128 if it fitted
+        return 0.1 + 0.01 * b
+
+    envelope = [Config("bf16", "0", 32), Config("bf16", "0", 64), Config("bf16", "2", 128)]
+    measured = {c: _timed("bf16", "0", c.batch_size, base(c.batch_size)) for c in envelope[:2]}
+    view = _View(SPACE, measured, None, frozenset())
+    best = measured[envelope[1]]
+    # no recompute cost seen yet: plan 2 at 128 might reach 93 samples/s, more than 86 and its noise: timed
+    assert AutoStrategy._climb(envelope, view, best) == envelope[2]
+    slow = _timed("bf16", "all", 16, base(16) * 1.5)  # recomputing every block cost 50%: plan 2 at 128 at most 74
+    measured[slow.config] = slow
+    assert AutoStrategy._climb(envelope, _View(SPACE, measured, None, frozenset()), best) is None

@@ -6,6 +6,7 @@ probed candidate wins. No torch: a report is analysed where it is read.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from autotune.plans import Plan
@@ -14,8 +15,8 @@ from autotune.records import Config, Measurement, ProbeResult, usable_bytes
 if TYPE_CHECKING:
     from autotune.analysis.memory_model import MemoryModel
 
-__all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "bracket", "implied_failures", "probe_candidates",
-           "choose"]
+__all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "bracket", "implied_failures", "LineRule",
+           "line_failures", "probe_candidates", "choose"]
 
 
 def feasible(measurements: Iterable[Measurement], budget_bytes: int | None) -> list[Measurement]:
@@ -101,13 +102,83 @@ def implied_failures(measurements: Iterable[Measurement], limit: float | None, p
     return implied
 
 
+@dataclasses.dataclass(frozen=True)
+class LineRule:
+    """When a variant's own memory line may imply that a batch size does not fit (see :func:`line_failures`).
+
+    The line is measured, not assumed. Its fixed part is ``state_bytes``, what a step holds whatever
+    the batch: weights, gradients and the optimizer's state, measured for the model with the user's
+    optimizer (mixed precision keeps fp32 weights, gradients and state in every mode autotune runs,
+    so one measurement serves every plan and precision). Its slope, per sample, comes from the
+    variant's own ok trials, least squares through that fixed part. A size is implied not to fit
+    where the line predicts at least ``margin`` times the limit; where the variant has two or more ok
+    trials the line must also fit each within ``tolerance``. ``min_points`` is 2 where batches change
+    shape with their size (the worst batches of real data): one batch's shape says nothing of a
+    larger one's.
+    """
+
+    state_bytes: float
+    min_points: int = 1
+    margin: float = 1.25
+    tolerance: float = 0.02
+    name: str = "memory-line"
+
+    @classmethod
+    def of(cls, fixed_bytes: float | None, state_measured: bool, shapes_vary: bool) -> "LineRule | None":
+        """The rule a workload allows: None where the optimizer's state was not measured (its size is a guess)."""
+        if fixed_bytes is None or not state_measured:
+            return None
+        return cls(float(fixed_bytes), min_points=2 if shapes_vary else 1)
+
+    def per_sample(self, peaks: Mapping[int, float]) -> float | None:
+        """The line's bytes per sample through ``peaks`` ({batch size: ok trial's peak}), or None where the rule
+        may not use them (too few, a line that does not rise, or one that misses a point by more than the tolerance)."""
+        if len(peaks) < self.min_points or not peaks:
+            return None
+        slope = sum(b * (y - self.state_bytes) for b, y in peaks.items()) / sum(b * b for b in peaks)
+        if slope <= 0:
+            return None
+        if len(peaks) >= 2 and any(abs(self.state_bytes + slope * b - y) > self.tolerance * y for b, y in peaks.items()):
+            return None
+        return slope
+
+
+def line_failures(measurements: Iterable[Measurement], limit: float | None, batch_sizes: Iterable[int],
+                  rule: LineRule | None) -> dict[Config, int]:
+    """Configurations not measured that the variant's memory line says do not fit ``limit``: {config: predicted bytes}.
+
+    Only sizes above the variant's largest fitting trial, where ``rule`` (:class:`LineRule`) allows it.
+    """
+    if rule is None or limit is None:
+        return {}
+    measured = {m.config: m for m in measurements}
+    peaks: dict[tuple[str, str], dict[int, float]] = {}
+    for m in measured.values():
+        if m.status == "ok" and m.peak_bytes:
+            peaks.setdefault(m.config.variant, {})[m.batch_size] = float(m.peak_bytes)
+    implied: dict[Config, int] = {}
+    for variant, points in peaks.items():
+        slope = rule.per_sample(points)
+        if slope is None:
+            continue
+        above = max((m.batch_size for m in measured.values() if m.config.variant == variant and m.fits(limit)), default=0)
+        for b in sorted(batch_sizes):
+            predicted = rule.state_bytes + slope * b
+            config = Config(*variant, b)
+            if b > above and config not in measured and predicted >= rule.margin * limit:
+                implied[config] = round(predicted)
+    return implied
+
+
 def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, *,
                  batch_sizes: Sequence[int] | None = None, model: "MemoryModel | None" = None,
-                 plans: Iterable[str] = (), blocks: int | None = None) -> list[dict]:
+                 plans: Iterable[str] = (), blocks: int | None = None, line_rule: LineRule | None = None) -> list[dict]:
     """Per variant (precision, plan): the largest feasible batch size and the smallest infeasible one.
 
-    The infeasible one is measured, or implied (``plans`` and ``blocks`` given) by a measured
-    failure of a plan that needs no more memory: then ``min_oom_implied_by`` names that trial.
+    The infeasible one is measured, or implied: by a measured failure of a plan that needs no
+    more memory (``plans`` and ``blocks`` given; ``min_oom_implied_by`` names that trial,
+    ``min_oom_rule`` is ``nested-plan``), or by the variant's memory line (``line_rule`` and
+    ``batch_sizes`` given; ``min_oom_rule`` ``memory-line``, with ``min_oom_predicted_bytes``).
     With the space's ``batch_sizes``, each row also says whether the two are neighbours there
     (``bracketed``: the limit is exact), and with a fitted ``model`` it adds the model's
     ``predicted_max_batch_size`` for rows that are not.
@@ -116,14 +187,18 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
     variants: dict[tuple[str, str], list[Measurement]] = {}
     for m in measurements:
         variants.setdefault(m.config.variant, []).append(m)
-    implied = implied_failures(measurements, budget_bytes, plans, blocks)
-    by_variant: dict[tuple[str, str], dict[int, Config]] = {}
-    for config, source in implied.items():
-        by_variant.setdefault(config.variant, {})[config.batch_size] = source
+    by_variant: dict[tuple[str, str], dict[int, dict]] = {}
+    line = line_failures(measurements, budget_bytes, batch_sizes or (), line_rule)
+    for config, predicted in line.items():
+        by_variant.setdefault(config.variant, {})[config.batch_size] = {
+            "min_oom_implied_by": "memory line", "min_oom_rule": line_rule.name, "min_oom_predicted_bytes": predicted}
+    for config, source in implied_failures(measurements, budget_bytes, plans, blocks).items():  # a measured trial first
+        by_variant.setdefault(config.variant, {})[config.batch_size] = {
+            "min_oom_implied_by": str(source), "min_oom_rule": "nested-plan"}
     rows = []
     for (precision, segments), trials in variants.items():  # in the order the trials came
         fitting = [m.batch_size for m in trials if m.fits(budget_bytes)]
-        too_big = {m.batch_size: None for m in trials if _too_big(m, budget_bytes)}
+        too_big: dict[int, dict | None] = {m.batch_size: None for m in trials if _too_big(m, budget_bytes)}
         above = max(fitting, default=0)
         for b, source in by_variant.get((precision, segments), {}).items():
             if b > above and all(b < t for t in too_big):
@@ -136,7 +211,7 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
             "min_oom_batch_size": smallest,
         }
         if smallest is not None and too_big[smallest] is not None:
-            row["min_oom_implied_by"] = str(too_big[smallest])
+            row.update(too_big[smallest])
         if batch_sizes is not None:
             sizes = sorted(batch_sizes)
             outcomes = {b: False for b in too_big if b in sizes}

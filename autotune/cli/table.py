@@ -67,11 +67,17 @@ def _limit_lines(report: Any) -> list[str]:
         f"{row['precision']}/{row['segments']}: {row['max_batch_size'] if row['max_batch_size'] is not None else 'none'}"
         for row in limits
     ))
-    implied = [row for row in limits if "min_oom_implied_by" in row]
-    if implied:
-        lines.append(f"{len(implied)} of these limits end where a plan that needs no more memory ran out of it at the "
+    nested = [row for row in limits if row.get("min_oom_rule", "nested-plan") == "nested-plan" and "min_oom_implied_by" in row]
+    if nested:
+        lines.append(f"{len(nested)} of these limits end where a plan that needs no more memory ran out of it at the "
                      f"next size (no trial of its own): " + ", ".join(
-                         f"{row['precision']}/{row['segments']} by {row['min_oom_implied_by']}" for row in implied))
+                         f"{row['precision']}/{row['segments']} by {row['min_oom_implied_by']}" for row in nested))
+    by_line = [row for row in limits if row.get("min_oom_rule") == "memory-line"]
+    if by_line:
+        lines.append(f"{len(by_line)} end where the plan's own memory line (the measured state plus its trials' bytes per "
+                     f"sample) predicts 1.25x the budget or more at the next size (no trial of its own): " + ", ".join(
+                         f"{row['precision']}/{row['segments']} at {row['min_oom_batch_size']} "
+                         f"({format_bytes(row['min_oom_predicted_bytes'])})" for row in by_line))
     if report.data:
         d = report.data
         read = "every item" if d["method"] == "exhaustive" else (

@@ -34,6 +34,7 @@ cannot take its workers with it) exits within a second instead of training on.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import multiprocessing
@@ -94,6 +95,10 @@ def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING)
             if workload is None:
                 workload = Workload.from_specs(**spec)
                 backend = backend_for(device)
+                # What exists now (interpreter, imports, the workload) lives as long as the worker: frozen out of the
+                # collector, so that each trial's garbage collection and the check after it walk only what came later.
+                gc.collect()
+                gc.freeze()
                 baseline = _held(backend, workload)
             reply: tuple = ("result", job(workload, **job_kwargs))
         except UsageError as exc:
@@ -143,12 +148,12 @@ def check_picklable(workload: Workload) -> None:
     try:
         finder.dump(workload.spec)
     except Exception as exc:  # noqa: BLE001 - PicklingError, AttributeError ("Can't pickle local object"), TypeError
-        raise UsageError(f"--isolation process runs each trial in a fresh process, which needs the model, data and loss "
+        raise UsageError(f"--isolation process runs trials in a worker process, which needs the model, data and loss "
                          f"pickled, and they cannot be ({type(exc).__name__}: {first_line(exc)}): define them at module "
                          f"level in an importable file (pass MODULE:ATTR), or use --isolation none") from None
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     if finder.in_main and not main_file:
-        raise UsageError(f"--isolation process runs each trial in a fresh process, which cannot import "
+        raise UsageError(f"--isolation process runs trials in a worker process, which cannot import "
                          f"{finder.in_main[0]}: it is defined in __main__ (a notebook or python -c), not in a file: move "
                          f"it to a module (pass MODULE:ATTR), or use --isolation none")
 

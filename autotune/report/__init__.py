@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from autotune.analysis.memory_model import MemoryModel
-from autotune.analysis.pareto import batch_limits, choose, pareto_front, recommend
+from autotune.analysis.pareto import LineRule, batch_limits, choose, pareto_front, recommend
 from autotune.plans import Plan
 from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan
 from autotune.report.files import write_atomically
@@ -120,10 +120,18 @@ class Report:
         (measured, or implied by a plan that needs no more memory: ``min_oom_implied_by``)."""
         return self._limits(self.budget_bytes)
 
+    @property
+    def line_rule(self) -> LineRule | None:
+        """Where the variants' memory lines may imply a failing side: the search's rule, from the measured state
+        (none before schema 4, whose state was AdamW's 4x the weights, assumed)."""
+        optimizer = self.workload.get("optimizer") or {}
+        shapes_vary = self.data is not None and self.data.get("shapes_vary", True)  # an older profile: assume they do
+        return LineRule.of(self.workload.get("fixed_bytes"), optimizer.get("state_bytes") is not None, shapes_vary)
+
     def _limits(self, budget_bytes: int | None, model: MemoryModel | None = None) -> list[dict]:
         space = self.search.get("space") or {}
         return batch_limits(self.trials, budget_bytes, batch_sizes=space.get("batch_sizes"), model=model,
-                            plans=space.get("segments", ()), blocks=space.get("blocks"))
+                            plans=space.get("segments", ()), blocks=space.get("blocks"), line_rule=self.line_rule)
 
     def to_dict(self) -> dict[str, Any]:
         recommendation = self.recommendation

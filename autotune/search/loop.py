@@ -3,7 +3,7 @@
 Each round reads the store (:func:`autotune.search.workers.survey`: measurements to reuse, trials other
 workers run now), asks the strategy for a configuration, claims it (:func:`autotune.search.workers.claim`)
 and runs it as a real training trial at the venue it was given (:mod:`autotune.execution.venue`:
-this process, a fresh worker, every rank of a job), then records it (:mod:`autotune.search.store`).
+this process, a worker process, every rank of a job), then records it (:mod:`autotune.search.store`).
 
 * **Resume.** Finished trials are reused when they were measured the same way (trial settings,
   and for an OOM a budget at least as large). A trial left RUNNING by a process that is gone is
@@ -206,7 +206,7 @@ def run_search(
 ) -> SearchResult:
     """Run the strategy's proposals as trials in the study until it is done; return every measurement.
 
-    Each trial runs at ``venue`` (this process, a fresh worker, every rank of a job) under
+    Each trial runs at ``venue`` (this process, a worker process, every rank of a job) under
     ``enforced_bytes``, the largest budget (a smaller one is judged by the peaks measured).
     ``on_trial(measurement, reused)`` is called once for each measurement as it becomes known,
     ``reused`` when it comes from the store; ``on_trial_start(config)`` when this worker starts

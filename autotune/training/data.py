@@ -44,10 +44,16 @@ class ItemSizes:
         """p50, p90 and the largest item size."""
         return {"p50": quantile(self.sizes, 0.5), "p90": quantile(self.sizes, 0.9), "max": max(self.sizes)}
 
+    @property
+    def shapes_vary(self) -> bool:
+        """Whether a batch's shape may change with the items in it (and so with its size): sizes or shapes differ
+        between the items read, or not every item was read."""
+        return self.method == "sample" or len(set(self.sizes)) > 1 or len(set(self.shapes)) > 1
+
     def to_dict(self) -> dict[str, Any]:
         return {"items": self.n_items, "read": len(self.indices), "method": self.method,
                 "size_unit": "length" if self.method == "lengths" else "elements of the item's largest tensor",
-                **self.quantiles()}
+                **self.quantiles(), "shapes_vary": self.shapes_vary}
 
 
 def _shapes(item: Any) -> tuple[tuple[int, ...], ...]:

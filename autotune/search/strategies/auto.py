@@ -7,7 +7,9 @@ the measurements alone, so a resumed search or a second worker picks up where th
 1. **Bracket** every plan's boundary under the budget, exactly at the resolution of the batch
    sizes: the largest size that fits is a measured trial, and so is the next size up (which does
    not fit) unless a plan that needs no more memory failed at that size
-   (:meth:`autotune.plans.Plan.needs_no_more_memory_than`; the limits name the trial that implies it). Plans
+   (:meth:`autotune.plans.Plan.needs_no_more_memory_than`; the limits name the trial that implies it)
+   or the variant's own memory line, measured, predicts at least 1.25x the budget there
+   (:class:`autotune.analysis.pareto.LineRule`; the limits give the predicted bytes). Plans
    go from the most recompute to the least, so such failures come first. The next trial of a plan
    is the size the model predicts to be the largest that fits, inside the bracket still open
    (before any peak is known: the middle size, whose activations outweigh the fixed part, then
@@ -26,7 +28,11 @@ the measurements alone, so a resumed search or a second worker picks up where th
    the plan with the least recompute) to a local maximum of samples/s: both neighbours timed and
    slower. A point measured only for memory is completed by
    a timing. A precision that is slower in every configuration timed in both and needs more
-   memory in every plan is not climbed.
+   memory in every plan is not climbed; the precision with the fastest trial climbs first, so the
+   other is often found slower before it climbs. A climb step the time model
+   (:func:`step_time_bound`: the plan without recompute's ``a + c b``, times ``1 + k r`` for a
+   recompute share ``r``) says cannot beat the fastest trial by more than the timing noise is not
+   timed.
 4. **Near ties.** Where the fastest trial under a budget and the next lie within their spreads of
    each other, each is timed once more, alternately, and judged on the steps of both runs.
 """
@@ -36,7 +42,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from autotune.analysis.memory_model import MemoryModel
-from autotune.analysis.pareto import bracket, implied_failures
+from autotune.analysis.pareto import LineRule, bracket, implied_failures, line_failures
 from autotune.plans import Plan
 from autotune.records import Config, Measurement, usable_bytes
 from autotune.search.space import SearchSpace
@@ -83,14 +89,49 @@ def _dominates(fast: str, slow: str, measured: Mapping[Config, Measurement], mod
 
 
 _WAIT = object()  # a phase that must wait for other workers' trials before the next phase may start
+_NOISE = 0.05  # the least timing noise between two trials assumed when skipping a climb step (a spread may read 0)
+
+
+def step_time_bound(config: Config, measured: Mapping[Config, Measurement], blocks: int | None) -> float | None:
+    """An optimistic samples/s of ``config`` from the trials timed so far; None without a model.
+
+    The time model: a step of the plan without recompute takes ``a + c b`` (least squares through
+    that plan's timed trials of the precision, two or more), and recomputing a share ``r`` of the
+    blocks multiplies it by ``1 + k r``. ``k`` is the smallest any timed checkpointed plan of the
+    precision shows (0 before one is timed, or if one was faster): recompute only adds work, so the
+    bound errs towards a faster step. For the plan without recompute itself the line speaks only
+    outside its timed sizes: above them a step's time grows at least as fast as the line (caches and
+    memory traffic do not make a large batch cheaper per sample), below them a positive ``a`` is the
+    step's fixed cost, and a negative one makes the bound larger still. Between two timed sizes a
+    curve may bulge above the line, so there it says nothing.
+    """
+    plan = Plan(config.plan)
+    steps = {m.batch_size: m.step_s for c, m in measured.items()
+             if c.precision == config.precision and Plan(c.plan).off and m.step_s and m.timed}
+    if len(steps) < 2 or (plan.off and min(steps) <= config.batch_size <= max(steps)):
+        return None  # no line yet; or a point between the plan's own timed ones, where a curve may bulge above it
+    n, sb, st = len(steps), sum(steps), sum(steps.values())
+    sbb, sbt = sum(b * b for b in steps), sum(b * t for b, t in steps.items())
+    c = (n * sbt - sb * st) / (n * sbb - sb * sb)
+    a = (st - c * sb) / n
+
+    def base(b: int) -> float:
+        return a + c * b
+
+    ks = [(m.step_s / base(m.batch_size) - 1) / share for cfg, m in measured.items()
+          if cfg.precision == config.precision and m.step_s and m.timed and base(m.batch_size) > 0
+          and (share := Plan(cfg.plan).recompute_share(blocks)) > 0 and not Plan(cfg.plan).off]
+    k = max(0.0, min(ks, default=0.0))
+    step = base(config.batch_size) * (1 + k * plan.recompute_share(blocks))
+    return config.batch_size / step if step > 0 else None
 
 
 class _View:
     """What the measurements say, as the phases read it: the memory model, each variant's trials, implied failures."""
 
     def __init__(self, space: SearchSpace, measured: Mapping[Config, Measurement], fixed_bytes_hint: float | None,
-                 pending: frozenset[Config]) -> None:
-        self.space, self.measured, self.pending = space, measured, pending
+                 pending: frozenset[Config], line_rule: LineRule | None = None) -> None:
+        self.space, self.measured, self.pending, self.line_rule = space, measured, pending, line_rule
         self.sizes = sorted(space.batch_sizes)
         self.ordered = space.ordered_plans()  # least recompute first
         # Bracketed from the most recompute down: a plan's failure implies the failures of the plans that
@@ -102,18 +143,30 @@ class _View:
         self.by_variant: dict[tuple[str, str], dict[int, Measurement]] = {}
         for c, m in measured.items():
             self.by_variant.setdefault(c.variant, {})[c.batch_size] = m
-        self._implied: dict[float | None, dict[Config, Config]] = {}
+        self._implied: dict[float | None, dict[Config, object]] = {}
 
     def outcomes(self, variant: tuple[str, str], limit: float | None) -> dict[int, bool]:
-        """Batch size -> fits ``limit``: measured, or implied not to by a plan that needs no more memory."""
+        """Batch size -> fits ``limit``: measured, or implied not to by a plan that needs no more memory or by the
+        variant's memory line (:class:`~autotune.analysis.pareto.LineRule`)."""
         if limit not in self._implied:
-            self._implied[limit] = implied_failures(self.measured.values(), limit, self.space.segments, self.space.blocks)
+            self._implied[limit] = {
+                **line_failures(self.measured.values(), limit, self.sizes, self.line_rule),
+                **implied_failures(self.measured.values(), limit, self.space.segments, self.space.blocks)}
         known = {c.batch_size: False for c in self._implied[limit] if c.variant == variant}
         known.update({b: m.fits(limit) for b, m in self.by_variant.get(variant, {}).items()})
         return known
 
     def predicted(self, variant: tuple[str, str]) -> dict[int, float] | None:
         return None if variant not in self.model.lines else {b: self.model.predict(variant, b) for b in self.sizes}
+
+    def speed_bound(self, config: Config) -> float | None:
+        """The most samples/s ``config`` can reach, by the time model (:func:`step_time_bound`), or None."""
+        return step_time_bound(config, self.measured, self.space.blocks)
+
+    def best(self, limit: float | None) -> Measurement | None:
+        """The fastest timed trial within ``limit``."""
+        timed = [m for m in self.measured.values() if m.fits(limit) and m.samples_per_s is not None]
+        return max(timed, key=lambda m: (m.samples_per_s, -(m.peak_bytes or 0)), default=None)
 
     def timed(self, config: Config) -> bool:
         """Whether ``config`` has a step time."""
@@ -158,14 +211,16 @@ class AutoStrategy(Strategy):
 
     name = "auto"
 
-    def __init__(self, *, headroom: float = 0.1, budgets: Iterable[int] = (), fixed_bytes_hint: float | None = None) -> None:
+    def __init__(self, *, headroom: float = 0.1, budgets: Iterable[int] = (), fixed_bytes_hint: float | None = None,
+                 line_rule: LineRule | None = None) -> None:
         self.headroom = headroom
         self.budgets = tuple(sorted(set(budgets)))
         self.fixed_bytes_hint = fixed_bytes_hint
+        self.line_rule = line_rule  # where the memory line may imply a failing side (the tuner's, from measured state)
 
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], enforced_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
-        view = _View(space, measured, self.fixed_bytes_hint, pending)
+        view = _View(space, measured, self.fixed_bytes_hint, pending, self.line_rule)
         for phase in (self._bracket, self._other_budgets, self._throughput, self._near_ties):
             proposal = phase(view, enforced_bytes)
             if proposal is _WAIT:
@@ -191,9 +246,11 @@ class AutoStrategy(Strategy):
                 waiting = True
                 continue
             config = Config(*variant, b)
-            # Timed at once only where the climb (3.) starts: the largest batch of the plan without recompute.
-            wanted = variant[1] == view.ordered[0] and any(config in envelope for limit in self._limits(enforced_bytes)
-                                                           for envelope in view.envelopes(config.precision, limit))
+            # Timed at once only where the climb (3.) starts: the largest batch of the plan without recompute on an
+            # envelope (as predicted now), not a point the bracket passes on its way there.
+            wanted = variant[1] == view.ordered[0] and any(
+                config == max((c for c in envelope if c.plan == variant[1]), key=lambda c: c.batch_size, default=None)
+                for limit in self._limits(enforced_bytes) for envelope in view.envelopes(config.precision, limit))
             return Proposal(config, timed=wanted)
         return _WAIT if waiting else None
 
@@ -211,12 +268,16 @@ class AutoStrategy(Strategy):
         """3. Throughput along each precision's envelope, for every budget less headroom; a precision slower
         wherever both were measured, and needing more memory in every plan, is skipped."""
         for limit in self._limits(enforced_bytes):
-            for precision in view.space.precisions:
+            # The precision with the fastest timed trial first: a slower one is often dominated once both are timed.
+            fastest = {p: max((m.samples_per_s for c, m in view.measured.items() if c.precision == p
+                               and m.samples_per_s is not None and m.fits(limit)), default=0.0)
+                       for p in view.space.precisions}
+            for precision in sorted(view.space.precisions, key=lambda p: -fastest[p]):
                 if any(_dominates(other, precision, view.measured, view.model, view.variants, view.sizes[0], view.sizes[-1])
                        for other in view.space.precisions if other != precision):
                     continue
                 for envelope in view.envelopes(precision, limit):
-                    config = self._climb(envelope, view)
+                    config = self._climb(envelope, view, view.best(limit))
                     if config is not None and config not in view.pending:
                         return Proposal(config)  # a memory trial of it is completed by this timing
         return None
@@ -249,8 +310,11 @@ class AutoStrategy(Strategy):
         return None
 
     @staticmethod
-    def _climb(envelope: list[Config], view: _View) -> Config | None:
-        """The next point of a throughput climb along ``envelope``, or None at a local maximum."""
+    def _climb(envelope: list[Config], view: _View, best: Measurement | None = None) -> Config | None:
+        """The next point of a throughput climb along ``envelope``, or None at a local maximum.
+
+        A point the time model says cannot beat ``best`` (the fastest timed trial under the limit) by more
+        than the timing noise is not timed (:func:`step_time_bound`)."""
         speeds = {i: view.measured[c].samples_per_s for i, c in enumerate(envelope) if view.timed(c)}
         if not envelope:
             return None
@@ -260,10 +324,15 @@ class AutoStrategy(Strategy):
         # Hill climbing: measure the neighbours of the fastest point until both are measured and slower.
         # (A step to the neighbour costs one trial; a bisection would cost more where the maximum sits
         # near the largest batch, as it does on GPUs.) The larger neighbour first.
-        best = max(speeds, key=lambda i: (speeds[i], -i))
-        for i in (best + 1, best - 1):
-            if 0 <= i < len(envelope) and i not in speeds:
-                return envelope[i]
+        top = max(speeds, key=lambda i: (speeds[i], -i))
+        steps = [i for i in (top + 1, top - 1) if 0 <= i < len(envelope) and i not in speeds]
+        # A checkpointed step the time model cannot bound yet waits for a step without recompute, which may give it one.
+        steps.sort(key=lambda i: best is not None and not Plan(envelope[i].plan).off and view.speed_bound(envelope[i]) is None)
+        for i in steps:
+            bound = view.speed_bound(envelope[i]) if best is not None else None
+            if bound is not None and bound <= best.samples_per_s * (1 + max(_NOISE, best.step_s_spread or 0.0)):
+                continue  # it cannot win: as if timed and slower
+            return envelope[i]
         return None
 
 
