@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Statuses and peaks of every configuration {'equal' if same else 'DIFFER'} between the modes of a space. "
             f"Set-up runs from the search asking for a trial to its first step; the rest of a worker's wall time is "
             f"its release, the check that it holds no more than before its first trial, and the result's way back. "
-            f"The search's wall time leaves out the plan checks before it, which start the first warm worker.\n")
+            f"The search's wall time leaves out the plan checks before it, which start the first warm worker where the "
+            f"space has a checkpoint plan (the first space); in the second the first trial starts it.\n")
     (out / "trial_overhead-cpu.json").write_text(json.dumps({"command": command, "same_measurements": same,
                                                              "rows": rows}, indent=2) + "\n")
     (out / "trial_overhead-cpu.md").write_text(text)

@@ -86,6 +86,31 @@ def test_isolated_trial_killed_by_sigkill_is_recorded_and_the_search_finishes(tm
     assert report.recommendation == fastest and report.recommendation.batch_size != 4
 
 
+def test_a_warm_worker_killed_between_two_trials_of_a_search_costs_no_trial(tmp_path):
+    # After each trial the search's warm worker waits for the next; killing it there must not record a crash:
+    # the next trial runs in a new worker, and the search measures what the same search in this process measures.
+    import multiprocessing
+
+    killed = []
+
+    def kill_the_waiting_worker(measurement, reused):
+        if len(killed) < 3:
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGKILL)
+                killed.append(child.pid)
+
+    space = dict(model_kwargs=TINY, device="cpu", budget=320_000, precisions="fp32", segments="0,2", batch_sizes="1..8",
+                 measure_steps=2, strategy="grid", probe=False)
+    warm = autotune.tune("autotune.examples:TinyGPT", isolation="process", storage=f"sqlite:///{tmp_path}/w.db",
+                         on_trial=kill_the_waiting_worker, **space)
+    here = autotune.tune("autotune.examples:TinyGPT", isolation="none", storage=f"sqlite:///{tmp_path}/h.db", **space)
+    assert len(killed) == 3
+    assert [(m.config, m.status, m.peak_bytes) for m in warm.trials] == [(m.config, m.status, m.peak_bytes)
+                                                                        for m in here.trials]
+    assert "crashed" not in {m.status for m in warm.trials}
+    assert warm.search["workers_started"] == 1 + 3  # the plan checks' worker served the first trial
+
+
 def _group(pgid: int) -> list[int]:
     """The processes of process group ``pgid`` that are still running (zombies do not count)."""
     found = []

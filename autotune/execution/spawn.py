@@ -12,7 +12,9 @@ kept for the next piece of work of the same workload as long as it is as clean a
 after each piece of work it releases what that work left (garbage collection, the allocator's
 cache, cuBLAS's workspaces, the peak statistics) and counts what it still holds on the device
 (:meth:`~autotune.device.Backend.held_bytes`); more than ``CLEAN_TOLERANCE_BYTES`` above what it
-held before its first piece of work, and it is replaced. That check, not the work's status,
+held before its first piece of work, and it is replaced. The result goes back first and the check
+follows it, so the search records the trial and chooses the next while the worker checks itself;
+the check is read before the worker is handed anything more. That check, not the work's status,
 decides whether a worker survives an out-of-memory error. A worker that crashed or timed out is
 replaced too, and one found dead between two pieces of work is replaced before it takes the next.
 
@@ -82,6 +84,7 @@ def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING)
         logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
         logger.setLevel(log_level)
     workload = backend = baseline = None
+    jobs, frozen = 0, 0  # frozen: the bytes counted when what the first job left was frozen out of the collector
     while True:
         try:
             message = conn.recv()
@@ -105,8 +108,15 @@ def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING)
             reply = ("usage", str(exc))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which records the trial
             reply = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
+        conn.send(reply)  # the result first: the parent goes on while this worker checks itself
         held = None if workload is None else _held(backend, workload)
-        conn.send((*reply, held, baseline))
+        conn.send(("held", None if held is None else held + frozen, baseline))
+        jobs += 1
+        if jobs == 1 and held is not None and held <= baseline + CLEAN_TOLERANCE_BYTES:
+            # What the first job left (lazy imports, library caches) lives on too: frozen as well, its tensors' bytes
+            # counted once here, so that every later collection and check walk only what later jobs made.
+            gc.freeze()
+            frozen = held
 
 
 def _held(backend: Any, workload: Workload) -> int | None:
@@ -179,6 +189,7 @@ class _Worker:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.spec, self.jobs = spec, 0
+        self.checking = False  # its check after the last job is on its way (read before the next job)
         self.proc = ctx.Process(target=_serve, args=(child, spec, device, logger.getEffectiveLevel()), name=name,
                                 daemon=True)
         self.proc.start()
@@ -192,8 +203,8 @@ class _Worker:
             same = False
         return same and self.proc.is_alive()
 
-    def run(self, job: Callable[..., Any], job_kwargs: dict, timeout_s: float | None) -> tuple[str, Any, Any]:
-        """Hand the worker a job and wait; return (outcome, payload, held bytes and baseline).
+    def run(self, job: Callable[..., Any], job_kwargs: dict, timeout_s: float | None) -> tuple[str, Any]:
+        """Hand the worker a job and wait; return (outcome, payload); its check follows (:meth:`check`).
 
         Outcomes: ``"result"``, ``"usage"``, ``"error"`` (payload: the worker's text), ``"timeout"``,
         ``"crashed"`` (payload: one line) and ``"gone"``: the worker died before it took the job.
@@ -206,12 +217,12 @@ class _Worker:
             self.conn.send(("job", job, job_kwargs))
         except OSError:  # BrokenPipeError: it is gone
             self.proc.join(_EXIT_GRACE_S)
-            return "gone", None, None
+            return "gone", None
         try:
             taken = self._receive(deadline)
             if taken is None:
                 self.proc.join(_EXIT_GRACE_S)
-                return "gone", None, None
+                return "gone", None
             message = self._receive(deadline) if taken is not _LATE else _LATE
         except BaseException:  # KeyboardInterrupt: the worker goes with the work
             self.kill()
@@ -219,12 +230,25 @@ class _Worker:
         if message is _LATE:
             self.kill()
             grace = "start-up" if fresh else f"{WARM_GRACE_S:g} s"
-            return "timeout", f"the worker ran past {limit:g} s and was killed (--trial-timeout plus {grace})", None
+            return "timeout", f"the worker ran past {limit:g} s and was killed (--trial-timeout plus {grace})"
         if message is None:
             self.proc.join(_EXIT_GRACE_S)
-            return "crashed", f"worker process {_exit_cause(self.proc.exitcode)}", None
-        kind, payload, held, baseline = message
-        return kind, payload, (held, baseline)
+            return "crashed", f"worker process {_exit_cause(self.proc.exitcode)}"
+        self.checking = True
+        return message
+
+    def check(self) -> tuple[int | None, int | None] | None:
+        """The check the worker sent after its last job: (held bytes, baseline); None if it died or hung first."""
+        self.checking = False
+        try:
+            message = self._receive(time.monotonic() + WARM_GRACE_S)
+        except BaseException:
+            self.kill()
+            raise
+        if message is None or message is _LATE:
+            return None
+        _, held, baseline = message
+        return held, baseline
 
     def _receive(self, deadline: float | None) -> Any:
         """The worker's next message; None when it died first, ``_LATE`` past ``deadline``."""
@@ -281,7 +305,7 @@ class Workers:
         for _ in range(2):  # a warm worker found dead as it is handed the job: once more, in a new one
             worker = self._worker_for(workload.spec, name)
             warm = worker.jobs > 0
-            kind, payload, memory = worker.run(job, job_kwargs, timeout_s)
+            kind, payload = worker.run(job, job_kwargs, timeout_s)
             if kind != "gone" or not warm:
                 break
             logger.info("the worker died between two pieces of work (%s): a new one runs the next",
@@ -289,8 +313,8 @@ class Workers:
             self._retire()
         if kind == "gone":
             kind, payload = "crashed", f"worker process {_exit_cause(self._worker.proc.exitcode)}"
-        if kind != "result" or not self._clean(memory) or worker.jobs == self.trials_per_worker:
-            self._retire()
+        if kind != "result" or worker.jobs == self.trials_per_worker:
+            self._retire()  # a result's worker is checked as the next piece of work comes (_worker_for)
         seconds = time.monotonic() - started
         if kind == "usage":
             raise UsageError(payload)
@@ -299,6 +323,8 @@ class Workers:
         return kind, payload, seconds
 
     def _worker_for(self, spec: dict, name: str) -> _Worker:
+        if self._worker is not None and self._worker.checking and not self._clean(self._worker.check()):
+            self._retire()
         if self._worker is not None and not self._worker.serves(spec):
             if not self._worker.proc.is_alive():
                 logger.info("the waiting worker is gone (%s): a new one runs the next piece of work",
@@ -309,9 +335,11 @@ class Workers:
             self.started += 1
         return self._worker
 
-    def _clean(self, memory: Any) -> bool:
+    def _clean(self, memory: tuple[int | None, int | None] | None) -> bool:
         held, baseline = memory if memory is not None else (None, None)
         if held is None or baseline is None:
+            logger.info("the worker could not say what it holds (it died, hung, or its device failed): a new one runs "
+                        "the next piece of work")
             return False
         if held > baseline + CLEAN_TOLERANCE_BYTES:
             self.replaced_unclean += 1
