@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from autotune.errors import AutotuneError, Interrupted, TrialTimeoutError, UsageError, is_oom
+from autotune.errors import AutotuneError, Interrupted, NothingFits, StateDoesNotFit, TrialTimeoutError, UsageError, is_oom
 from autotune.records import (
     Config,
     GuardRails,
@@ -86,6 +86,7 @@ __all__ = [
     "__version__", "tune", "Options", "apply", "Applied", "accumulation_plan", "Report", "load", "Measurement", "Config",
     "SearchSpace", "TrialSettings", "GuardRails", "ProbeSettings", "ProbeResult", "run_trial", "Workload", "Meter",
     "TensorMeter", "MemoryReading", "make_meter", "Chain", "AppliedPlan", "find_chain", "apply_plan", "remove_plan",
-    "PlanCheck", "check_plans", "AutotuneError", "UsageError", "Interrupted", "BudgetExceededError", "TrialTimeoutError",
+    "PlanCheck", "check_plans", "AutotuneError", "UsageError", "Interrupted", "NothingFits", "StateDoesNotFit",
+    "BudgetExceededError", "TrialTimeoutError",
     "is_oom", "parse_size", "format_bytes",
 ]

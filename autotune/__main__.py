@@ -217,6 +217,9 @@ def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
         _say(f"{how()} after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
              f"{exc.report.search['storage']}: run the same command to continue")
         return _interrupted_code(stopped)
+    except autotune.NothingFits as exc:  # the model's state alone exceeds the budget: no trial ran, no report
+        _say(str(exc))
+        return EXIT_NOTHING_FITS
     except (UsageError, AutotuneError) as exc:
         _say(f"error: {exc}")
         return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR

@@ -26,7 +26,7 @@ from autotune.errors import UsageError, first_line
 from autotune.meters import Meter
 from autotune.training.precision import PRECISIONS
 
-__all__ = ["Backend", "CudaBackend", "backend_for", "make_meter", "resolve_device", "ram_bytes", "slowdown_vs_fp32", "SLOW_FACTOR"]
+__all__ = ["Backend", "CudaBackend", "backend_for", "make_meter", "resolve_device", "ram_bytes", "available_ram_bytes", "slowdown_vs_fp32", "SLOW_FACTOR"]
 
 SLOW_FACTOR = 8.0  # a mode whose matmuls run this many times slower than fp32 leaves the defaults
 
@@ -76,6 +76,18 @@ def ram_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def available_ram_bytes() -> int | None:
+    """The memory the machine could give a process now (Linux's MemAvailable), or None where the OS does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _cpu_name() -> str:

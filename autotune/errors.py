@@ -14,6 +14,7 @@ __all__ = [
     "UsageError",
     "Interrupted",
     "NothingFits",
+    "StateDoesNotFit",
     "TrialTimeoutError",
     "is_oom",
     "is_device_crash",
@@ -44,6 +45,16 @@ class NothingFits(AutotuneError):
     def __init__(self, message: str, report: object) -> None:
         super().__init__(message)
         self.report = report
+
+
+class StateDoesNotFit(NothingFits):
+    """The model's training state alone (weights, gradients, the optimizer's state) exceeds the budget, so no trial
+    could fit: raised before any trial runs (no report: ``report`` is None). ``state`` holds the bytes by part; the
+    message (one line) names the levers that would fit, with figures."""
+
+    def __init__(self, message: str, state: dict[str, int]) -> None:
+        super().__init__(message, None)
+        self.state = state
 
 
 class TrialTimeoutError(AutotuneError):

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -19,8 +20,8 @@ from torch import nn
 from autotune._log import logger
 from autotune.plans.checkpointing import Chain, find_chain, order_chain
 from autotune.training.data import scan_items, worst_indices
-from autotune.device import Backend, backend_for, resolve_device
-from autotune.errors import UsageError, first_line
+from autotune.device import Backend, available_ram_bytes, backend_for, resolve_device
+from autotune.errors import StateDoesNotFit, UsageError, first_line
 from autotune.options import Options
 from autotune.plans.check import run_checks
 from autotune.plans import ALL, Plan, auto_plans
@@ -28,7 +29,7 @@ from autotune.training.optimizer import UNPRIMED_NOTICE, measure_state_bytes
 from autotune.training.precision import keep_in_fp32
 from autotune.execution.venue import venue_for
 from autotune.execution.work import Venue
-from autotune.records import Budget, PlanCheck, TrialSettings
+from autotune.records import Budget, PlanCheck, TrialSettings, usable_bytes
 from autotune.search.space import SearchSpace
 from autotune.search.store import default_storage, default_study_name, fingerprint, store_plan_checks, stored_plan_checks
 from autotune.thirdparty import library_checkpointing
@@ -157,11 +158,14 @@ def preflight(target: Target) -> ModelFacts:
     params = list(model.parameters())
     facts = ModelFacts(type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() * p.element_size() for p in params), find_chain(model), None)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     del params
-    _check_fits(facts, target.budget.bytes)
     try:
-        chain = _forward(model, workload, device, batch_size, facts)
+        # The optimizer's state is measured on the CPU, before the model goes to the device: a model whose state
+        # does not fit is told so with figures, not met by an out-of-memory error in its first forward pass.
         state, unprimed = measure_state_bytes(workload.optimizer, model, target.options.trial_settings.lr)
+        _check_state_fits(facts, gradient_bytes, state, workload.optimizer.name, target)
+        chain = _forward(model, workload, device, batch_size, facts)
         library = _library_switch(model)
     finally:
         del model
@@ -172,13 +176,58 @@ def preflight(target: Target) -> ModelFacts:
                                unprimed=unprimed)
 
 
-def _check_fits(facts: ModelFacts, budget_bytes: int | None) -> None:
-    if budget_bytes is not None and facts.parameter_bytes >= budget_bytes:
-        raise UsageError(
-            f"--budget {format_bytes(budget_bytes)} is smaller than the model's parameters alone "
-            f"({facts.parameter_count:,} parameters, {format_bytes(facts.parameter_bytes)}); training needs their "
-            f"gradients and the optimizer's state too (AdamW: about 4x the parameters in all): raise --budget"
-        )
+def _check_state_fits(facts: ModelFacts, gradient_bytes: int, state_bytes: int | None, optimizer: str,
+                      target: Target) -> None:
+    """Raise :class:`StateDoesNotFit` when the training state alone exceeds the usable budget (no trial could fit),
+    with the levers that would fit: FSDP ranks, the state offloaded to host memory, an optimizer with less state."""
+    budget = target.budget
+    if budget.bytes is None:
+        return
+    usable = usable_bytes(budget.bytes, budget.headroom)
+    guessed = state_bytes is None  # an optimizer that could not be primed: AdamW's two moments as the guess
+    optimizer_bytes = 2 * facts.parameter_bytes if guessed else state_bytes
+    total = facts.parameter_bytes + gradient_bytes + optimizer_bytes
+    if total < usable:
+        return
+    parts = {"weights": facts.parameter_bytes, "gradients": gradient_bytes, "optimizer_state": optimizer_bytes}
+    name = optimizer.rsplit(":", 1)[-1].rsplit(".", 1)[-1]  # torch.optim:AdamW -> AdamW
+    raise StateDoesNotFit(state_levers(parts, name, guessed, budget.bytes, budget.headroom,
+                                       available_ram_bytes()), parts)
+
+
+def state_levers(parts: dict[str, int], optimizer: str, guessed: bool, budget_bytes: int, headroom: float,
+                 host_bytes: int | None) -> str:
+    """One line: the state by part, against the budget, and what would fit (see :func:`_check_state_fits`).
+
+    Sharding leaves at least a quarter of the usable budget to activations on each rank (they are not
+    measured here: no trial ran); offloading the state leaves the device the activations and the
+    weights of the blocks being computed.
+    """
+    usable = usable_bytes(budget_bytes, headroom)
+    total = sum(parts.values())
+    ranks = max(2, math.ceil(total / (0.75 * usable)))
+    about = "about " if guessed else ""
+    host = (f", {format_bytes(host_bytes)} available here" + ("" if host_bytes >= total else ", not enough")
+            if host_bytes is not None else "")
+    weights_and_gradients = parts["weights"] + parts["gradients"]
+    if parts["optimizer_state"] == 0:
+        smaller = ""
+    elif weights_and_gradients < usable:
+        smaller = (f"; or an optimizer that holds less state: the weights and gradients alone are "
+                   f"{format_bytes(weights_and_gradients)}, leaving {format_bytes(usable - weights_and_gradients)} for "
+                   f"the state and activations (SGD without momentum holds none; --optimizer)")
+    else:
+        smaller = (f"; no optimizer alone makes it fit: the weights and gradients are "
+                   f"{format_bytes(weights_and_gradients)} without any state")
+    return (f"nothing fits: training {'the' if not guessed else 'this'} model needs {about}{format_bytes(total)} "
+            f"before any activation (weights {format_bytes(parts['weights'])}, gradients "
+            f"{format_bytes(parts['gradients'])}, {optimizer} state {about}{format_bytes(parts['optimizer_state'])}), more "
+            f"than --budget {format_bytes(budget_bytes)} less {headroom:.0%} headroom ({format_bytes(usable)}); it "
+            f"would fit sharded over {ranks} ranks (--parallel fsdp under torchrun --nproc-per-node {ranks}: "
+            f"{format_bytes(total / ranks)} of state on each, {format_bytes(usable - total / ranks)} left for "
+            f"activations), or with the state in host memory (FSDP2's CPUOffloadPolicy, on one rank too: "
+            f"{format_bytes(total)} of host memory{host}; the device keeps the activations and the weights of the "
+            f"blocks being computed){smaller}")
 
 
 def _forward(model: nn.Module, workload: Workload, device: torch.device, batch_size: int, facts: ModelFacts) -> Chain | None:

@@ -62,7 +62,7 @@ def test_preflight_builds_the_model_once_and_lets_it_go(tmp_path, monkeypatch):
 
 
 def test_preflight_refuses_a_budget_below_the_parameters(tmp_path):
-    with pytest.raises(UsageError, match="smaller than the model's parameters"):
+    with pytest.raises(autotune.StateDoesNotFit, match="^nothing fits: training the model needs .* weights "):
         tuner.preflight(tuner.resolve(_options(tmp_path, budget="16KiB")))
 
 
@@ -133,3 +133,20 @@ def test_a_trial_steps_through_the_users_loop(monkeypatch, tmp_path):
     w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)
     m = run_trial(w, Config("bf16", "0", 2), device="cpu", meter=TensorMeter(), settings=TrialSettings(measure_steps=3))
     assert m.status == "ok" and steps == ["bf16"] * (1 + 3)  # one metered warm-up step (the state primed), three timed
+
+
+def test_a_state_that_does_not_fit_is_raised_before_any_trial_with_its_bytes_by_part(tmp_path):
+    storage = f"sqlite:///{tmp_path}/s.db"
+    with pytest.raises(autotune.StateDoesNotFit) as info:
+        autotune.tune("autotune.examples:TinyGPT", device="cpu", budget="6MiB", storage=storage)
+    state = info.value.state
+    weights = sum(p.numel() * 4 for p in autotune.examples.TinyGPT().parameters())
+    assert state["weights"] == state["gradients"] == weights and state["optimizer_state"] > 2 * weights  # moments, steps
+    assert info.value.report is None and "\n" not in str(info.value) and "sharded over 3 ranks" in str(info.value)
+    assert isinstance(info.value, autotune.NothingFits)
+    # SGD holds no state: the weights and gradients alone (4.9 MiB) exceed 4 MiB less headroom, and no optimizer helps
+    with pytest.raises(autotune.StateDoesNotFit) as info:
+        autotune.tune("autotune.examples:TinyGPT", device="cpu", budget="4MiB", optimizer="torch.optim:SGD",
+                      storage=storage)
+    assert info.value.state["optimizer_state"] == 0 and "SGD state 0" in str(info.value)
+    assert "optimizer that holds less" not in str(info.value)
