@@ -105,6 +105,7 @@ class Backend:
     """The CPU (and any non-CUDA device): tensor meter, no synchronisation, trials in this process."""
 
     default_isolation = "none"  # a trial cannot poison the process: no worker start-up to pay
+    held_by_scan = True  # held_bytes walks Python's objects (what gc.freeze hides it no longer sees), not an allocator
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -222,6 +223,7 @@ class CudaBackend(Backend):
     """A CUDA GPU: caching-allocator and NVML meter, asynchronous kernels, one worker process per trial."""
 
     default_isolation = "process"  # a sticky CUDA error or a fragmented cache stays in the worker
+    held_by_scan = False  # the allocator counts every block, frozen objects' too
 
     def __init__(self, device: torch.device) -> None:
         if device.index is None:

@@ -124,6 +124,15 @@ class Leaky(nn.Module):
         return torch.randn(batch_size, 4)
 
 
+class LeaksAtFour(Leaky):
+    """Leaks only at batch size 4: a worker clean after its first trial, not after a later one."""
+
+    def forward(self, x):
+        if x.shape[0] == 4:
+            LEAKED.append(torch.zeros(1 << 20))
+        return self.lin(x).square().mean()
+
+
 class Hangs(nn.Module):
     """Sleeps in forward at batch size 2, where no operator runs to notice the time limit."""
 

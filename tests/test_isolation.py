@@ -172,6 +172,11 @@ def test_a_worker_that_holds_more_than_before_its_first_trial_is_replaced():
         assert first.status == "ok" and venue.describe()["workers_replaced_unclean"] == 0  # its check is on its way
         assert venue.run(leaky, _trial(2)).status == "ok"  # read first: it holds the leaked tensors, so a new worker
         assert venue.describe()["workers_started"] == 2 and venue.describe()["workers_replaced_unclean"] == 1
+    later = Workload.from_specs("tests.models:LeaksAtFour")  # clean after its first trial (then frozen), not later
+    with Spawned("cpu") as venue:
+        for batch_size in (2, 2, 4, 2):
+            assert venue.run(later, _trial(batch_size)).status == "ok"
+        assert venue.describe()["workers_started"] == 2 and venue.describe()["workers_replaced_unclean"] == 1
     with Spawned("cpu", trials_per_worker=1) as venue:  # a fresh worker per trial, as before warm workers
         for batch_size in (2, 4):
             assert venue.run(gpt(), _trial(batch_size)).status == "ok"

@@ -116,7 +116,7 @@ def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING)
             # What the first job left (lazy imports, library caches) lives on too: frozen as well, its tensors' bytes
             # counted once here, so that every later collection and check walk only what later jobs made.
             gc.freeze()
-            frozen = held
+            frozen = held if backend.held_by_scan else 0  # an allocator's count sees frozen tensors anyway
 
 
 def _held(backend: Any, workload: Workload) -> int | None:
