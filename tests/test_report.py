@@ -103,3 +103,19 @@ def test_the_library_line_reads_a_memory_trial_without_a_speed(report):
                "none": {**row, "step_s": None, "samples_per_s": None}}
     table = dataclasses.replace(report, library_checkpointing=library).table()
     assert "no checkpointing: peak 2.00 MiB (a memory trial: not timed)" in table
+
+
+def test_the_table_says_which_limits_the_memory_line_implied(report):
+    # Without fp32's trials at 64 (plan 2's failure there would imply plan 0's first), fp32/0's failing side is
+    # implied by its own line through the measured state and its trial at 4 (its trial at 1 dropped too: at these
+    # sizes the step's batch-independent temporaries bend the line more than the rule's 2% allow)
+    assert report.line_rule is not None and report.line_rule.margin == 1.25
+    dropped = [m for m in report.trials if (m.precision, m.batch_size) == ("fp32", 64) or
+               (m.precision, m.segments, m.batch_size) == ("fp32", "0", 1)]
+    assert len(dropped) == 3 and not any(m.fits(report.budget_bytes) for m in dropped if m.batch_size == 64)
+    trimmed = dataclasses.replace(report, trials=tuple(m for m in report.trials if m not in dropped))
+    row = next(r for r in trimmed.limits if (r["precision"], r["segments"]) == ("fp32", "0"))
+    assert row["min_oom_batch_size"] == 64 and row["min_oom_rule"] == "memory-line" and row["bracketed"]
+    assert row["min_oom_predicted_bytes"] >= 1.25 * report.budget_bytes
+    assert ("end where the plan's own memory line (the measured state plus its trials' bytes per sample) predicts "
+            "1.25x the budget or more at the next size (no trial of its own): fp32/0 at 64") in trimmed.table()

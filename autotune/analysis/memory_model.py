@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from autotune.plans import Plan
 from autotune.records import Measurement
 
-__all__ = ["MemoryLine", "MemoryModel"]
+__all__ = ["MemoryLine", "MemoryModel", "fit_line"]
 
 Variant = tuple[str, str]  # (precision, checkpoint plan name): configurations that differ only in batch size
 # Bytes per element of the activations autocast produces: a first guess of how precisions compare,
@@ -78,8 +78,9 @@ def _points(measurements: Iterable[Measurement]) -> dict[Variant, dict[int, floa
     return points
 
 
-def _line(pts: dict[int, float]) -> tuple[float, float]:
-    """Least-squares intercept and slope through two or more (batch, peak) points."""
+def fit_line(pts: Mapping[int, float]) -> tuple[float, float]:
+    """Least-squares intercept and slope through two or more (batch size, value) points (peaks here, step
+    times in the search's time model)."""
     n = len(pts)
     sx, sy = sum(pts), sum(pts.values())
     sxx, sxy = sum(b * b for b in pts), sum(b * y for b, y in pts.items())
@@ -152,7 +153,7 @@ class MemoryModel:
         for variant, pts in points.items():
             p = variant[0]
             if len(pts) >= 2:
-                fixed, slope = _line(pts)
+                fixed, slope = fit_line(pts)
                 source = "fit"
             else:
                 fixed = intercept.get(p, fallback)

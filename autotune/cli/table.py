@@ -75,7 +75,8 @@ def _limit_lines(report: Any) -> list[str]:
     by_line = [row for row in limits if row.get("min_oom_rule") == "memory-line"]
     if by_line:
         lines.append(f"{len(by_line)} end where the plan's own memory line (the measured state plus its trials' bytes per "
-                     f"sample) predicts 1.25x the budget or more at the next size (no trial of its own): " + ", ".join(
+                     f"sample) predicts {report.line_rule.margin:g}x the budget or more at the next size (no trial of its "
+                     f"own): " + ", ".join(
                          f"{row['precision']}/{row['segments']} at {row['min_oom_batch_size']} "
                          f"({format_bytes(row['min_oom_predicted_bytes'])})" for row in by_line))
     if report.data:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from autotune.analysis.memory_model import MemoryModel
+from autotune.analysis.memory_model import MemoryModel, fit_line
 from autotune.analysis.pareto import LineRule, bracket, implied_failures, line_failures
 from autotune.plans import Plan
 from autotune.records import Config, Measurement, usable_bytes
@@ -110,17 +110,14 @@ def step_time_bound(config: Config, measured: Mapping[Config, Measurement], bloc
              if c.precision == config.precision and Plan(c.plan).off and m.step_s and m.timed}
     if len(steps) < 2 or (plan.off and min(steps) <= config.batch_size <= max(steps)):
         return None  # no line yet; or a point between the plan's own timed ones, where a curve may bulge above it
-    n, sb, st = len(steps), sum(steps), sum(steps.values())
-    sbb, sbt = sum(b * b for b in steps), sum(b * t for b, t in steps.items())
-    c = (n * sbt - sb * st) / (n * sbb - sb * sb)
-    a = (st - c * sb) / n
+    a, c = fit_line(steps)
 
     def base(b: int) -> float:
         return a + c * b
 
     ks = [(m.step_s / base(m.batch_size) - 1) / share for cfg, m in measured.items()
           if cfg.precision == config.precision and m.step_s and m.timed and base(m.batch_size) > 0
-          and (share := Plan(cfg.plan).recompute_share(blocks)) > 0 and not Plan(cfg.plan).off]
+          and (share := Plan(cfg.plan).recompute_share(blocks)) > 0]
     k = max(0.0, min(ks, default=0.0))
     step = base(config.batch_size) * (1 + k * plan.recompute_share(blocks))
     return config.batch_size / step if step > 0 else None
@@ -326,11 +323,11 @@ class AutoStrategy(Strategy):
         # near the largest batch, as it does on GPUs.) The larger neighbour first.
         top = max(speeds, key=lambda i: (speeds[i], -i))
         steps = [i for i in (top + 1, top - 1) if 0 <= i < len(envelope) and i not in speeds]
+        bounds = {i: view.speed_bound(envelope[i]) if best is not None else None for i in steps}
         # A checkpointed step the time model cannot bound yet waits for a step without recompute, which may give it one.
-        steps.sort(key=lambda i: best is not None and not Plan(envelope[i].plan).off and view.speed_bound(envelope[i]) is None)
+        steps.sort(key=lambda i: best is not None and not Plan(envelope[i].plan).off and bounds[i] is None)
         for i in steps:
-            bound = view.speed_bound(envelope[i]) if best is not None else None
-            if bound is not None and bound <= best.samples_per_s * (1 + max(_NOISE, best.step_s_spread or 0.0)):
+            if bounds[i] is not None and bounds[i] <= best.samples_per_s * (1 + max(_NOISE, best.step_s_spread or 0.0)):
                 continue  # it cannot win: as if timed and slower
             return envelope[i]
         return None
