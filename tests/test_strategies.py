@@ -130,10 +130,11 @@ def test_bracketing_measures_the_largest_fit_and_measures_or_implies_the_next_si
 
 
 def test_a_failure_implies_the_failures_of_plans_that_need_more_memory():
-    # Nothing fits: the plan that recomputes every block fails at the middle size and at batch 1, and so does
-    # every other plan, without a trial of its own.
+    # Nothing fits: the plan that recomputes every block fails at the middle size and at batch 1 (the search's first
+    # plan at the largest size before them), and so does every other plan, without a trial of its own.
     auto = run(AutoStrategy(), measure(lambda c: 2 * BUDGET))
-    assert sorted(auto) == sorted(Config(p, "all", b) for p in SPACE.precisions for b in (1, 16))
+    first = Config(SPACE.precisions[0], "all", max(SPACE.batch_sizes))
+    assert sorted(auto) == sorted([first] + [Config(p, "all", b) for p in SPACE.precisions for b in (1, 16)])
     assert all(largest is None for largest, _ in limits(auto).values())
     assert recommend(auto.values(), BUDGET) is None
 
@@ -233,6 +234,15 @@ def test_next_in_bracket_jumps_to_the_predicted_boundary_then_bisects():
     assert next_in_bracket(sizes, {16: True, 32: False}, predicted, 64, tries=2) is None
     assert next_in_bracket(sizes, {}, None, 64, tries=0) == 8  # nothing known: the middle size draws a line
     assert next_in_bracket(sizes, {8: False}, None, 64, tries=1) == 1  # it did not fit: does anything?
+    # The search's first plan: the largest size first (the plan that keeps the least often fits it), then as above
+    assert next_in_bracket(sizes, {}, None, 64, tries=0, top_first=True) == 64
+    assert next_in_bracket(sizes, {64: False}, None, 64, tries=1, top_first=True) == 8
+    assert next_in_bracket(sizes, {64: False, 8: False}, None, 64, tries=2, top_first=True) == 1
+    # With the memory line's rule, a size predicted under 1.25x the limit is measured first: were the size below it
+    # to fit, this one could not be implied by the line and would be measured anyway
+    assert next_in_bracket(sizes, {}, predicted, 64, tries=0, margin=1.25) == 16  # 32 predicts 106: implied if 16 fits
+    assert next_in_bracket(sizes, {}, predicted, 170, tries=0, margin=1.25) == 64  # 202 <= 1.25 x 170: fits or not
+    assert next_in_bracket(sizes, {}, predicted, 170, tries=0) == 32
     assert next_in_bracket(sizes, {1: True, 2: True, 64: False}, predicted, 64, tries=3) == 8  # bisection of 2..64
 
 

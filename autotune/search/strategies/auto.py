@@ -11,10 +11,14 @@ the measurements alone, so a resumed search or a second worker picks up where th
    or the variant's own memory line, measured, predicts at least 1.25x the budget there
    (:class:`autotune.analysis.pareto.LineRule`; the limits give the predicted bytes). Plans
    go from the most recompute to the least, so such failures come first. The next trial of a plan
-   is the size the model predicts to be the largest that fits, inside the bracket still open
-   (before any peak is known: the middle size, whose activations outweigh the fixed part, then
-   the smallest); after three trials of a plan without closing it, plain bisection. These trials are memory
-   trials (metered, not timed), except where the climb (3.) starts.
+   is the size the model predicts to be the largest that fits, inside the bracket still open;
+   where the memory line may imply failures, the largest predicted under 1.25x the budget
+   (were the size below it to fit, that size could not be implied and would be measured anyway).
+   Before any peak is known: the largest size for the search's first plan (the one that keeps the
+   least often fits it, which closes its bracket in one trial), then the middle size, whose
+   activations outweigh the fixed part, then the smallest. After three trials of a plan without
+   closing it, plain bisection. These trials are memory trials (metered, not timed), except where
+   the climb (3.) starts.
 2. **Other budgets** (``--budgets``): a plan's boundary under a smaller budget comes from the
    measured peaks where they bracket it, from the model where its prediction is clear of the
    budget by more than its error, and from one more memory trial where it is not.
@@ -54,11 +58,14 @@ _BISECT_AFTER = 3  # trials of one plan after which the model is not trusted to 
 
 
 def next_in_bracket(sizes: list[int], outcomes: Mapping[int, bool], predicted: Mapping[int, float] | None,
-                    limit: float | None, tries: int) -> int | None:
+                    limit: float | None, tries: int, margin: float = 1.0, top_first: bool = False) -> int | None:
     """The next batch size to measure to close the bracket of one plan, or None when it is closed.
 
     ``predicted`` maps batch sizes to the model's peak bytes (None where the model knows nothing):
-    the guess is the largest open size predicted to fit. ``tries`` is how many trials the plan had.
+    the guess is the largest open size predicted under ``margin`` times ``limit`` (the memory line's
+    margin where its rule applies: a size predicted between the limit and that margin cannot be implied
+    not to fit, so it is measured either way, and first it may close the bracket alone). ``tries`` is
+    how many trials the plan had; ``top_first``: the search's first plan, which begins at the largest size.
     """
     lo, hi = bracket(sizes, outcomes)
     if hi == lo + 1 or (lo == -1 and hi == 0):
@@ -66,9 +73,12 @@ def next_in_bracket(sizes: list[int], outcomes: Mapping[int, bool], predicted: M
     open_ = list(range(lo + 1, hi))
     if tries >= _BISECT_AFTER:
         return sizes[(lo + hi) // 2]
-    if not predicted:  # nothing to go by: first the middle size (its peak draws a line), then the smallest
-        return sizes[open_[len(open_) // 2]] if tries == 0 else sizes[open_[0]]
-    fitting = [i for i in open_ if limit is None or predicted[sizes[i]] <= limit]
+    if not predicted:  # nothing to go by (no trial of the search fitted yet): the middle size, whose peak draws a
+        # line, then the smallest; the search's first trial first tries the largest, where the plan that keeps the
+        # least (bracketed first) often fits, closing its bracket in one trial
+        order = [open_[-1], open_[len(open_) // 2], open_[0]] if top_first else [open_[len(open_) // 2], open_[0]]
+        return sizes[order[min(tries, len(order) - 1)]]
+    fitting = [i for i in open_ if limit is None or predicted[sizes[i]] <= limit * margin]
     return sizes[fitting[-1] if fitting else open_[0]]
 
 
@@ -235,8 +245,12 @@ class AutoStrategy(Strategy):
         or implied. A trial is timed only where it can be on a precision's throughput envelope."""
         waiting = False
         for variant in view.variants:
+            own = view.by_variant.get(variant, {})
+            # The search's first plan begins at the largest size: every trial so far is its own, one of them there
+            top_first = len(own) == len(view.measured) and (not own or view.sizes[-1] in own)
             b = next_in_bracket(view.sizes, view.outcomes(variant, enforced_bytes), view.predicted(variant),
-                                enforced_bytes, len(view.by_variant.get(variant, {})))
+                                enforced_bytes, len(own), margin=view.line_rule.margin if view.line_rule else 1.0,
+                                top_first=top_first)
             if b is None:
                 continue
             if variant in view.busy:
