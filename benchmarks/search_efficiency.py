@@ -28,7 +28,9 @@ autotune.examples:token_dataset --device cpu --budget 1GiB`` with every other fl
 (all precisions, ``--segments auto``, 1..512, the probe, the library comparison), from an empty
 store, timed end to end.
 
-``--real-finders-only`` reruns just the real finders into an existing results JSON.
+``--real-finders-only`` reruns just the real finders into an existing results JSON. ``--replay``
+replays ``auto`` on the committed grid reports (:func:`replay`) in under a second: the bracket
+exactly, the climb with the grid's times; for working on the strategy between full runs.
 
 Writes ``results/search_efficiency-<device>.json`` and ``.md`` (with the environment) and each
 grid report as ``results/grid-<model>-<device>.json``, which ``benchmarks/claims.py`` reads.
@@ -179,6 +181,54 @@ def oracle(report) -> dict:
             "failing_sides": len(failing), "implied_by_line": len(by_line), "implied_by_plan": by_plan,
             "recommendation_timed_extra": timed_extra, "state_bytes": state, "state_source": state_source,
             "limits_equal_grid": found == exact}
+
+
+def replay(report) -> list[Measurement]:
+    """``auto``'s trials replayed on a grid report's own: each proposal answered by the grid's trial of it.
+
+    Peaks are the same in every run of a configuration (the claims benchmark checks it byte for
+    byte), so the bracket replays exactly; step times are the grid's single run's, so the climb and
+    the near ties follow one run's noise. A memory trial gets the grid's peaks without its times; a
+    near tie timed again keeps its times and counts a second timing. Returns the trials in order
+    (a configuration timed again appears twice). Seconds: none, this takes well under one.
+    """
+    import dataclasses
+
+    from autotune.search.strategies import AutoStrategy
+
+    grid = {m.config: m for m in report.trials}
+    space = SearchSpace(**report.search["space"])
+    strategy = AutoStrategy(headroom=report.headroom, fixed_bytes_hint=report.workload.get("fixed_bytes"),
+                            line_rule=report.line_rule)
+    measured: dict[Config, Measurement] = {}
+    order: list[Measurement] = []
+    while (proposal := strategy.propose(space, measured, report.budget_bytes)) is not None:
+        trial, before = grid[proposal.config], measured.get(proposal.config)
+        if before is None and not proposal.timed and trial.status == "ok":
+            trial = dataclasses.replace(trial, timed=False, samples_per_s=None, step_s=None, step_times_s=(),
+                                        step_s_spread=None)
+        elif before is not None and before.timed:
+            trial = dataclasses.replace(before, timings=before.timings + 1)
+        measured[proposal.config] = trial
+        order.append(trial)
+        if len(order) > 2 * len(grid):
+            raise RuntimeError(f"auto did not end after {len(order)} trials of a space of {len(grid)}")
+    return order
+
+
+def replay_summary(report) -> dict:
+    """Replayed auto against the oracle and the grid: trials, their ratio, whether every limit is the grid's."""
+    trials = replay(report)
+    space = report.search["space"]
+    found = {(r["precision"], r["segments"]): r["max_batch_size"] if r.get("bracketed") else None
+             for r in batch_limits(trials, report.budget_bytes, batch_sizes=space["batch_sizes"], plans=space["segments"],
+                                   blocks=space.get("blocks"), line_rule=report.line_rule)}
+    exact = {(r["precision"], r["segments"]): r["max_batch_size"] for r in report.limits}
+    floor = oracle(report)
+    chosen = recommend(list({m.config: m for m in trials}.values()), report.budget_bytes, report.headroom)
+    return {"trials": len(trials), "oracle": floor["trials"], "vs_oracle": round(len(trials) / floor["trials"], 3),
+            "limits_equal_grid": found == exact, "recommendation": None if chosen is None else str(chosen.config),
+            "grid_recommendation": None if report.recommendation is None else str(report.recommendation.config)}
 
 
 class _Batches(torch.utils.data.IterableDataset):
@@ -445,8 +495,14 @@ def main() -> None:
                         help="rerun only the real finders, into the existing results JSON (its grid limits and memory lines)")
     parser.add_argument("--no-default-run", dest="default_run", action="store_false",
                         help="skip the default-space TinyGPT run with --data, timed end to end")
+    parser.add_argument("--replay", action="store_true",
+                        help="replay auto on the grid reports in --out instead (seconds, no training): trials against the oracle")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
+    if args.replay:
+        for name in (n for n in args.models.split(",") if n):
+            print(name, replay_summary(autotune.load(os.path.join(args.out, f"grid-{name}-{torch.device(args.device).type}.json"))))
+        return
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"search_efficiency-{torch.device(args.device).type}")
     command = "python benchmarks/search_efficiency.py " + " ".join(sys.argv[1:])
