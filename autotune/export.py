@@ -60,8 +60,13 @@ class _Context:
 
     @property
     def recomputes(self) -> bool:
-        """Whether the plan recomputes any block (``0`` and ``1`` do not)."""
-        return not self.plan.off
+        """Whether the plan recomputes any block (``0`` and ``1`` do not, offloaded or not)."""
+        return not self.plan.base.off
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the plan keeps its saved tensors in host memory (``PLAN+offload``): no framework setting does."""
+        return self.plan.offload
 
     @property
     def plan_text(self) -> str:
@@ -135,9 +140,11 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         "gradient_accumulation_steps": ctx.steps,
         "bf16": ctx.precision == "bf16",
         "fp16": ctx.precision == "fp16",
-        "gradient_checkpointing": ctx.recomputes and ctx.library in HF_SWITCHES,
+        "gradient_checkpointing": ctx.recomputes and ctx.library in HF_SWITCHES and not ctx.offloads,
     }
-    if ctx.recomputes and ctx.library not in HF_SWITCHES:
+    if ctx.offloads:
+        pass  # the common note says how to train it: no TrainingArguments setting offloads activations
+    elif ctx.recomputes and ctx.library not in HF_SWITCHES:
         notes.append(
             f"autotune measured {ctx.plan_text}, but the model has no transformers checkpointing switch (found: "
             f"{ctx.library or 'none'}), which TrainingArguments' gradient_checkpointing calls: it is left off. Apply the "
@@ -256,7 +263,13 @@ def _common_notes(ctx: _Context, report: Report, framework: str) -> list[str]:
         notes.append("segments 1 recomputes nothing (the last segment is never recomputed): "
                      "no checkpointing is exported")
     name = NAMES[framework]
-    if ctx.recomputes and framework != "hf":
+    if ctx.offloads:
+        notes.append(
+            f"autotune measured {ctx.plan_text}; {name} has no setting that keeps activations in host memory, so this "
+            f"export sets no checkpointing. Apply the measured plan in the model with {APPLY_HINT}: it installs the "
+            f"checkpoint plan and the offload's saved-tensor hooks together. Without them the activations stay on the "
+            f"device, a higher peak than measured")
+    elif ctx.recomputes and framework != "hf":
         extra = (" (its activation_checkpointing section only configures the deepspeed.checkpointing.checkpoint calls "
                  "the model code makes itself)" if framework == "deepspeed" else "")
         notes.append(

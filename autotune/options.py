@@ -96,6 +96,13 @@ class Options:
         "auto", "checkpoint plans, e.g. 0,2,every2,all,sac-linear: 0 is off, N recomputes the blocks of the first N-1 "
         "of N segments, everyN every N-th block, all every block, sac-* per operation; auto: a spread from 0 to all",
         group=SPACE, metavar="PLANS")
+    offload: str | Sequence[str] | None = option(
+        "auto", "none,activations: also search every plan with what it keeps for the backward pass held in host "
+        "memory (PLAN+offload); auto: activations where the device's memory is not the host's (CUDA), none on the CPU",
+        group=SPACE, metavar="MODES")
+    host_budget: str | int | None = option(
+        None, "host memory offloaded activations may hold, such as 64GiB; a trial past it is the host's out-of-memory",
+        group=SPACE, metavar="SIZE", default_text="half the host memory available when the search starts")
     batch_sizes: str | Sequence[int] = option(
         "1..512", "a range A..B (the powers of two in it) or a list such as 8,16,24", group=SPACE)
     strategy: str = option(
@@ -171,7 +178,8 @@ class Options:
                             ("budgets", tuple(b for b in budgets if b != budget)),
                             ("batch_sizes", _as_tuple(self.batch_sizes, parse_batch_sizes)),
                             ("precisions", _as_tuple(self.precisions, parse_precisions)),
-                            ("segments", _segments(self.segments))):
+                            ("segments", _segments(self.segments)), ("offload", _offload(self.offload)),
+                            ("host_budget", _host_budget(self.host_budget))):
             object.__setattr__(self, name, value)
 
     def _check_numbers(self) -> None:
@@ -207,7 +215,8 @@ class Options:
     @property
     def trial_settings(self) -> TrialSettings:
         return TrialSettings(warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
-                             settle_steps=self.settle_steps, timeout_s=self.trial_timeout, guard=self.guard)
+                             settle_steps=self.settle_steps, timeout_s=self.trial_timeout, guard=self.guard,
+                             host_budget_bytes=self.host_budget)  # the search's: Target.trial_settings
 
     @property
     def probe_settings(self) -> ProbeSettings:
@@ -233,6 +242,31 @@ def _segments(value: str | Sequence | None) -> tuple[str, ...] | None:
     if value is None or (isinstance(value, str) and value.strip() == "auto"):
         return None
     return parse_plans(value if isinstance(value, str) else ",".join(map(str, value)))
+
+
+OFFLOAD_MODES = ("none", "activations")
+
+
+def _offload(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """``--offload`` as modes (none, activations), or None for ``auto`` (resolved against the device)."""
+    if value is None or (isinstance(value, str) and value.strip() == "auto"):
+        return None
+    parts = [p.strip().lower() for p in (value.split(",") if isinstance(value, str) else value) if str(p).strip()]
+    for part in parts:
+        if part == "state":
+            raise UsageError("--offload state (the training state in host memory, FSDP2's CPUOffloadPolicy) is not "
+                             "searched yet: use none,activations, or --parallel fsdp to shard the state")
+        if part not in OFFLOAD_MODES:
+            raise UsageError(f"unknown --offload mode {part!r}: write none, activations, both (none,activations) or auto")
+    if not parts:
+        raise UsageError(f"--offload {value!r} is empty: write none, activations, none,activations or auto")
+    return tuple(dict.fromkeys(parts))
+
+
+def _host_budget(value: str | int | None) -> int | None:
+    """``--host-budget`` in bytes, or None: the default, half the host memory available when the search starts
+    (:attr:`autotune.preparation.Target.host_budget_bytes`)."""
+    return None if value is None else parse_size(value)
 
 
 def _budgets(value: str | Sequence[str | int] | None) -> tuple[int, ...]:

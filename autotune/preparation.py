@@ -24,7 +24,7 @@ from autotune.device import Backend, available_ram_bytes, backend_for, resolve_d
 from autotune.errors import StateDoesNotFit, UsageError, first_line
 from autotune.options import Options
 from autotune.plans.check import run_checks
-from autotune.plans import ALL, Plan, auto_plans
+from autotune.plans import ALL, Plan, auto_plans, with_offload
 from autotune.training.optimizer import UNPRIMED_NOTICE, measure_state_bytes
 from autotune.training.precision import keep_in_fp32
 from autotune.execution.venue import venue_for
@@ -59,10 +59,17 @@ class Target:
     data_profile: dict[str, Any] | None  # the item sizes and how batches were chosen (with data)
     notices: tuple[str, ...]
     job: "Job | None" = None  # --parallel: this rank's place in the job (rank 0: the leader)
+    host_budget_bytes: int | None = None  # what offloaded activations may hold: --host-budget, else half the available
+    host_budget_source: str = ""
 
     @property
     def device(self) -> torch.device:
         return self.backend.device
+
+    @property
+    def trial_settings(self) -> TrialSettings:
+        """The options' trial settings with the host budget resolved here."""
+        return dataclasses.replace(self.options.trial_settings, host_budget_bytes=self.host_budget_bytes)
 
 
 def resolve(options: Options, job: "Job | None" = None) -> Target:
@@ -90,8 +97,19 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
         notices.append(f"--warmup-steps {options.warmup_steps} is not used with the {backend.meter_name} meter: each trial's "
                        f"warm-up is one metered step, the optimizer's state primed before it")
         logger.warning(notices[-1])
+    host_budget, host_source = _host_budget(options.host_budget)
     return Target(options, backend, workload, budget, _precisions(options.precisions, backend), isolation, venue,
-                  profile, tuple(notices), job)
+                  profile, tuple(notices), job, host_budget, host_source)
+
+
+def _host_budget(given: int | None) -> tuple[int | None, str]:
+    """What offloaded activations may hold in host memory, and where that figure comes from."""
+    if given is not None:
+        return given, "--host-budget"
+    available = available_ram_bytes()
+    if available is None:
+        return None, "none: the host's available memory is unknown here"
+    return available // 2, "half the host memory available when the search started"
 
 
 def _with_data(workload: Workload, batch_sizes: Sequence[int]) -> tuple[Workload, dict[str, Any] | None]:
@@ -296,7 +314,8 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
         name = f"{name}-{job.wrapper}{job.world_size}"
     storage = options.storage or default_storage(name, options.results_dir)
     notices: list[str] = []
-    plans = _plans(options.segments, facts.chain, facts.model_class, notices)
+    plans = with_offload(_plans(options.segments, facts.chain, facts.model_class, notices),
+                         _offload_modes(options.offload, target.device, notices))
     compared = options.compare_library and facts.library_checkpointing is not None and facts.chain is not None
     # The library comparison measures plan all beside the library's switch: it is checked too.
     checks = _checked_plans(workload, (*plans, *((ALL,) if compared else ())), target, study_name=name,
@@ -309,7 +328,7 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
 def _plans(segments: tuple[str, ...] | None, chain: Chain | None, model_class: str, notices: list[str]) -> tuple[str, ...]:
     """Resolve ``--segments`` (None: auto) against the model's blocks: the plan names to search."""
     if chain is None:
-        if segments and not all(Plan(n).off for n in segments):
+        if segments and not all(Plan(n).base.off for n in segments):
             raise UsageError(f"{model_class} has no repeated blocks to checkpoint: use --segments 0")
         if segments is None:
             notices.append(f"{model_class} has no repeated blocks: checkpointing is not tried (segments 0 only)")
@@ -320,6 +339,18 @@ def _plans(segments: tuple[str, ...] | None, chain: Chain | None, model_class: s
     for name in segments:
         Plan(name).fits(chain.length, chain.describe())
     return segments
+
+
+def _offload_modes(modes: tuple[str, ...] | None, device: torch.device, notices: list[str]) -> tuple[str, ...]:
+    """Resolve ``--offload`` (None: auto) against the device: activations where its memory is not the host's."""
+    if modes is None:
+        return ("none", "activations") if device.type == "cuda" else ("none",)
+    if "activations" in modes and device.type == "cpu":
+        notices.append("activation offload on the CPU is emulated (device and host are one memory): offloaded "
+                       "trials' host copies are counted apart from the budget, and their step times include a memory "
+                       "copy where a GPU transfers over PCIe, so they understate offload's cost")
+        logger.warning(notices[-1])
+    return modes
 
 
 def _checked_plans(workload: Workload, plans: Sequence[str], target: Target, *, study_name: str, storage: str,

@@ -187,6 +187,7 @@ class TrialSettings:
     lr: float = 1e-4  # AdamW learning rate; memory and step time do not depend on it
     seed: int = 0  # the same initial weights and dropout masks for every trial
     guard: GuardRails = GuardRails()  # gradient clipping and fp32 modules: part of how a trial trains
+    host_budget_bytes: int | None = None  # what offloaded activations may hold in host memory (--host-budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +201,7 @@ class Measurement:
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     peak_nvml_bytes: int | None = None
+    host_peak_bytes: int | None = None  # an offloading plan (PLAN+offload): the most its host copies held at once
     oom_held_bytes: int | None = None  # oom: bytes held when the failing allocation was made
     oom_needed_bytes: int | None = None  # oom: held plus the allocation that failed
     memory_source: str = ""  # "tensor" or "cuda"
@@ -259,9 +261,15 @@ class Measurement:
         """True when the trial ran to the end and its peak stays within ``limit_bytes`` (None: no limit)."""
         return self.status == "ok" and (limit_bytes is None or (self.peak_bytes or 0) <= limit_bytes)
 
+    @property
+    def offload(self) -> str:
+        """What the trial's plan kept in host memory: ``"activations"`` (``PLAN+offload``) or ``"none"``."""
+        return "activations" if Plan(self.config.plan).offload else "none"
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["figures"] = self.figures
+        data["offload"] = self.offload
         data["step_times_s"] = list(self.step_times_s)
         data["loss_scale_history"] = list(self.loss_scale_history)
         return _flatten_config(data, floats=("loss_first", "loss_final"))

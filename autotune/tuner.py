@@ -31,7 +31,7 @@ from autotune.errors import Interrupted, first_line
 from autotune.options import Options
 from autotune.preparation import ModelFacts, Study, Target, describe, plan_study, preflight, resolve
 from autotune.analysis.pareto import LineRule, probe_candidates
-from autotune.plans import ALL
+from autotune.plans import ALL, Plan
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
 from autotune.records import Config, Measurement, ProbeResult
@@ -117,7 +117,7 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
                 budget_bytes=target.budget.bytes)
     try:
         return run_search(study.workload, space, strategy, venue=target.venue, enforced_bytes=target.budget.enforced,
-                          settings=options.trial_settings, study_name=study.name, storage=study.storage,
+                          settings=target.trial_settings, study_name=study.name, storage=study.storage,
                           workload_key=study.workload_key, on_trial=events.trial_done,
                           on_trial_start=events.trial_started)
     except SearchInterrupted as exc:
@@ -164,6 +164,9 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             # the trials' seconds before their first step (worker start, imports, model build) and in their steps
             "setup_s": round(sum(m.setup_s or 0.0 for m in result.measurements), 3),
             "steps_s": round(sum(m.steps_s or 0.0 for m in result.measurements), 3),
+            # --offload: what offloading plans (PLAN+offload) could hold in host memory, and how that was set
+            **({"host_budget_bytes": target.host_budget_bytes, "host_budget_source": target.host_budget_source}
+               if any(Plan(s).offload for s in study.space.segments) else {}),
         },
         trials=result.measurements,
         notices=target.notices + study.notices,
@@ -246,7 +249,7 @@ def compare_library(report: Report, target: Target, facts: ModelFacts, study: St
 
 def compare_library_trial(target: Target, workload: Workload, config: Config) -> Measurement:
     """One trial of the comparison, where the search's trials run and as they ran."""
-    return target.venue.run(workload, TrialWork(config, target.options.trial_settings, target.budget.enforced))
+    return target.venue.run(workload, TrialWork(config, target.trial_settings, target.budget.enforced))
 
 
 def _row(m: Measurement) -> dict[str, Any]:

@@ -5,7 +5,8 @@ minutes). It prints allocated vs reserved vs NVML figures and exits non-zero if 
 What the CPU tests check against a faked ``torch.cuda`` and NVML (tests/test_meters_cuda.py,
 tests/test_device.py) is checked here on the real thing: the budget set only inside a measured
 region, per-step allocated peaks, an OOM's held and needed bytes, the NVML device found by UUID,
-bf16 offered only with hardware support, a device-side assert recorded as ``crashed``.
+bf16 offered only with hardware support, a device-side assert recorded as ``crashed``, activation
+offload's device and host peaks, copy rate and step time against the same plans without it.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def main() -> int:
     check([m.peak_allocated_bytes for m in warm_runs] == [m.peak_allocated_bytes for m in fresh_runs],
           "a warm worker's allocated peaks equal fresh workers' (cuBLAS workspaces counted in both)")
 
+    offload_checks(dev, names)
+
     print("4. A small tune: isolated trials (the CUDA default), then the probe on token_dataset")
     start = time.monotonic()
     report = autotune.tune("autotune.examples:TinyGPT", data="autotune.examples:token_dataset", device="cuda",
@@ -150,6 +153,50 @@ def main() -> int:
     report.to_json(os.path.join(out, "gpu_check.json"))
     print(json.dumps({"failures": failures}))
     return 1 if failures else 0
+
+
+def offload_checks(dev: torch.device, names: list[str]) -> None:
+    """5. Activation offload on the real device: lower device peak, host peak about what moved, the time it costs."""
+    print("5. Activation offload: a copy's rate by size, then plans with and without offload at one batch")
+    stream = torch.cuda.Stream(dev)
+    for size in (16 * 2**10, 64 * 2**10, 256 * 2**10, 2**20, 16 * 2**20):  # where offloading a tensor starts to pay
+        src = torch.empty(size, dtype=torch.uint8, device=dev)
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        for _ in range(50):
+            with torch.cuda.stream(stream):
+                host.copy_(src, non_blocking=True)
+        stream.synchronize()
+        seconds = (time.perf_counter() - start) / 50
+        print(f"  device to pinned host, {format_bytes(size)}: {seconds * 1e6:.0f} us, {size / seconds / 2**30:.1f} GiB/s")
+    workload = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs={"n_layer": 8, "n_embd": 512, "n_head": 8,
+                                                                             "block_size": 256})
+    settings = TrialSettings(warmup_steps=2, measure_steps=5)
+    meter = CudaMeter(dev)
+    precision = "bf16" if "bf16" in names else "fp32"
+    runs = {plan: run_trial(workload, Config(precision, plan, 16), device=dev, meter=meter, settings=settings)
+            for plan in ("0", "0+offload", "4", "4+offload", "all", "all+offload")}
+    for plan, m in runs.items():
+        print(f"  {precision} {plan:12s} batch 16: {m.status}, allocated peak {format_bytes(m.peak_allocated_bytes)}, "
+              f"host peak {format_bytes(m.host_peak_bytes) if m.host_peak_bytes else '-'}, step {m.step_s or 0:.4f} s")
+    for plan in ("0", "4", "all"):
+        plain, off = runs[plan], runs[plan + "+offload"]
+        if plain.status != "ok" or off.status != "ok":
+            check(False, f"{plan} and {plan}+offload both ran ({plain.status}, {off.status})")
+            continue
+        drop = plain.peak_allocated_bytes - off.peak_allocated_bytes
+        print(f"  {plan}: offload saves {format_bytes(drop)} ({drop / plain.peak_allocated_bytes:.0%}) of the device "
+              f"peak for {off.step_s / plain.step_s:.2f}x the step time; the host held {format_bytes(off.host_peak_bytes)}")
+        check(drop > 0, f"{plan}+offload peaks lower on the device than {plan}")
+        check(off.host_peak_bytes >= drop, f"{plan}+offload's host peak covers what left the device")
+    from autotune.plans.check import check_plans
+
+    workload = workload.with_chain(autotune.find_chain(workload.build_model(seed=0)))
+    checks = check_plans(workload, ["0+offload", "4+offload", "all+offload"], batch_size=4, device=dev)
+    for c in checks:
+        print(f"  plan check {c.plan}: {c.status} ({c.max_rel_diff})")
+    check(all(c.ok for c in checks), "every offloaded plan trains the model the plan-free step trains, on CUDA")
 
 
 if __name__ == "__main__":

@@ -153,7 +153,8 @@ def test_a_trial_closed_by_another_worker_is_stored_anew_or_given_up_never_twice
             abandon(study, running, "abandoned")
             if measured_elsewhere:
                 other = start_trial(study, config, distributions(space), {"worker": "elsewhere:ns:1"})
-                key = fingerprint(**{k: v for k, v in dataclasses.asdict(QUICK).items() if k != "timeout_s"})
+                key = fingerprint(**{k: v for k, v in dataclasses.asdict(QUICK).items()
+                                     if k not in ("timeout_s", "host_budget_bytes")})
                 record(study, other, m, {"settings_key": key, "budget_bytes": BUDGET, "timeout_s": None})
         return m
 

@@ -398,3 +398,19 @@ def test_a_signal_inside_a_shielded_store_write_waits_for_its_end():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler before the block is back
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("stored_host, host, reused", [
+    (1000, 2000, False),  # ran out of a smaller host budget than today's: its host copies may fit now
+    (2000, 1000, True),
+    (1000, None, False),  # no host budget today
+])
+def test_a_host_oom_is_reused_only_under_a_host_budget_no_larger(stored_host, host, reused):
+    m = Measurement(Config("fp32", "0+offload", 64), "oom", peak_bytes=10, host_peak_bytes=1001,
+                    error="HostBudgetExceededError: host memory: activation offload tried to hold 1001 bytes")
+    stored = {**attrs(m, budget=5000), "host_budget_bytes": stored_host}
+    got = reusable(stored, settings_key="s", enforced_bytes=5000, timeout_s=None, host_budget_bytes=host)
+    assert (got == m) is reused
+    device_oom = dataclasses.replace(m, error="DefaultCPUAllocator: can't allocate memory")  # the device's: as before
+    assert reusable({**attrs(device_oom, budget=5000), "host_budget_bytes": stored_host}, settings_key="s",
+                    enforced_bytes=5000, timeout_s=None, host_budget_bytes=host) == device_oom

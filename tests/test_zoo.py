@@ -18,6 +18,8 @@ from torch import nn
 from autotune.plans.checkpointing import _APPLIED, apply_plan, find_chain, order_chain, remove_plan
 from autotune.meters import TensorMeter
 from autotune.plans.check import check_plans
+from autotune.plans import offload
+from autotune.plans.offload import offloader_of
 from autotune.plans import Plan, auto_plans
 from autotune.thirdparty import library_checkpointing
 from autotune.training.workload import Workload
@@ -251,6 +253,34 @@ def test_accelerate_hook_and_forward_hook_stay_exact_and_the_hook_comes_back():
         assert layer.zoo_pre_forward_calls == 1 + wrapped  # the accelerate hook is inside forward: the recompute runs it
         remove_plan(model)
         assert layer.forward is before and layer.__dict__["forward"] is before
+
+
+@pytest.mark.parametrize("plan", ["0+offload", "all+offload"])
+@pytest.mark.parametrize("member", MEMBERS)
+def test_offloaded_plans_are_bitwise_exact_and_lighter_on_the_device(member, plan, monkeypatch):
+    # Activation offload copies what the forward pass saves to the host and back: the step must not change, and the
+    # device must hold less than the same plan without offload (the CPU's emulation: host copies outside the meter).
+    # The zoo's tensors are tiny: every saved tensor moves here, whatever its size.
+    monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", 0)
+    _require(member)
+    _, _, _, chain = _setup(member.name)
+    reference = _reference(member.name)
+    model = _build(member.name)
+    apply_plan(model, plan, chain)
+    got = _train_step(member.name, model)
+    diffs = _differences(reference, got)
+    assert not diffs, f"plan {plan} on {member.name} is not bitwise exact:\n  " + "\n  ".join(diffs[:15])
+    assert offloader_of(model).moved > 0
+    remove_plan(model)
+    plain = _build(member.name)
+    apply_plan(plain, Plan(plan).base, chain)
+    offloaded = _build(member.name)
+    apply_plan(offloaded, plan, chain)
+    if Plan(plan).base.off:  # everything saved moved: the peak falls
+        assert _peak(member.name, offloaded) < _peak(member.name, plain)
+    else:  # plan all keeps only the blocks' inputs, a few KiB at these sizes; the peak may sit where none is held
+        assert _peak(member.name, offloaded) <= _peak(member.name, plain)
+
 
 
 # --- The run-time check ---------------------------------------------------------------------------

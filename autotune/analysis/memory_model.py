@@ -196,8 +196,9 @@ def _borrowed_slope(variant: Variant, slopes: dict[Variant, float], blocks: int 
         return statistics.median(shared) if shared else None
 
     def along_shape(of: str) -> float | None:  # the recompute-share line of precision `of`, at this plan
-        # The line is drawn through block plans (their share is exact); a selective plan's share is a prior.
-        mine = {s: a for (p, s), a in slopes.items() if p == of}
+        # The line is drawn through block plans (their share is exact); a selective plan's share is a prior. Plans
+        # that offload keep a line of their own: what they keep waits on the host.
+        mine = {s: a for (p, s), a in slopes.items() if p == of and Plan(s).offload == Plan(name).offload}
         drawn = {s: a for s, a in mine.items() if not Plan(s).selective} or mine
         own = {Plan(s).recompute_share(blocks): a for s, a in drawn.items()}
         if not own:

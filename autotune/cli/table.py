@@ -29,7 +29,8 @@ def render(report: Any) -> str:
 
 
 def _trial_rows(report: Any) -> list[str]:
-    lines = [f"{'precision':<9} {'segments':>8} {'batch':>6} {'status':<7} {'peak':>11} {'step_s':>8} {'samples/s':>10}  "]
+    width = max([8, *(len(m.segments) for m in report.trials)])  # "sac-linear+offload" as wide as it is
+    lines = [f"{'precision':<9} {'segments':>{width}} {'batch':>6} {'status':<7} {'peak':>11} {'step_s':>8} {'samples/s':>10}  "]
     pareto = {m.config for m in report.pareto}
     rec = report.recommendation
     for m in report.trials:
@@ -39,7 +40,7 @@ def _trial_rows(report: Any) -> list[str]:
         step = f"{m.step_s:.4f}" if m.step_s is not None else "-"
         sps = f"{m.samples_per_s:.1f}" if m.samples_per_s is not None else "-"
         lines.append(
-            f"{m.precision:<9} {m.segments:>8} {m.batch_size:>6} {m.status:<7} {format_bytes(m.peak_bytes):>11} "
+            f"{m.precision:<9} {m.segments:>{width}} {m.batch_size:>6} {m.status:<7} {format_bytes(m.peak_bytes):>11} "
             f"{step:>8} {sps:>10}  {mark}".rstrip()
         )
     return lines
@@ -52,8 +53,15 @@ def _search_lines(report: Any) -> list[str]:
         return []
     setup, steps = search["setup_s"], search["steps_s"]
     share = f"{setup / (setup + steps):.0%}, " if setup + steps > 0 else ""
-    return [f"search: {search['n_trials']} configurations in {search['wall_s']:.1f} s; the trials spent {setup:.1f} s "
-            f"setting up ({share}a worker's start, imports, the model's build) and {steps:.1f} s in steps"]
+    lines = [f"search: {search['n_trials']} configurations in {search['wall_s']:.1f} s; the trials spent {setup:.1f} s "
+             f"setting up ({share}a worker's start, imports, the model's build) and {steps:.1f} s in steps"]
+    if "host_budget_source" in search:  # offloaded plans were searched
+        held = max((m.host_peak_bytes for m in report.trials if m.host_peak_bytes is not None), default=None)
+        budget = search.get("host_budget_bytes")
+        lines.append(f"host: offloaded plans (PLAN+offload) held up to {format_bytes(held) if held else 'nothing'} in "
+                     f"host memory, under a host budget of {format_bytes(budget) if budget else 'none'} "
+                     f"({search['host_budget_source']})")
+    return lines
 
 
 def _limit_lines(report: Any) -> list[str]:

@@ -40,7 +40,7 @@ class _Run(Trainer):
     def __init__(self, workload: Workload, config: Config, device: torch.device, settings: TrialSettings,
                  parallel: "Wrapping | None" = None) -> None:
         super().__init__(workload, config, device, lr=settings.lr, seed=settings.seed, guard=settings.guard,
-                         parallel=parallel)
+                         parallel=parallel, host_budget_bytes=settings.host_budget_bytes)
         self.settings = settings
         self.step_times: list[float] = []
         self.tokens: list[int | None] = []  # real tokens of each timed step's batch
@@ -143,7 +143,7 @@ def run_trial(
         status, error = outcome(exc)
     finally:
         records = (run.plan, run.losses, list(run.scales), run.skipped, run.step_times, run.tokens,
-                   _setup_and_steps(asked_at, run.first_step_at))
+                   _setup_and_steps(asked_at, run.first_step_at), run.host_peak_bytes)
         run.release()
         del run  # model, optimizer, batch and activations go with it
         backend_for(device).release()
@@ -153,7 +153,7 @@ def run_trial(
 def _measurement(config: Config, status: str, error: str | None, records: tuple, reading: Any,
                  started: float, timed: bool) -> Measurement:
     """The trial's :class:`Measurement` from its records and the meter's reading."""
-    plan, losses, scales, skipped, step_times, tokens, (setup_s, steps_s) = records
+    plan, losses, scales, skipped, step_times, tokens, (setup_s, steps_s), host_peak = records
     ok = status == "ok"
     real = sum(tokens) if tokens and None not in tokens else None
     return Measurement(
@@ -163,6 +163,7 @@ def _measurement(config: Config, status: str, error: str | None, records: tuple,
         peak_allocated_bytes=reading.peak_allocated_bytes if reading else None,
         peak_reserved_bytes=reading.peak_reserved_bytes if reading else None,
         peak_nvml_bytes=reading.peak_nvml_bytes if reading else None,
+        host_peak_bytes=host_peak,
         oom_held_bytes=getattr(reading, "oom_held_bytes", None),
         oom_needed_bytes=getattr(reading, "oom_needed_bytes", None),
         memory_source=reading.source if reading else "",

@@ -16,6 +16,10 @@ is a set of blocks, each recomputed on its own with exactly the arguments of its
   is wrapped, and inside it a per-operation policy (:mod:`autotune.plans.selective`) keeps the
   outputs of some operations and recomputes the rest: a point between no checkpointing and
   recomputing whole blocks.
+* ``PLAN+offload`` (``0+offload``, ``all+offload``, ``sac-linear+offload``): the plan, and what it
+  keeps for the backward pass (saved tensors of blocks not recomputed, the inputs recomputed
+  blocks keep) held in host memory in between (:mod:`autotune.plans.offload`, ``--offload
+  activations``). It recomputes what its base plan recomputes; the copies change no value.
 
 :class:`Plan` is a plan's name that knows its blocks, its recompute share, its label and its
 description; everything else asks it. A new kind of plan is a case here and, if it is applied
@@ -31,10 +35,12 @@ from typing import Iterable
 
 from autotune.errors import UsageError
 
-__all__ = ["Plan", "Selective", "NONE", "ALL", "SELECTIVE", "parse_plans", "plan_order", "auto_plans"]
+__all__ = ["Plan", "Selective", "NONE", "ALL", "OFFLOAD", "SELECTIVE", "parse_plans", "plan_order", "auto_plans",
+           "with_offload"]
 
 NONE = "0"
 ALL = "all"
+OFFLOAD = "+offload"  # the suffix of a plan whose kept tensors wait in host memory (--offload activations)
 _EVERY = re.compile(r"^every(\d+)$")
 
 
@@ -61,7 +67,8 @@ SELECTIVE = {
     "sac-linear": Selective(0.75, "keep the linear layers' outputs; recompute attention and the element-wise work",
                             ("linear",)),
 }
-_HINT = "0 (off), a segment count such as 2, all, everyN such as every2, sac-matmul, sac-linear, sac-lean, or auto"
+_HINT = ("0 (off), a segment count such as 2, all, everyN such as every2, sac-matmul, sac-linear, sac-lean (any of "
+         "them with +offload), or auto")
 
 
 class Plan(str):
@@ -74,7 +81,9 @@ class Plan(str):
     def __new__(cls, name: str | int) -> "Plan":
         if isinstance(name, Plan):
             return name
-        text = str(name).strip().lower()
+        text = str(name).strip().lower().replace(" ", "")
+        if text.endswith(OFFLOAD):
+            return super().__new__(cls, Plan(text[: -len(OFFLOAD)]).base + OFFLOAD)
         if text.isdigit():
             text = str(int(text))
         elif text not in (ALL, *SELECTIVE):
@@ -88,35 +97,46 @@ class Plan(str):
         return (str(self),)
 
     @property
+    def offload(self) -> bool:
+        """Whether what the plan keeps for the backward pass waits in host memory (``PLAN+offload``)."""
+        return self.endswith(OFFLOAD)
+
+    @property
+    def base(self) -> "Plan":
+        """The checkpoint plan without offload: ``all`` for ``all+offload``, the plan itself otherwise."""
+        return Plan(self[: -len(OFFLOAD)]) if self.offload else self
+
+    @property
     def off(self) -> bool:
-        """True for plans that recompute nothing whatever the model (``0`` and ``1``)."""
+        """True for plans that change nothing whatever the model (``0`` and ``1``; not ``0+offload``)."""
         return self in (NONE, "1")
 
     @property
     def selective(self) -> Selective | None:
-        """The per-operation policy of a selective plan (``sac-*``), else None."""
-        return SELECTIVE.get(self)
+        """The per-operation policy of a selective plan (``sac-*``, offloaded or not), else None."""
+        return SELECTIVE.get(self.base)
 
     @property
     def every(self) -> int | None:
         """N for ``everyN`` (transformers' ``every_n_layers``; ``all`` is N = 1), else None."""
-        if self == ALL:
+        base = self.base
+        if base == ALL:
             return 1
-        match = _EVERY.match(self)
+        match = _EVERY.match(base)
         return int(match.group(1)) if match else None
 
     @property
     def segments(self) -> int | None:
         """N for a segment count ``N``, else None."""
-        return int(self) if self.isdigit() else None
+        return int(self.base) if self.base.isdigit() else None
 
     def blocks(self, length: int) -> tuple[int, ...]:
         """The indices (in forward order) of the blocks this plan recomputes, for a model of ``length`` blocks."""
-        if self.selective or self == ALL:  # a selective plan wraps every block; its policy decides per operation
+        if self.selective or self.base == ALL:  # a selective plan wraps every block; its policy decides per operation
             return tuple(range(length))
         if self.every:
             return tuple(range(0, length, self.every))
-        segments = int(self)
+        segments = int(self.base)
         if segments <= 1 or length == 0:
             return ()
         segments = min(segments, length)
@@ -132,7 +152,7 @@ class Plan(str):
             return len(self.blocks(length)) / length
         if self.every:
             return 1.0 / self.every
-        return 0.0 if int(self) <= 1 else (int(self) - 1) / int(self)
+        return 0.0 if int(self.base) <= 1 else (int(self.base) - 1) / int(self.base)
 
     def needs_no_more_memory_than(self, other: str, length: int | None) -> bool:
         """Whether this plan is known to need no more memory than ``other`` at any batch size (a partial order).
@@ -146,8 +166,8 @@ class Plan(str):
         other = Plan(other)
         if self == other:
             return True
-        if not length:
-            return False
+        if not length or self.offload or other.offload:
+            return False  # an offloaded plan may fail for the host's memory: its failures imply nothing of another's
         mine, theirs = self.selective, other.selective
         if mine and theirs:
             return set(mine.save) | set(mine.alternate) <= set(theirs.save) and mine.save != theirs.save
@@ -164,6 +184,8 @@ class Plan(str):
     @property
     def label(self) -> str:
         """A short label for tables and plots: ``no checkpointing``, ``segments 4``, ``every 2nd block``, ..."""
+        if self.offload:
+            return f"{self.base.label}, offloaded"
         if self.off:
             return "no checkpointing"
         if self == ALL:
@@ -176,6 +198,9 @@ class Plan(str):
 
     def describe(self, blocks: str) -> str:
         """One line saying what the plan recomputes of ``blocks`` (e.g. ``"12 blocks (transformer.h)"``)."""
+        if self.offload:
+            return (f"{self.base.describe(blocks)}, what it keeps for the backward pass held in host memory "
+                    f"(activation offload)")
         if self.off:
             return f"checkpoint plan {self}: nothing recomputed"
         if self == ALL:
@@ -200,6 +225,13 @@ def parse_plans(text: str) -> tuple[Plan, ...] | None:
     if not names:
         raise UsageError(f"--segments {text!r} is empty: write {_HINT}")
     return names
+
+
+def with_offload(plans: Iterable[str], modes: Iterable[str]) -> tuple[Plan, ...]:
+    """``plans`` for each ``--offload`` mode: ``none`` keeps them, ``activations`` adds each one offloaded."""
+    plans, modes = [Plan(p).base for p in plans], list(modes)
+    named = [*(plans if "none" in modes else ()), *(Plan(p + OFFLOAD) for p in plans if "activations" in modes)]
+    return tuple(dict.fromkeys(named))
 
 
 def plan_order(names: Iterable[str], length: int | None) -> list[Plan]:

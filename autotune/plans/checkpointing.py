@@ -45,7 +45,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from autotune.errors import AutotuneError, UsageError
-from autotune.plans import Plan
+from autotune.plans import Plan, offload
 from autotune.plans.selective import make_policy
 
 __all__ = ["Chain", "AppliedPlan", "find_chain", "order_chain", "apply_plan", "remove_plan", "restore_buffers",
@@ -97,6 +97,8 @@ class AppliedPlan:
     def to_dict(self) -> dict[str, Any]:
         data = {"name": self.name, "recomputed_blocks": list(self.recomputed),
                 "chain_length": self.chain.length if self.chain else None}
+        if Plan(self.name).offload:  # what it keeps for the backward pass waits in host memory
+            data["offload"] = "activations"
         selective = Plan(self.name).selective
         if selective:  # every block wrapped; inside each, the policy keeps part of the forward
             data["policy"] = selective.keeps
@@ -165,16 +167,21 @@ def order_chain(model: nn.Module, chain: Chain, run: Callable[[], Any]) -> Chain
 
 
 def apply_plan(model: nn.Module, plan: str | int, chain: Chain | None = None, *,
-               contexts: Contexts | None = None) -> AppliedPlan:
+               contexts: Contexts | None = None, host_budget_bytes: int | None = None) -> AppliedPlan:
     """Apply checkpoint plan ``plan`` (a name of :mod:`autotune.plans`) to ``model`` in place.
 
     ``chain`` defaults to :func:`find_chain` (in definition order); the tuner passes the chain
     in forward order. ``contexts`` makes each call's (forward, recompute) contexts (default:
     :func:`restore_buffers`, and for a selective plan :func:`selective_contexts`: its per-operation
-    policy inside the buffer restore).
+    policy inside the buffer restore). A plan ``PLAN+offload`` applies ``PLAN`` and the activation
+    offload (:mod:`autotune.plans.offload`), whose host copies may hold ``host_budget_bytes`` at most.
     Returns what was done; ``0`` leaves the model unchanged.
     """
     name = Plan(plan)
+    if name.offload:
+        applied = apply_plan(model, name.base, chain, contexts=contexts)
+        offload.install(model, host_budget_bytes=host_budget_bytes)
+        return dataclasses.replace(applied, name=name)
     if name.off:
         return AppliedPlan(name, chain)
     chain = chain if chain is not None else find_chain(model)
@@ -193,7 +200,10 @@ def apply_plan(model: nn.Module, plan: str | int, chain: Chain | None = None, *,
 
 
 def remove_plan(model: nn.Module) -> None:
-    """Undo :func:`apply_plan` on every block of ``model``: each gets back the ``forward`` it had."""
+    """Undo :func:`apply_plan` on every block of ``model``: each gets back the ``forward`` it had (the model too, where
+    it offloaded its activations)."""
+    for module in model.modules():
+        offload.uninstall(module)
     for module in model.modules():
         wrapper = _APPLIED.get(module)
         if wrapper is not None:

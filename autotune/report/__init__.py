@@ -16,7 +16,7 @@ from typing import Any
 from autotune.analysis.memory_model import MemoryModel
 from autotune.analysis.pareto import LineRule, batch_limits, choose, pareto_front, recommend
 from autotune.plans import Plan
-from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan
+from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan, usable_bytes
 from autotune.report.files import write_atomically
 from autotune.units import format_bytes
 
@@ -248,6 +248,12 @@ def nothing_fits_hint(report: "Report") -> str:
         tries.append("--segments auto")
     if min(space["batch_sizes"]) > 1:
         tries.append("smaller --batch-sizes")
+    if report.environment.get("device_type") == "cuda" and not any(Plan(s).offload for s in space["segments"]):
+        tries.append("--offload none,activations (what the plans keep for the backward pass held in host memory)")
+    state = report.workload.get("fixed_bytes")
+    if state and report.budget_bytes and state > 0.5 * usable_bytes(report.budget_bytes, report.headroom):
+        tries.append(f"sharding the training state ({format_bytes(state)} of weights, gradients and optimizer state, "
+                     f"over half the budget) with --parallel fsdp under torchrun")
     tries.append("a larger --budget")
     least = (f"; the smallest peak measured was {format_bytes(smallest.peak_bytes)} ({smallest.config}, {smallest.status})"
              if smallest else "")

@@ -71,8 +71,11 @@ class _Loop:
         self.study, self.storage, self.space, self.settings, self.enforced_bytes = study, storage, space, settings, enforced_bytes
         self.on_trial = on_trial
         # How a trial trains, without its time limit (a time-out is judged against the limit it ran under).
-        self.settings_key = fingerprint(**{k: v for k, v in dataclasses.asdict(settings).items() if k != "timeout_s"})
-        self.attrs = {"budget_bytes": enforced_bytes, "settings_key": self.settings_key, "timeout_s": settings.timeout_s}
+        # Limits, not how a trial trains: a study resumed with another time limit or host budget keeps its trials
+        self.settings_key = fingerprint(**{k: v for k, v in dataclasses.asdict(settings).items()
+                                           if k not in ("timeout_s", "host_budget_bytes")})
+        self.attrs = {"budget_bytes": enforced_bytes, "settings_key": self.settings_key, "timeout_s": settings.timeout_s,
+                      "host_budget_bytes": settings.host_budget_bytes}
         self.distributions = distributions(space)
         self.configs = set(space.configs())
         self.stamps: dict[int, tuple[float, float]] = {}
@@ -90,7 +93,8 @@ class _Loop:
         """Read the store; report measurements not seen before; return whether anything changed since the last look."""
         self.seen = set()
         self.measured, in_flight = survey(self.study, self.configs, self.settings_key, self.enforced_bytes,
-                                          self.settings.timeout_s, self.stamps, self.numbers, self.seen)
+                                          self.settings.timeout_s, self.stamps, self.numbers, self.seen,
+                                          host_budget_bytes=self.settings.host_budget_bytes)
         news = in_flight != self.in_flight
         self.in_flight = in_flight
         for config, m in self.measured.items():
@@ -115,7 +119,8 @@ class _Loop:
         with shielded():  # a Ctrl-C before the trial is ours to close (self.trial) would leave it RUNNING
             self.trial = claim(self.study, config, self.distributions, settings_key=self.settings_key,
                                enforced_bytes=self.enforced_bytes, timeout_s=self.settings.timeout_s,
-                               enough=self.enough, seen=self.seen if on_the_look else None)
+                               enough=self.enough, seen=self.seen if on_the_look else None,
+                               host_budget_bytes=self.settings.host_budget_bytes)
         return self.trial
 
     def measure(self, proposal: Proposal, run: Callable[..., Measurement], slows_steps: bool) -> Measurement:

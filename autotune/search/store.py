@@ -154,8 +154,9 @@ def store_plan_checks(study_name: str, storage: str, *, workload_key: str, key: 
     study.set_user_attr("plan_checks", {**(study.user_attrs.get("plan_checks") or {}), key: checks})
 
 
-def reusable(attrs: dict, *, settings_key: str, enforced_bytes: int | None, timeout_s: float | None) -> Measurement | None:
-    """Return the stored measurement if it answers the same question under this budget and time limit."""
+def reusable(attrs: dict, *, settings_key: str, enforced_bytes: int | None, timeout_s: float | None,
+             host_budget_bytes: int | None = None) -> Measurement | None:
+    """Return the stored measurement if it answers the same question under this budget, time limit and host budget."""
     data = attrs.get("measurement")
     if data is None or attrs.get("settings_key") != settings_key:
         return None
@@ -166,6 +167,10 @@ def reusable(attrs: dict, *, settings_key: str, enforced_bytes: int | None, time
     stored_timeout = attrs.get("timeout_s")
     if measurement.status == "timeout" and stored_timeout is not None and (timeout_s is None or stored_timeout < timeout_s):
         return None  # it was cut sooner than today's limit would cut it
+    stored_host = attrs.get("host_budget_bytes")
+    if (measurement.status == "oom" and "host memory" in (measurement.error or "") and stored_host is not None
+            and (host_budget_bytes is None or stored_host < host_budget_bytes)):
+        return None  # it ran out of a smaller host budget than today's (offloaded activations): it may fit now
     return measurement
 
 

@@ -103,7 +103,7 @@ class Heartbeat:
 def survey(study: optuna.Study, configs: set[Config], settings_key: str, enforced_bytes: int | None,
             timeout_s: float | None, stamps: dict[int, tuple[float, float]],
             numbers: dict[Config, int] | None = None,
-            seen: set[int] | None = None) -> tuple[dict[Config, Measurement], set[Config]]:
+            seen: set[int] | None = None, host_budget_bytes: int | None = None) -> tuple[dict[Config, Measurement], set[Config]]:
     """Read the store: reusable measurements, and configurations other workers are running now.
 
     Trials left RUNNING by a worker that is gone are marked failed, so they are measured again;
@@ -121,7 +121,8 @@ def survey(study: optuna.Study, configs: set[Config], settings_key: str, enforce
         if t.state in FINISHED:
             if seen is not None and "measurement" in t.user_attrs:
                 seen.add(t.number)
-            m = reusable(t.user_attrs, settings_key=settings_key, enforced_bytes=enforced_bytes, timeout_s=timeout_s)
+            m = reusable(t.user_attrs, settings_key=settings_key, enforced_bytes=enforced_bytes, timeout_s=timeout_s,
+                         host_budget_bytes=host_budget_bytes)
             if m is not None and m.config in configs:
                 measured[m.config] = m  # later trials of the same configuration win
                 if numbers is not None:
@@ -144,7 +145,7 @@ def survey(study: optuna.Study, configs: set[Config], settings_key: str, enforce
 
 def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_key: str, enforced_bytes: int | None,
           timeout_s: float | None, enough: Callable[[Measurement], bool] = lambda m: True,
-          seen: Collection[int] | None = None) -> optuna.Trial | None:
+          seen: Collection[int] | None = None, host_budget_bytes: int | None = None) -> optuna.Trial | None:
     """Start a trial of ``config``; None if another worker has it, or the store has news (nothing written, or our
     trial closed as ``duplicate`` or ``stale``).
 
@@ -177,7 +178,7 @@ def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_
                 return "stale"
             if config_of(other) == config:
                 stored = reusable(other.user_attrs, settings_key=settings_key, enforced_bytes=enforced_bytes,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, host_budget_bytes=host_budget_bytes)
                 if stored is not None and enough(stored):
                     return "duplicate"
         return None

@@ -167,14 +167,15 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
 
 def prepare(model: nn.Module, *, precision: str, segments: str, chain: Chain | None, guard: GuardRails,
             device_type: str, micro_batch_size: int, accumulation_steps: int = 1, record_loss_scale: bool = False,
-            record_grad_norm: bool = False) -> Applied:
+            record_grad_norm: bool = False, host_budget_bytes: int | None = None) -> Applied:
     """Apply the guard rails' fp32 modules and the checkpoint plan to ``model`` in place; return its :class:`Applied`.
+    ``host_budget_bytes`` bounds what an offloading plan (``PLAN+offload``) holds in host memory.
 
     The one way a model is prepared for training: :func:`apply` for users, and every trial and
     probe candidate (recording loss scales, and for the probe gradient norms).
     """
     keep_in_fp32(model, guard.fp32_modules, device_type)
-    applied_plan = apply_plan(model, segments, chain)
+    applied_plan = apply_plan(model, segments, chain, host_budget_bytes=host_budget_bytes)
     mode = get_mode(precision)
     return Applied(
         model=model,

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autotune.device import Backend, backend_for
+from autotune.plans.offload import offloader_of
 from autotune.records import Config, GuardRails
 from autotune.training.applied import Applied, prepare
 from autotune.training.optimizer import prime as prime_optimizer
@@ -29,11 +30,12 @@ class Trainer:
 
     def __init__(self, workload: Workload, config: Config, device: torch.device, *, lr: float = 1e-4, seed: int = 0,
                  guard: GuardRails = GuardRails(), record_grad_norm: bool = False,
-                 parallel: "Wrapping | None" = None) -> None:
+                 parallel: "Wrapping | None" = None, host_budget_bytes: int | None = None) -> None:
         self.workload, self.config, self.device, self.guard = workload, config, device, guard
         self.parallel = parallel  # --parallel: the trial's process group and wrapper
         self.backend: Backend = backend_for(device)
         self.lr, self.seed, self.record_grad_norm = lr, seed, record_grad_norm
+        self.host_budget_bytes = host_budget_bytes  # what an offloading plan may hold in host memory
         self.losses: list[float] = []
         self.ballast: list[torch.Tensor] = []  # the optimizer's state-to-be, until its first step (prime)
         self.unprimed: str | None = None  # why the optimizer could not be primed: its state comes with a step
@@ -51,7 +53,7 @@ class Trainer:
         self.run = prepare(model, precision=self.config.precision, segments=self.config.plan,
                            chain=self.workload.chain, guard=self.guard, device_type=self.device.type,
                            micro_batch_size=self.config.batch_size, record_loss_scale=True,
-                           record_grad_norm=self.record_grad_norm)
+                           record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes)
         self.plan = self.run.plan
         model.to(self.device)
         self.module = model  # the user's module (batches come from its example_batch), under any wrapper
@@ -66,6 +68,12 @@ class Trainer:
     def holds_state(self) -> bool:
         """Whether the optimizer's state (or the ballast standing in for it) exists: a step now is a steady one."""
         return bool(self.ballast) or bool(self.optimizer.state)
+
+    @property
+    def host_peak_bytes(self) -> int | None:
+        """The most an offloading plan's host copies held at once so far (None for a plan that does not offload)."""
+        offloader = offloader_of(self.module) if getattr(self, "module", None) is not None else None
+        return None if offloader is None else offloader.host_peak_bytes
 
     @property
     def model(self) -> torch.nn.Module:

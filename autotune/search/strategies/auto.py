@@ -181,11 +181,12 @@ class _View:
         return m is not None and m.samples_per_s is not None
 
     def envelopes(self, precision: str, limit: float | None) -> list[list[Config]]:
-        """The envelope of each chain of plans (:meth:`envelope`): the block plans, and each selective plan after
-        no checkpointing. Time orders the plans of a chain, not a selective plan against a block plan."""
-        block = [s for s in self.ordered if not Plan(s).selective]
-        chains = [block] + [[s for s in self.ordered if Plan(s).off or s == selective]
-                            for selective in self.ordered if Plan(selective).selective]
+        """The envelope of each chain of plans (:meth:`envelope`): the block plans, and each selective or offloading
+        plan after no checkpointing. Time orders the plans of a chain, not a selective plan against a block plan, nor
+        a plan whose copies to the host cost time against one that recomputes."""
+        unordered = [s for s in self.ordered if Plan(s).selective or Plan(s).offload]
+        block = [s for s in self.ordered if s not in unordered]
+        chains = [block] + [[s for s in self.ordered if Plan(s).off or s == own] for own in unordered]
         envelopes: list[list[Config]] = []
         for chain in chains:
             envelope = self.envelope(precision, limit, chain)

@@ -1,0 +1,194 @@
+"""Activation offload (``PLAN+offload``, ``--offload``): exact, lighter on the device, counted and bounded on the host.
+
+On the CPU the offload is emulated (autotune/plans/offload.py): the host copies are made outside
+the tensor meter, so the device peak a trial reports drops and ``host_peak_bytes`` holds what moved.
+The CUDA path (pinned memory, a side stream, prefetch) runs in benchmarks/gpu_check.py.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import autotune
+from autotune.__main__ import main
+from autotune.errors import is_oom
+from autotune.meters import TensorMeter
+from autotune.plans import Plan, plan_order, with_offload
+from autotune.plans.check import check_plans
+from autotune.plans.checkpointing import apply_plan, find_chain, remove_plan
+from autotune.plans.offload import HostBudgetExceededError, offloader_of
+from autotune.training.workload import Workload
+
+TINY = '{"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}'
+QUICK = ["--device", "cpu", "--warmup-steps", "2", "--measure-steps", "2"]
+MODELS = {  # a transformer, and a CNN with BatchNorm
+    "TinyGPT": ("autotune.examples:TinyGPT", {"n_layer": 4, "block_size": 64, "n_embd": 64, "n_head": 4}),
+    "ResNetish": ("autotune.examples:ResNetish", None),
+}
+
+
+def test_offloaded_plans_are_named_by_their_base_plan():
+    plan = Plan(" 4 + OFFLOAD ")
+    assert plan == "4+offload" and plan.offload and plan.base == "4" and not plan.off
+    assert plan.blocks(12) == Plan("4").blocks(12) and plan.recompute_share(12) == Plan("4").recompute_share(12)
+    assert Plan("0+offload").base.off and not Plan("0+offload").off  # it changes the model: checked, applied
+    assert Plan("sac-linear+offload").selective == Plan("sac-linear").selective
+    assert Plan("every4+offload").every == 4 and Plan("all+offload").label == "all blocks, offloaded"
+    assert with_offload(["0", "all"], ["none", "activations"]) == ("0", "all", "0+offload", "all+offload")
+    assert with_offload(["0", "all"], ["activations"]) == ("0+offload", "all+offload")
+    assert plan_order(["all+offload", "0", "all", "0+offload"], 12) == ["0", "0+offload", "all", "all+offload"]
+    # A failure for the host's memory implies nothing of another plan, nor another plan's failure of this one
+    assert not Plan("all+offload").needs_no_more_memory_than("all", 12)
+    assert not Plan("all").needs_no_more_memory_than("all+offload", 12)
+    assert not Plan("all+offload").needs_no_more_memory_than("4+offload", 12)
+    assert Plan("4+offload").needs_no_more_memory_than("4+offload", 12)
+
+
+def _step(workload, model, batch):
+    """One metered fp32 step: its device peak, the host peak, and the loss, gradients and buffers."""
+    meter = TensorMeter("cpu")
+    with meter.measure() as handle:
+        handle.track(list(model.parameters()) + list(model.buffers()))
+        loss = workload.loss(model, batch)
+        loss.backward()
+    offloader = offloader_of(model)
+    values = {"loss": loss.detach(), **{f"grad:{n}": p.grad for n, p in model.named_parameters() if p.grad is not None},
+              **{f"buffer:{n}": b for n, b in model.named_buffers()}}
+    return handle.reading.peak_bytes, (offloader.host_peak_bytes if offloader else None), values
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("plan", ["0", "2", "all", "sac-linear"])
+def test_an_offloaded_plan_peaks_lower_on_the_device_trains_the_same_and_the_host_holds_the_difference(name, plan):
+    spec, kwargs = MODELS[name]
+    workload = Workload.from_specs(spec, model_kwargs=kwargs)
+    built = workload.build_model(seed=0)
+    batch = workload.make_batch(built, 16)
+    results = {}
+    for variant in (plan, plan + "+offload"):
+        model = copy.deepcopy(built)
+        apply_plan(model, variant, find_chain(model))
+        torch.manual_seed(1)  # the same dropout masks
+        results[variant] = _step(workload, model, batch)
+    (device, host, plain), (device_off, host_off, offloaded) = results[plan], results[plan + "+offload"]
+    assert host is None and host_off > 0
+    assert device_off < device
+    assert device - device_off <= host_off  # what left the device waited on the host, no more
+    assert plain.keys() == offloaded.keys()
+    assert all(torch.equal(plain[k], offloaded[k]) for k in plain), "offload changed the step"  # bitwise: copies
+
+
+def test_every_offloaded_plan_passes_the_plan_check_bitwise():
+    workload = Workload.from_specs("autotune.examples:ResNetish")
+    workload = workload.with_chain(find_chain(workload.build_model(seed=0)))
+    checks = check_plans(workload, ["0+offload", "4+offload", "all+offload", "sac-matmul+offload"], batch_size=8,
+                         device="cpu")
+    assert [c.status for c in checks] == ["exact"] * 4
+
+
+def test_host_copies_past_the_host_budget_are_the_hosts_out_of_memory():
+    workload = Workload.from_specs(MODELS["TinyGPT"][0], model_kwargs=MODELS["TinyGPT"][1])
+    model = workload.build_model(seed=0)
+    apply_plan(model, "0+offload", find_chain(model), host_budget_bytes=1 << 20)
+    offloader = offloader_of(model)
+    with pytest.raises(HostBudgetExceededError, match="host memory: activation offload tried to hold") as raised:
+        workload.loss(model, workload.make_batch(model, 16)).backward()
+    assert is_oom(raised.value) and isinstance(raised.value, torch.OutOfMemoryError)
+    assert offloader.host_peak_bytes > 1 << 20  # what the refused copy asked for
+
+
+def test_remove_plan_takes_the_offload_off_and_the_host_holds_nothing_after_a_step():
+    workload = Workload.from_specs(MODELS["TinyGPT"][0], model_kwargs=MODELS["TinyGPT"][1])
+    model = workload.build_model(seed=0)
+    forward = model.forward
+    apply_plan(model, "2+offload", find_chain(model))
+    offloader = offloader_of(model)
+    workload.loss(model, workload.make_batch(model, 8)).backward()
+    assert offloader.moved > 0 and offloader.host_bytes == 0  # freed with the graph
+    remove_plan(model)
+    assert offloader_of(model) is None and model.forward == forward and "forward" not in model.__dict__
+    with torch.no_grad():  # nothing is saved without a backward pass: nothing moves
+        apply_plan(model, "0+offload")
+        model(**workload.make_batch(model, 2))
+        assert offloader_of(model).moved == 0
+
+
+def test_the_cli_searches_offloaded_plans_on_request_and_apply_trains_with_them(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    code = main(["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "64MiB",
+                 "--precisions", "fp32", "--segments", "0,all", "--offload", "none,activations", "--batch-sizes", "32,64",
+                 "--strategy", "grid", "--no-probe", "--quiet", "--storage", f"sqlite:///{tmp_path}/s.db",
+                 "--out", str(out), *QUICK])
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    trials = {(t["segments"], t["batch_size"]): t for t in data["trials"]}
+    assert {s for s, _ in trials} == {"0", "all", "0+offload", "all+offload"}
+    for (plan, batch), trial in trials.items():
+        assert trial["offload"] == ("activations" if Plan(plan).offload else "none")
+        if Plan(plan).offload:
+            plain = trials[(Plan(plan).base, batch)]
+            assert trial["host_peak_bytes"] > 0 and trial["peak_bytes"] < plain["peak_bytes"]
+        else:
+            assert trial["host_peak_bytes"] is None
+    assert data["search"]["host_budget_bytes"] > 0 and data["search"]["host_budget_source"]
+    assert {c["plan"]: c["status"] for c in data["plan_checks"]} == {
+        "all": "exact", "0+offload": "exact", "all+offload": "exact"}
+    assert any("activation offload on the CPU is emulated" in n for n in data["notices"])
+    # autotune.apply trains with an offloaded trial as the search did (the report's JSON, that trial recommended)
+    trial = next(t for t in data["trials"] if t["segments"] == "all+offload")
+    model = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=json.loads(TINY)).build_model(seed=0)
+    applied = autotune.apply(model, {**data, "recommendation": trial})
+    assert applied.plan["offload"] == "activations" and offloader_of(model) is not None
+    assert applied.plan["recomputed_blocks"] == [0, 1, 2, 3]
+
+
+def test_offload_auto_on_the_cpu_runs_the_space_it_ran_before(tmp_path):
+    out = tmp_path / "a.json"
+    assert main(["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "64MiB",
+                 "--precisions", "fp32", "--segments", "0,all", "--batch-sizes", "4", "--strategy", "grid", "--no-probe",
+                 "--quiet", "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(out), *QUICK]) == 0
+    data = json.loads(out.read_text())
+    assert data["search"]["space"]["segments"] == ["0", "all"]
+    assert all(t["offload"] == "none" for t in data["trials"]) and "host_budget_bytes" not in data["search"]
+
+
+@pytest.mark.parametrize("flag, words", [("state", "not searched yet"), ("disk", "unknown --offload mode")])
+def test_an_offload_mode_that_is_not_searched_is_one_line_and_exit_2(tmp_path, capsys, flag, words):
+    code = main(["--model", "autotune.examples:TinyGPT", "--offload", flag, "--storage", f"sqlite:///{tmp_path}/s.db",
+                 *QUICK])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and words in err
+
+
+def test_nothing_fits_names_offload_on_cuda_and_sharding_where_the_state_is_most_of_the_budget():
+    import dataclasses
+    import os
+
+    from autotune.report import nothing_fits_hint
+
+    grid = autotune.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
+                                      "grid-TinyGPT-cpu.json"))
+    assert "--offload" not in nothing_fits_hint(grid)  # the CPU: device and host are one memory
+    on_cuda = dataclasses.replace(grid, environment={**grid.environment, "device_type": "cuda"})
+    assert "--offload none,activations" in nothing_fits_hint(on_cuda)
+    assert "--parallel fsdp" not in nothing_fits_hint(on_cuda)  # the state is 1% of 1 GiB
+    tight = dataclasses.replace(on_cuda, budget_bytes=int(1.5 * grid.workload["fixed_bytes"]))
+    assert "sharding the training state" in nothing_fits_hint(tight) and "--parallel fsdp" in nothing_fits_hint(tight)
+
+
+def test_a_trial_past_its_host_budget_is_an_oom_of_the_host_with_the_bytes_it_asked_for():
+    from autotune.execution.trial import run_trial
+    from autotune.records import Config, TrialSettings
+
+    spec, kwargs = MODELS["TinyGPT"]
+    workload = Workload.from_specs(spec, model_kwargs=kwargs)
+    workload = workload.with_chain(find_chain(workload.build_model(seed=0)))
+    free = run_trial(workload, Config("fp32", "0+offload", 16), device="cpu", meter=TensorMeter(),
+                     settings=TrialSettings(measure_steps=1))
+    capped = run_trial(workload, Config("fp32", "0+offload", 16), device="cpu", meter=TensorMeter(),
+                       settings=TrialSettings(measure_steps=1, host_budget_bytes=free.host_peak_bytes // 2))
+    assert free.status == "ok" and capped.status == "oom" and capped.error.startswith("host memory:")
+    assert free.host_peak_bytes // 2 < capped.host_peak_bytes <= free.host_peak_bytes
+    assert capped.peak_bytes <= free.peak_bytes  # the device did not run out
