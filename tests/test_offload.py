@@ -192,3 +192,33 @@ def test_a_trial_past_its_host_budget_is_an_oom_of_the_host_with_the_bytes_it_as
     assert free.status == "ok" and capped.status == "oom" and capped.error.startswith("host memory:")
     assert free.host_peak_bytes // 2 < capped.host_peak_bytes <= free.host_peak_bytes
     assert capped.peak_bytes <= free.peak_bytes  # the device did not run out
+
+
+class _Scaled(torch.nn.Module):
+    """A layer multiplying by a tensor its loop changes in place between steps (not a parameter or buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(128, 128)
+        self.scale = torch.ones(64, 128)  # 32 KiB x 2: saved by the multiplication, moved
+
+    def forward(self, x):
+        return (self.linear(x) * self.scale).square().sum()
+
+
+def test_a_tensor_that_lives_from_step_to_step_and_changes_between_them_is_moved_again(monkeypatch):
+    from autotune.plans import offload
+
+    monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", 0)
+    x = torch.randn(64, 128)
+    grads = {}
+    for plan in ("0", "0+offload"):
+        torch.manual_seed(0)
+        model = _Scaled()
+        apply_plan(model, plan)
+        for _ in range(2):
+            model.zero_grad()
+            model(x).backward()
+            model.scale.add_(1.0)  # in place, between the steps
+        grads[plan] = model.linear.weight.grad
+    assert torch.equal(grads["0"], grads["0+offload"])

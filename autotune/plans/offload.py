@@ -10,7 +10,7 @@ converted: the step computes bitwise what the plan without offload computes (the
 verifies it, as for every plan).
 
 Not moved: tensors under :data:`MIN_OFFLOAD_BYTES` (a copy's fixed cost outweighs them),
-parameters and views of them (they stay on the device anyway: a copy would only add one), and
+parameters, buffers and views of them (they stay on the device anyway: a copy would only add one), and
 tensors whose layout a copy would not keep (overlapping or expanded strides), and subclasses. A
 tensor saved twice is moved once. A tensor still alive elsewhere when the backward pass asks for
 it (a batch the caller holds), and unchanged, is given back as it is: a copy back would sit
@@ -97,9 +97,12 @@ class Offloader:
         self._stream: Any = None
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The hooks for one forward pass (the parameters' storages read again: a wrapper may have moved them)."""
+        """The hooks for one forward pass (the parameters' and buffers' storages read again: a wrapper may have moved
+        them; what an earlier pass moved is forgotten, so a tensor that lives on is not answered with an old copy)."""
         model = self.model()
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+        kept = [*model.parameters(), *model.buffers()] if model is not None else []
+        self._params = {t.untyped_storage().data_ptr() for t in kept}
+        self._seen = WeakIdKeyDictionary()
         self._last = None
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
@@ -112,7 +115,7 @@ class Offloader:
         if not self._movable(tensor):
             return tensor
         known = self._seen.get(tensor)
-        if known is not None:
+        if known is not None and known.version == tensor._version:
             return known
         nbytes = tensor.numel() * tensor.element_size()
         if self.host_budget_bytes is not None and self.host_bytes + nbytes > self.host_budget_bytes:
