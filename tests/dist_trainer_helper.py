@@ -9,6 +9,7 @@ report's summary, to OUT_DIR/rank<r>.json.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import json
 import os
@@ -42,4 +43,5 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # an abort (SIGABRT) prints each thread's Python stack: where a rank died, if one does
     main(sys.argv[1])
