@@ -179,7 +179,8 @@ class Options:
                             ("batch_sizes", _as_tuple(self.batch_sizes, parse_batch_sizes)),
                             ("precisions", _as_tuple(self.precisions, parse_precisions)),
                             ("segments", _segments(self.segments)), ("offload", _offload(self.offload)),
-                            ("host_budget", _host_budget(self.host_budget))):
+                            # None: the default, half the host memory available when the search starts (Target)
+                            ("host_budget", None if self.host_budget is None else parse_size(self.host_budget))):
             object.__setattr__(self, name, value)
 
     def _check_numbers(self) -> None:
@@ -261,12 +262,6 @@ def _offload(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
     if not parts:
         raise UsageError(f"--offload {value!r} is empty: write none, activations, none,activations or auto")
     return tuple(dict.fromkeys(parts))
-
-
-def _host_budget(value: str | int | None) -> int | None:
-    """``--host-budget`` in bytes, or None: the default, half the host memory available when the search starts
-    (:attr:`autotune.preparation.Target.host_budget_bytes`)."""
-    return None if value is None else parse_size(value)
 
 
 def _budgets(value: str | Sequence[str | int] | None) -> tuple[int, ...]:

@@ -106,9 +106,6 @@ class Offloader:
         self._last = None
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
-    def reset_peak(self) -> None:
-        self.host_peak_bytes = self.host_bytes
-
     # -- the hooks ---------------------------------------------------------------------------------------------
 
     def pack(self, tensor: torch.Tensor) -> Any:
