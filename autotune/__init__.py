@@ -18,6 +18,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# optuna (the trial store, no torch) is imported with the package, not under the first call that needs it: optuna
+# keeps the ImportError of each optional backend it lacks (redis), and that traceback holds every frame that was
+# running the import, so a first import under tune() or tune_trainer() would keep the caller's model, trainer and
+# process groups alive until the interpreter exits (test_tuner: test_tune_lets_go_of_everything_its_caller_held).
+import optuna  # noqa: F401
+
 from autotune.errors import AutotuneError, Interrupted, NothingFits, StateDoesNotFit, TrialTimeoutError, UsageError, is_oom
 from autotune.records import (
     Config,

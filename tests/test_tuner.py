@@ -2,6 +2,8 @@
 
 import gc
 import signal
+import sys
+import textwrap
 import weakref
 
 import pytest
@@ -12,6 +14,7 @@ from autotune import tuner
 from autotune.errors import UsageError
 from autotune.options import Options
 from autotune.records import Config
+from tests import procs
 
 TINY = {"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
 
@@ -150,3 +153,32 @@ def test_a_state_that_does_not_fit_is_raised_before_any_trial_with_its_bytes_by_
                       storage=storage)
     assert info.value.state["optimizer_state"] == 0 and "SGD state 0" in str(info.value)
     assert "optimizer that holds less" not in str(info.value)
+
+
+_LETS_GO = textwrap.dedent("""
+    import copy, gc, sys, weakref
+    import autotune
+    from autotune.examples import TinyGPT
+
+    def train(out):
+        model = TinyGPT(**{tiny!r})  # the user's model, and what else their function holds, while it calls tune
+        report = autotune.tune(lambda: copy.deepcopy(model), device="cpu", budget="64MiB", precisions="fp32",
+                               segments="0", batch_sizes="2", measure_steps=1, storage=f"sqlite:///{{out}}/t.db",
+                               study="t", probe=False, compare_library=False)
+        assert report.recommendation is not None
+        return weakref.ref(model)
+
+    held = train(sys.argv[1])
+    gc.collect()
+    print("model alive" if held() is not None else "model freed")
+""")
+
+
+def test_tune_lets_go_of_everything_its_caller_held(tmp_path):
+    """A fresh process whose first use of autotune is a call inside the user's function: once it returns, the
+    user's model is freed. Before, optuna's first import (under that call) kept the ImportError of its optional
+    redis backend, whose traceback held every calling frame, model and all, until exit; with a trainer that was
+    its DDP wrapper's process group too, whose gloo threads then met the interpreter's finalization."""
+    done = procs.run([sys.executable, "-c", _LETS_GO.format(tiny=TINY), str(tmp_path)], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "model freed", done.stdout[-2000:]
