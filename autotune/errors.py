@@ -50,11 +50,13 @@ class NothingFits(AutotuneError):
 class StateDoesNotFit(NothingFits):
     """The model's training state alone (weights, gradients, the optimizer's state) exceeds the budget, so no trial
     could fit: raised before any trial runs (no report: ``report`` is None). ``state`` holds the bytes by part; the
-    message (one line) names the levers that would fit, with figures."""
+    message (one line) names the levers that would fit, with figures. ``floor`` is the smallest plan's activations at
+    batch 1 (:class:`autotune.plans.floor.Floor`), None where they could not be measured."""
 
-    def __init__(self, message: str, state: dict[str, int]) -> None:
+    def __init__(self, message: str, state: dict[str, int], floor: object = None) -> None:
         super().__init__(message, None)
         self.state = state
+        self.floor = floor
 
 
 class TrialTimeoutError(AutotuneError):

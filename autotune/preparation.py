@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from autotune._log import logger
 from autotune.plans.checkpointing import Chain, find_chain, order_chain
+from autotune.plans.floor import Floor, measure_floor
 from autotune.training.data import scan_items, worst_indices
 from autotune.device import Backend, available_ram_bytes, backend_for, resolve_device
 from autotune.errors import StateDoesNotFit, UsageError, first_line
@@ -26,7 +27,7 @@ from autotune.options import Options
 from autotune.plans.check import run_checks
 from autotune.plans import ALL, Plan, auto_plans, with_offload
 from autotune.training.optimizer import UNPRIMED_NOTICE, measure_state_bytes
-from autotune.training.precision import keep_in_fp32
+from autotune.training.precision import PRECISIONS, keep_in_fp32
 from autotune.execution.venue import venue_for
 from autotune.execution.work import Venue
 from autotune.records import Budget, PlanCheck, TrialSettings, usable_bytes
@@ -182,7 +183,10 @@ def preflight(target: Target) -> ModelFacts:
         # The optimizer's state is measured on the CPU, before the model goes to the device: a model whose state
         # does not fit is told so with figures, not met by an out-of-memory error in its first forward pass.
         state, unprimed = measure_state_bytes(workload.optimizer, model, target.options.trial_settings.lr)
-        _check_state_fits(facts, gradient_bytes, state, workload.optimizer.name, target)
+        # A closure over this frame's ``model``, not an argument: ``del model`` below then frees the model even
+        # while the StateDoesNotFit raised through here, and its traceback's frames, live on in the caller
+        _check_state_fits(facts, gradient_bytes, state, workload.optimizer.name, target,
+                          lambda: _floor_of(model, workload, facts.chain, target.precisions))
         chain = _forward(model, workload, device, batch_size, facts)
         library = _library_switch(model)
     finally:
@@ -195,9 +199,10 @@ def preflight(target: Target) -> ModelFacts:
 
 
 def _check_state_fits(facts: ModelFacts, gradient_bytes: int, state_bytes: int | None, optimizer: str,
-                      target: Target) -> None:
+                      target: Target, floor: Callable[[], Floor]) -> None:
     """Raise :class:`StateDoesNotFit` when the training state alone exceeds the usable budget (no trial could fit),
-    with the levers that would fit: FSDP ranks, the state offloaded to host memory, an optimizer with less state."""
+    with the levers that would fit: FSDP ranks, the state offloaded to host memory, an optimizer with less state.
+    ``floor()`` measures the smallest plan's activations at batch 1 (only then: it costs forward passes)."""
     budget = target.budget
     if budget.bytes is None:
         return
@@ -209,43 +214,74 @@ def _check_state_fits(facts: ModelFacts, gradient_bytes: int, state_bytes: int |
         return
     parts = {"weights": facts.parameter_bytes, "gradients": gradient_bytes, "optimizer_state": optimizer_bytes}
     name = optimizer.rsplit(":", 1)[-1].rsplit(".", 1)[-1]  # torch.optim:AdamW -> AdamW
-    raise StateDoesNotFit(state_levers(parts, name, guessed, budget.bytes, budget.headroom,
-                                       available_ram_bytes()), parts)
+    try:
+        measured: Floor | str = floor()
+    except Exception as exc:  # noqa: BLE001 - the levers are still named, with the activations unmeasured
+        measured = f"{type(exc).__name__}: {first_line(exc)}"
+    raise StateDoesNotFit(state_levers(parts, name, guessed, budget.bytes, budget.headroom, available_ram_bytes(),
+                                       measured), parts, measured if isinstance(measured, Floor) else None)
+
+
+def _floor_of(model: nn.Module, workload: Workload, chain: Chain | None, precisions: Sequence[str]) -> Floor:
+    """The smallest plan's activations at batch 1 (:mod:`autotune.plans.floor`), on the CPU, at the searched
+    precision that saves the least (bf16 stands in for fp16 there: the same bytes, without fp16's slow CPU kernels)."""
+    half = "bf16" if {"bf16", "fp16"} & set(precisions) else "fp32"
+    batch = workload.make_batch(model, 1)
+    with PRECISIONS[half].autocast("cpu"):
+        measured = measure_floor(model, chain, lambda: workload.loss(model, batch))
+    return dataclasses.replace(measured, precision=half)
 
 
 def state_levers(parts: dict[str, int], optimizer: str, guessed: bool, budget_bytes: int, headroom: float,
-                 host_bytes: int | None) -> str:
+                 host_bytes: int | None, floor: Floor | str | None = None) -> str:
     """One line: the state by part, against the budget, and what would fit (see :func:`_check_state_fits`).
 
-    Sharding leaves at least a quarter of the usable budget to activations on each rank (they are not
-    measured here: no trial ran); offloading the state leaves the device the activations and the
-    weights of the blocks being computed.
+    With ``floor`` measured, sharding needs room on each rank for its share of the state, the largest block's
+    weights (gathered whole while it computes) and batch 1's activations; unmeasured (a string: why), it leaves
+    at least a quarter of the usable budget to activations. Offloading the state leaves the device the
+    activations and the weights of the block being computed.
     """
     usable = usable_bytes(budget_bytes, headroom)
     total = sum(parts.values())
-    ranks = max(2, math.ceil(total / (0.75 * usable)))
     about = "about " if guessed else ""
-    host = (f", {format_bytes(host_bytes)} available here" + ("" if host_bytes >= total else ", not enough")
-            if host_bytes is not None else "")
-    weights_and_gradients = parts["weights"] + parts["gradients"]
-    if parts["optimizer_state"] == 0:
-        smaller = ""
-    elif weights_and_gradients < usable:
-        smaller = (f"; or an optimizer that holds less state: the weights and gradients alone are "
-                   f"{format_bytes(weights_and_gradients)}, leaving {format_bytes(usable - weights_and_gradients)} for "
-                   f"the state and activations (SGD without momentum holds none; --optimizer)")
+    measured = floor if isinstance(floor, Floor) else None
+    if measured is not None:
+        room = usable - measured.activations - measured.block_weights
+        step = (f"; batch 1 adds {format_bytes(measured.activations)} of activations with every block recomputed "
+                f"(measured here at {measured.precision}: {format_bytes(measured.kept)} kept from forward to backward, "
+                f"{format_bytes(measured.recompute)} for one block's recompute)")
     else:
-        smaller = (f"; no optimizer alone makes it fit: the weights and gradients are "
-                   f"{format_bytes(weights_and_gradients)} without any state")
-    return (f"nothing fits: training {'the' if not guessed else 'this'} model needs {about}{format_bytes(total)} "
+        room = 0.75 * usable
+        step = f" (activations not measured: {floor})" if isinstance(floor, str) else ""
+    head = (f"nothing fits: training {'the' if not guessed else 'this'} model needs {about}{format_bytes(total)} "
             f"before any activation (weights {format_bytes(parts['weights'])}, gradients "
             f"{format_bytes(parts['gradients'])}, {optimizer} state {about}{format_bytes(parts['optimizer_state'])}), more "
-            f"than --budget {format_bytes(budget_bytes)} less {headroom:.0%} headroom ({format_bytes(usable)}); it "
-            f"would fit sharded over {ranks} ranks (--parallel fsdp under torchrun --nproc-per-node {ranks}: "
-            f"{format_bytes(total / ranks)} of state on each, {format_bytes(usable - total / ranks)} left for "
-            f"activations), or with the state in host memory (FSDP2's CPUOffloadPolicy, on one rank too: "
-            f"{format_bytes(total)} of host memory{host}; the device keeps the activations and the weights of the "
-            f"blocks being computed){smaller}")
+            f"than --budget {format_bytes(budget_bytes)} less {headroom:.0%} headroom ({format_bytes(usable)}){step}")
+    if room <= 0:
+        return (f"{head}; even without any state, batch 1's activations and one block's weights exceed the budget: "
+                f"no sharding or state offload fits it; raise --budget")
+    ranks = max(2, math.ceil(total / room))
+    host = (f", {format_bytes(host_bytes)} available here" + ("" if host_bytes >= total else ", not enough")
+            if host_bytes is not None else "")
+    device = (f": {format_bytes(measured.activations + measured.block_weights)} at batch 1" if measured else "")
+    return (f"{head}; it would fit sharded over {ranks} ranks (--parallel fsdp under torchrun --nproc-per-node "
+            f"{ranks}: {format_bytes(total / ranks)} of state on each, {format_bytes(usable - total / ranks)} left for "
+            f"the gathered block and activations), or with the state in host memory (FSDP2's CPUOffloadPolicy, on one "
+            f"rank too: {format_bytes(total)} of host memory{host}; the device keeps the activations and the weights of "
+            f"the block being computed{device}){_smaller_state(parts, usable)}")
+
+
+def _smaller_state(parts: dict[str, int], usable: float) -> str:
+    """The optimizer lever of :func:`state_levers`: what an optimizer with less state would leave, if anything."""
+    weights_and_gradients = parts["weights"] + parts["gradients"]
+    if parts["optimizer_state"] == 0:
+        return ""
+    if weights_and_gradients < usable:
+        return (f"; or an optimizer that holds less state: the weights and gradients alone are "
+                f"{format_bytes(weights_and_gradients)}, leaving {format_bytes(usable - weights_and_gradients)} for "
+                f"the state and activations (SGD without momentum holds none; --optimizer)")
+    return (f"; no optimizer alone makes it fit: the weights and gradients are "
+            f"{format_bytes(weights_and_gradients)} without any state")
 
 
 def _forward(model: nn.Module, workload: Workload, device: torch.device, batch_size: int, facts: ModelFacts) -> Chain | None:

@@ -1,0 +1,109 @@
+"""The activations no plan gets below: the smallest plan's, at batch 1, measured by saved-tensor hooks.
+
+When a model's state alone exceeds the budget, the levers that would fit it (FSDP ranks, the state in host
+memory) still need room for the activations of one step at the smallest batch. This measures them on the
+CPU, before any trial, in forward passes only (no backward: no gradients are allocated):
+
+- ``kept``: what plan ``all`` (every block recomputed) keeps from forward to backward: each block's inputs
+  and what runs between blocks, the bytes autograd saves, parameters and buffers left out;
+- ``recompute``: the most that one block saves when it runs without a plan, which the backward pass holds
+  again while it recomputes that block (it recomputes one block at a time).
+
+A model without repeated blocks has no plan but ``0``: ``kept`` is then what its forward pass saves, and
+``recompute`` is 0. Storages are counted once however many tensors view them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.plans.checkpointing import Chain, apply_plan, remove_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+    """The smallest plan's activations at batch 1 (module docstring), and the largest block's weights."""
+
+    kept: int
+    recompute: int
+    block_weights: int  # the largest block's parameters: what FSDP gathers, or offloading brings back, at once
+    precision: str = "fp32"  # the autocast it was measured under (the caller's)
+
+    @property
+    def activations(self) -> int:
+        return self.kept + self.recompute
+
+
+class _SavedBytes:
+    """Saved-tensor hooks that count what autograd saves, by storage, and by the block that saved it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._skip = {_storage(t)[0] for t in (*model.parameters(), *model.buffers())}
+        self._seen: set[int] = set()
+        self.total = 0
+        self.block: str | None = None
+        self.by_block: dict[str, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key, nbytes = _storage(tensor)
+        if key not in self._skip and key not in self._seen:  # the graph holds the tensor: its storage stays unique
+            self._seen.add(key)
+            self.total += nbytes
+            if self.block is not None:
+                self.by_block[self.block] = self.by_block.get(self.block, 0) + nbytes
+        return tensor
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """The tensor's storage (its address) and bytes; a tensor without one (a subclass) counts as itself."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
+def _saved(model: nn.Module, run: Callable[[], Any], blocks: tuple[str, ...] = ()) -> _SavedBytes:
+    """What one forward pass (``run``) saves for backward; with ``blocks``, also by block."""
+    counter = _SavedBytes(model)
+    handles = []
+    for path in blocks:
+        def enter(module: nn.Module, args: Any, path: str = path) -> None:
+            counter.block = path
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            counter.block = None
+
+        handles += [model.get_submodule(path).register_forward_pre_hook(enter),
+                    model.get_submodule(path).register_forward_hook(leave)]
+    try:
+        with torch.enable_grad(), counter.hooks():
+            run()  # the graph (and what it saved) is dropped with run's result
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counter
+
+
+def measure_floor(model: nn.Module, chain: Chain | None, run: Callable[[], Any]) -> Floor:
+    """Measure :class:`Floor` for ``model`` (on the CPU, as it is), ``run()`` being one forward pass with its loss
+    at batch 1 under the precision to measure. The model is left without a plan."""
+    if chain is None:
+        return Floor(_saved(model, run).total, 0, 0)
+    plain = _saved(model, run, chain.blocks)
+    apply_plan(model, "all", chain)
+    try:
+        kept = _saved(model, run).total
+    finally:
+        remove_plan(model)
+    weights = max(sum(p.numel() * p.element_size() for p in model.get_submodule(path).parameters())
+                  for path in chain.blocks)
+    return Floor(kept, max(plain.by_block.values(), default=0), weights)

@@ -1,0 +1,76 @@
+"""The smallest plan's activations at batch 1 (autotune.plans.floor), and how the state-does-not-fit answer uses them."""
+
+import pytest
+import torch
+
+import autotune
+from autotune import tuner
+from autotune.options import Options
+from autotune.plans.checkpointing import apply_plan, find_chain, remove_plan
+from autotune.plans.floor import Floor, measure_floor
+from autotune.preparation import ModelFacts, _check_state_fits, state_levers
+
+TINY = {"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
+
+
+def _target(tmp_path, model, budget="1GiB", **kwargs):
+    options = Options(model=model, device="cpu", budget=budget, precisions="fp32", probe=False,
+                      storage=f"sqlite:///{tmp_path}/w.db", **kwargs)
+    return tuner.resolve(options)
+
+
+@pytest.mark.parametrize("model,kwargs", [("autotune.examples:TinyGPT", TINY), ("autotune.examples:ResNetish", {})])
+def test_the_floor_is_about_what_a_trial_of_plan_all_at_batch_1_holds_beyond_the_state(tmp_path, model, kwargs):
+    workload = _target(tmp_path, model, model_kwargs=kwargs).workload
+    net = workload.build_model()
+    batch = workload.make_batch(net, 1)
+    floor = measure_floor(net, find_chain(net), lambda: workload.loss(net, batch))
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert floor.kept > 0 and floor.recompute > 0 and 0 < floor.block_weights < weights
+    apply_plan(net, "all")  # the measurement left no plan behind
+    remove_plan(net)
+    report = autotune.tune(model, model_kwargs=kwargs, device="cpu", budget="1GiB", precisions="fp32", segments="all",
+                           batch_sizes="1", measure_steps=1, probe=False, compare_library=False,
+                           storage=f"sqlite:///{tmp_path}/s.db")
+    (trial,) = report.trials
+    beyond_state = trial.peak_bytes - 4 * weights  # weights, gradients, AdamW's two moments
+    # Forward passes only: no gradient buffers of activations, no allocator rounding; the same size, within 2x.
+    # Counting the parameters, or missing the inputs the recomputed blocks keep, would leave this band.
+    assert 0.5 <= beyond_state / floor.activations <= 2, (beyond_state, floor)
+
+
+def test_a_model_without_blocks_has_the_saved_tensors_of_its_one_plan():
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    x = torch.randn(1, 64)
+    floor = measure_floor(net, None, lambda: net(x).sum())
+    # what autograd saves: the input of each Linear (the batch's 64 floats, the ReLU's 256), and the ReLU's result
+    # (the second Linear's input: one storage); the weights are parameters, not counted
+    assert floor == Floor(kept=4 * (64 + 256), recompute=0, block_weights=0)
+
+
+def test_a_state_that_does_not_fit_still_names_its_levers_when_the_activations_cannot_be_measured(tmp_path):
+    target = _target(tmp_path, "autotune.examples:TinyGPT", budget="64KiB", model_kwargs=TINY)
+    facts = ModelFacts("TinyGPT", 10_000, 40_000, None, None)  # 40 KB of weights, as much of gradients, 80 KB of state
+
+    def fails() -> Floor:
+        raise RuntimeError("running_mean should contain 3 elements")
+
+    with pytest.raises(autotune.StateDoesNotFit) as info:
+        _check_state_fits(facts, 40_000, 80_000, "torch.optim:AdamW", target, fails)
+    message = str(info.value)
+    assert "(activations not measured: RuntimeError: running_mean should contain 3 elements)" in message
+    assert info.value.floor is None and "sharded over" in message and "\n" not in message
+
+
+def test_the_ranks_leave_room_for_the_gathered_block_and_batch_1(tmp_path):
+    parts = {"weights": 100 * 2**20, "gradients": 100 * 2**20, "optimizer_state": 200 * 2**20}
+    floor = Floor(kept=30 * 2**20, recompute=20 * 2**20, block_weights=10 * 2**20, precision="bf16")
+    # 400 MiB of state, 160 MiB usable (200 less 20%): 160 - 50 - 10 = 100 MiB of room for state, so 4 ranks
+    line = state_levers(parts, "AdamW", False, 200 * 2**20, 0.2, None, floor)
+    assert "batch 1 adds 50.00 MiB of activations with every block recomputed (measured here at bf16" in line
+    assert "sharded over 4 ranks" in line and "100.00 MiB of state on each" in line
+    assert "the weights of the block being computed: 60.00 MiB at batch 1" in line
+    # batch 1's activations alone past the usable budget: no lever of the state helps, and the line says so
+    big = Floor(kept=150 * 2**20, recompute=20 * 2**20, block_weights=10 * 2**20)
+    line = state_levers(parts, "AdamW", False, 200 * 2**20, 0.2, None, big)
+    assert "no sharding or state offload fits it; raise --budget" in line and "sharded over" not in line
