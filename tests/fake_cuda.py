@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GiB", "MiB", "FakeCuda", "FakeGpu", "FakeNvml", "format_size", "oom_message", "STICKY_MESSAGE"]
+__all__ = ["GiB", "MiB", "FakeCuda", "FakeGpu", "FakeNvml", "FakeStreams", "format_size", "oom_message", "STICKY_MESSAGE"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -298,3 +298,75 @@ class FakeNvml:
         if index not in handle.mig:
             raise NVMLError(NVML_ERROR_NOT_FOUND)  # an empty slot: MIG devices need not be numbered densely
         return handle.mig[index]
+
+
+class FakeStreams:
+    """CUDA's streams and events, pinned host buffers and ``record_stream``, as a log of calls, for code whose
+    tensors are on the CPU but which takes its CUDA path (``as_cuda()``: every tensor says ``is_cuda``).
+
+    ``log`` holds, in call order: ``("wait_stream", waiting, waited)``, ``("enter", stream)``, ``("exit", stream)``,
+    ``("record_event", stream, event, inside)`` (``inside``: within ``torch.cuda.stream(stream)``),
+    ``("wait_event", stream, event)``, ``("record_stream", tensor_id, stream)`` and ``("pinned", bytes)``.
+    Streams are names: ``"compute"`` (the current stream) and ``"side1"``, ``"side2"``, ... (made).
+    """
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self._made = 0
+        self._current: list[str] = ["compute"]
+
+    def install(self, monkeypatch: Any) -> "FakeStreams":
+        fake = self
+
+        class Stream(str):
+            def __new__(cls, device: Any = None) -> "Stream":
+                fake._made += 1
+                return super().__new__(cls, f"side{fake._made}")
+
+            def wait_stream(self, other: str) -> None:
+                fake.log.append(("wait_stream", str(self), str(other)))
+
+            def record_event(self) -> object:
+                event = object()
+                fake.log.append(("record_event", str(self), event, fake._current[-1] == str(self)))
+                return event
+
+            def wait_event(self, event: object) -> None:
+                fake.log.append(("wait_event", str(self), event))
+
+        class _On:
+            def __init__(self, stream: str) -> None:
+                self.stream = str(stream)
+
+            def __enter__(self) -> None:
+                fake._current.append(self.stream)
+                fake.log.append(("enter", self.stream))
+
+            def __exit__(self, *exc: Any) -> None:
+                fake._current.pop()
+                fake.log.append(("exit", self.stream))
+
+        empty_like = torch.empty_like
+
+        def pinned_empty_like(tensor: torch.Tensor, *args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+            out = empty_like(tensor, *args, **kwargs)
+            if pin_memory:
+                fake.log.append(("pinned", out.numel() * out.element_size()))
+            return out
+
+        def record_stream(tensor: torch.Tensor, stream: str) -> None:
+            fake.log.append(("record_stream", id(tensor), str(stream)))
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream.__base__.__new__(Stream, "compute"))
+        monkeypatch.setattr(torch.cuda, "stream", _On)
+        monkeypatch.setattr(torch, "empty_like", pinned_empty_like)
+        monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+        return self
+
+    def as_cuda(self, monkeypatch: Any) -> None:
+        """From now on every tensor answers ``is_cuda`` with True (undo with ``monkeypatch.undo()``)."""
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))
+
+    def calls(self, name: str) -> list[tuple]:
+        return [entry for entry in self.log if entry[0] == name]

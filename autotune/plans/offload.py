@@ -69,7 +69,8 @@ class HostBudgetExceededError(torch.OutOfMemoryError):
 class _Packed:
     """One saved tensor in host memory; ``back`` is its copy on the device once one was started."""
 
-    __slots__ = ("host", "device", "nbytes", "back", "ready", "previous", "original", "version", "__weakref__")
+    __slots__ = ("host", "device", "nbytes", "back", "ready", "previous", "original", "version", "given",
+                 "__weakref__")
 
     def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int, previous: "_Packed | None",
                  original: torch.Tensor) -> None:
@@ -79,6 +80,7 @@ class _Packed:
         self.back: torch.Tensor | None = None
         self.ready: Any = None  # CUDA: the event after which ``back`` (or, before it, ``host``) is complete
         self.previous = weakref.ref(previous) if previous is not None else None  # saved just before this one
+        self.given: weakref.ref | None = None  # the copy back the backward pass was given, while it lives
 
 
 class Offloader:
@@ -150,9 +152,21 @@ class Offloader:
             # sit beside it on the device. Unchanged since it was saved, it is the value saved.
             packed.back = None
             return original
-        if packed.host.device == packed.device:  # the CPU: the copy back is device memory, counted by the meter
+        given = packed.given() if packed.given is not None else None
+        if given is not None:  # unpacked before (one saved tensor read by two backward functions), and still alive
+            return given
+        if packed.ready is None:  # the CPU's emulation (no event): the copy back is device memory, counted by the meter
             with torch.no_grad():
-                return packed.host.clone()
+                tensor = packed.host.clone()
+        else:
+            tensor = self._back_on_cuda(packed)
+        packed.given = weakref.ref(tensor)
+        return tensor
+
+    def _back_on_cuda(self, packed: _Packed) -> torch.Tensor:
+        """The copy back (started now unless prefetched), once the compute stream has waited for it; then the
+        prefetch of the tensors saved just before, which the backward pass needs next, unless they were given back
+        already (the backward pass does not always unpack in the reverse order of saving) or live on anyway."""
         if packed.back is None:
             self._to_device_cuda(packed)
         stream = torch.cuda.current_stream(packed.device)
@@ -160,11 +174,11 @@ class Offloader:
         tensor, packed.back = packed.back, None
         tensor.record_stream(stream)  # made on the side stream, used on this one
         ahead, count = packed.previous, 0
-        while ahead is not None and count < PREFETCH:  # the tensors saved just before: the backward pass needs them next
+        while ahead is not None and count < PREFETCH:
             earlier = ahead()
             if earlier is None:
                 break
-            if earlier.back is None and earlier.original() is None:
+            if earlier.back is None and earlier.given is None and earlier.original() is None:
                 self._to_device_cuda(earlier)
             ahead, count = earlier.previous, count + 1
         return tensor
