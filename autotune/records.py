@@ -312,6 +312,7 @@ class ProbeResult:
     peak_bytes_median: int | None = None  # the median step's own peak (allocated on CUDA, reset every step)
     peak_reserved_bytes_max: int | None = None  # CUDA: the caching allocator's reserved peak over the probe
     trial_peak_bytes: int | None = None  # the short trial's peak, for comparison
+    host_peak_bytes: int | None = None  # an offloading candidate: the most its host copies held at once, any step
     step_s_median: float | None = None
     step_s_p90: float | None = None
     samples_per_s: float | None = None

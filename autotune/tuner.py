@@ -202,7 +202,8 @@ def probe(report: Report, target: Target, study: Study, events: "_Events") -> Re
             events.call("probe_started", candidate.config, i, len(candidates))
             logger.debug("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config, 100 * settings.fraction,
                          settings.epochs)
-            work = ProbeWork(candidate, target.budget.bytes, target.budget.headroom, settings, options.guard, passes)
+            work = ProbeWork(candidate, target.budget.bytes, target.budget.headroom, settings, options.guard, passes,
+                             target.host_budget_bytes)
             results.append(target.venue.run(study.workload, work))
             events.probe_done(results[-1])
     except KeyboardInterrupt:  # the probe is incomplete: report what it did, marked partial

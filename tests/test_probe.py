@@ -143,3 +143,20 @@ def test_accumulation_plan(micro, target, steps, effective):
     assert plan["micro_batch_size"] * plan["accumulation_steps"] >= min(target, micro) or micro > target
     if effective != target:
         assert "linearly" in plan["lr_note"]
+
+
+def test_an_offloading_candidate_reports_its_host_memory_and_is_held_to_the_host_budget():
+    w = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY, data="tests.models:tiny_variable_loader")
+    trial = _trial(w, Config("fp32", "0+offload", 8))
+    r = run_probe(w, trial, device=torch.device("cpu"), meter=TensorMeter(), budget_bytes=None, headroom=0.1)
+    assert r.accepted and r.host_peak_bytes > 0, r
+    assert autotune.ProbeResult.from_dict(r.to_dict()).host_peak_bytes == r.host_peak_bytes  # in the JSON
+    # Under a host budget below what the epoch's host copies held: the host's out-of-memory error rejects it
+    low = r.host_peak_bytes // 2
+    r = run_probe(w, trial, device=torch.device("cpu"), meter=TensorMeter(), budget_bytes=None, headroom=0.1,
+                  host_budget_bytes=low)
+    assert not r.accepted and r.reason.startswith("oom: host memory: activation offload tried to hold"), r.reason
+    assert r.host_peak_bytes > low  # what the refused copy asked for
+    plain = run_probe(w, _trial(w, Config("fp32", "0", 8)), device=torch.device("cpu"), meter=TensorMeter(),
+                      budget_bytes=None, headroom=0.1, host_budget_bytes=low)
+    assert plain.accepted and plain.host_peak_bytes is None  # nothing offloaded: the host budget does not apply

@@ -104,8 +104,9 @@ def _probe_lines(report: Any) -> list[str]:
         speed = f", {r.samples_per_s:.1f} samples/s" if r.samples_per_s else ""
         worst = (f", worst batch {format_bytes(r.worst_batch_peak_bytes)}" if r.worst_batch_peak_bytes is not None
                  else "")
+        host = f", host {format_bytes(r.host_peak_bytes)}" if r.host_peak_bytes is not None else ""
         lines.append(f"probe {r.config}: {r.steps} steps, worst-case peak {format_bytes(r.peak_bytes_max)} "
-                     f"(trial {format_bytes(r.trial_peak_bytes)}{worst}){speed}; {verdict}")
+                     f"(trial {format_bytes(r.trial_peak_bytes)}{worst}){host}{speed}; {verdict}")
     return lines
 
 

@@ -74,19 +74,21 @@ class _Candidate:
     """One candidate's probe: its trainer, what every step took and peaked at, and why it was rejected."""
 
     def __init__(self, workload: Workload, trial: Measurement, device: torch.device, settings: ProbeSettings,
-                 guard: GuardRails, lr: float, budget_bytes: int | None, parallel: "Wrapping | None" = None) -> None:
+                 guard: GuardRails, lr: float, budget_bytes: int | None, parallel: "Wrapping | None" = None,
+                 host_budget_bytes: int | None = None) -> None:
         self.workload, self.trial, self.config, self.device = workload, trial, trial.config, device
         self.budget_bytes = budget_bytes
         self.settings, self.guard, self.lr, self.parallel = settings, guard, lr, parallel
         rank, world = (parallel.job.rank, parallel.job.world_size) if parallel else (0, 1)
         self.loader = _loader(workload, self.config.batch_size, settings, rank, world)
         self.trainer = Trainer(workload, self.config, device, lr=lr, seed=settings.seed, guard=guard,
-                               record_grad_norm=True, parallel=parallel)
+                               record_grad_norm=True, parallel=parallel, host_budget_bytes=host_budget_bytes)
         self.step_peaks: list[int] = []  # each step's own peak: allocated on CUDA, reset every step
         self.reserved: list[int] = []  # CUDA: the caching allocator's reserved peak of each step
         self.step_times: list[float] = []
         self.samples = 0
         self.worst_peak: int | None = None
+        self.host_peak_bytes: int | None = None  # read before the trainer lets its model go
         self.reason: str | None = None
 
     def train(self, meter: Meter, deadline: float | None) -> None:
@@ -167,6 +169,7 @@ class _Candidate:
             peak_bytes_median=int(statistics.median(self.step_peaks)) if self.step_peaks else None,
             peak_reserved_bytes_max=max(self.reserved) if self.reserved else None,
             trial_peak_bytes=self.trial.peak_bytes,
+            host_peak_bytes=self.host_peak_bytes,
             step_s_median=statistics.median(self.step_times) if self.step_times else None,
             step_s_p90=quantile(self.step_times, 0.9),
             samples_per_s=self.samples / sum(self.step_times) if self.step_times and reason is None else None,
@@ -192,12 +195,14 @@ def run_probe(
     guard: GuardRails = GuardRails(),
     lr: float = 1e-4,
     parallel: "Wrapping | None" = None,
+    host_budget_bytes: int | None = None,
 ) -> ProbeResult:
     """Train ``trial``'s configuration over the probe's epochs in this process; return what happened.
 
     ``meter`` defaults to the device's, enforcing ``budget_bytes``. ``parallel``
     (:mod:`autotune.execution.ranks`) makes this rank's part of a distributed probe: its share of the
-    slice, under the job's wrapper.
+    slice, under the job's wrapper. An offloading candidate's host copies may hold ``host_budget_bytes`` at most (the
+    search's host budget: past it, a step is the host's out-of-memory error and rejects the candidate).
     """
     if workload.dataset is None:
         raise UsageError("the probe trains on --data: pass a dataset, or --no-probe")
@@ -206,12 +211,13 @@ def run_probe(
     meter = meter if meter is not None else backend.meter(budget_bytes)
     started = time.monotonic()
     deadline = started + settings.timeout_s if settings.timeout_s else None
-    candidate = _Candidate(workload, trial, device, settings, guard, lr, budget_bytes, parallel)
+    candidate = _Candidate(workload, trial, device, settings, guard, lr, budget_bytes, parallel, host_budget_bytes)
     try:
         candidate.train(meter, deadline)
     except Exception as exc:  # noqa: BLE001 - the candidate's outcome
         candidate.failed(exc)
     finally:
+        candidate.host_peak_bytes = candidate.trainer.host_peak_bytes
         candidate.trainer.release()
         backend.release()
     candidate.verdict(headroom)
@@ -238,6 +244,7 @@ class ProbeWork(Work):
     settings: ProbeSettings
     guard: GuardRails
     passes: int = 1  # 2 where the meter slows steps (the candidate trains metered, then timed)
+    host_budget_bytes: int | None = None  # what an offloading candidate may hold in host memory (the search's)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -252,7 +259,7 @@ class ProbeWork(Work):
         budget = place.budget(self.budget_bytes)
         return run_probe(workload, self.trial, device=place.device, meter=place.meter_for(self.budget_bytes),
                          budget_bytes=budget, headroom=self.headroom, settings=self.settings, guard=self.guard,
-                         parallel=place.parallel)
+                         parallel=place.parallel, host_budget_bytes=self.host_budget_bytes)
 
     def failed(self, status: str, error: str, seconds: float) -> ProbeResult:
         return ProbeResult(config=self.trial.config, accepted=False, reason=f"{status}: the probe's {error}",
