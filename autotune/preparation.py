@@ -232,6 +232,22 @@ def _floor_of(model: nn.Module, workload: Workload, chain: Chain | None, precisi
     return dataclasses.replace(measured, precision=half)
 
 
+def floor_facts(target: Target, chain: Chain | None) -> dict[str, Any] | None:
+    """When nothing fits: the smallest plan's activations at batch 1 (:func:`_floor_of`), on a model built for it, as
+    the report's ``workload.floor``; None where they cannot be measured (said in the log)."""
+    model = target.workload.build_model()
+    try:
+        keep_in_fp32(model, target.options.fp32_modules, "cpu")
+        floor = _floor_of(model, target.workload, chain, target.precisions)
+    except Exception as exc:  # noqa: BLE001 - the answer is given without the figure
+        logger.info("the activations at batch 1 could not be measured: %s: %s", type(exc).__name__, first_line(exc))
+        return None
+    finally:
+        del model
+        target.backend.release()
+    return {**dataclasses.asdict(floor), "activations": floor.activations}
+
+
 def state_levers(parts: dict[str, int], optimizer: str, guessed: bool, budget_bytes: int, headroom: float,
                  host_bytes: int | None, floor: Floor | str | None = None) -> str:
     """One line: the state by part, against the budget, and what would fit (see :func:`_check_state_fits`).

@@ -29,7 +29,7 @@ from autotune._log import logger
 from autotune.device import resolve_device
 from autotune.errors import Interrupted, first_line
 from autotune.options import Options
-from autotune.preparation import ModelFacts, Study, Target, describe, plan_study, preflight, resolve
+from autotune.preparation import ModelFacts, Study, Target, describe, floor_facts, plan_study, preflight, resolve
 from autotune.analysis.pareto import LineRule, probe_candidates
 from autotune.plans import ALL, Plan
 from autotune.execution.probe import ProbeWork
@@ -94,6 +94,9 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
         report = analyse(target, facts, study, result)
         if result.partial:
             raise Interrupted(report)
+        if report.recommendation is None and report.trials:  # the answer (exit 3) says what batch 1 needs at least
+            report = dataclasses.replace(report, workload={**report.workload,
+                                                           "floor": floor_facts(target, facts.chain)})
         try:
             report = probe(report, target, study, events)
             return compare_library(report, target, facts, study)

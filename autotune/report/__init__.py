@@ -257,6 +257,12 @@ def nothing_fits_hint(report: "Report") -> str:
     tries.append("a larger --budget")
     least = (f"; the smallest peak measured was {format_bytes(smallest.peak_bytes)} ({smallest.config}, {smallest.status})"
              if smallest else "")
+    floor = report.workload.get("floor")
+    if floor and state:
+        least += (f"; at batch 1 with every block recomputed a step needs about "
+                  f"{format_bytes(state + floor['activations'])} ({format_bytes(state)} of weights, gradients and "
+                  f"optimizer state, {format_bytes(floor['activations'])} of activations measured on the CPU at "
+                  f"{floor['precision']})")
     statuses = sorted({m.status for m in report.trials})
     return (f"autotune: nothing fits within {format_bytes(report.budget_bytes)} less {report.headroom:.0%} headroom "
             f"(trial outcomes: {', '.join(statuses)}){least}: try {', '.join(tries)}")
