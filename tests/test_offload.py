@@ -267,3 +267,19 @@ def test_on_cuda_copies_run_on_a_side_stream_that_waits_and_is_waited_for_and_ba
     # reads one node's saved tensors in its own order, not in the reverse of saving; here 42 of 51 and 6 of 7)
     ahead = sum(recorded[id(e[2])][0] < waits[k - 1][0] for k, (_, e) in enumerate(waits) if k)
     assert ahead >= 0.75 * (len(waits) - 1), (ahead, len(waits))
+
+
+def test_a_parameter_made_during_the_forward_pass_is_not_moved_nor_its_views():
+    # FSDP2 registers each block's unsharded parameters as the block's forward begins, after the offload's hooks
+    # have read the model's: autograd then saves those parameters (or views of them, as mm saves weight.t())
+    model = torch.nn.Linear(2, 2)
+    apply_plan(model, "0+offload")
+    offloader = offloader_of(model)
+    x = torch.randn(128, 128, requires_grad=True)  # 64 KiB: large enough to move
+    with offloader.hooks():
+        weight = torch.nn.Parameter(torch.randn(128, 128))
+        y = torch.mm(x, weight.t())  # saves x and weight.t()
+    assert offloader.moved == 1  # x only (it moved both before)
+    y.sum().backward()
+    assert torch.equal(weight.grad, torch.ones(128, 128).t() @ x.detach())  # dL/dW = (dL/dy)^T x
+    assert torch.equal(x.grad, torch.ones(128, 128) @ weight.detach())

@@ -10,7 +10,8 @@ converted: the step computes bitwise what the plan without offload computes (the
 verifies it, as for every plan).
 
 Not moved: tensors under :data:`MIN_OFFLOAD_BYTES` (a copy's fixed cost outweighs them),
-parameters, buffers and views of them (they stay on the device anyway: a copy would only add one), and
+parameters, buffers and views of them (they stay on the device anyway: a copy would only add one; that
+includes a parameter made during the forward pass, as FSDP2 gathers each block's unsharded ones), and
 tensors whose layout a copy would not keep (overlapping or expanded strides), and subclasses. A
 tensor saved twice is moved once. A tensor still alive elsewhere when the backward pass asks for
 it (a batch the caller holds), and unchanged, is given back as it is: a copy back would sit
@@ -186,8 +187,11 @@ class Offloader:
     # -- helpers -------------------------------------------------------------------------------------------------
 
     def _movable(self, tensor: torch.Tensor) -> bool:
+        base = tensor._base if tensor._is_view() else None
         return (type(tensor) is torch.Tensor and tensor.layout == torch.strided and tensor.device.type in ("cuda", "cpu")
                 and tensor.numel() * tensor.element_size() >= self.min_bytes
+                and not isinstance(base, nn.Parameter)  # a view of a parameter the model did not hold when the hooks
+                # were made: FSDP2's unsharded parameters, registered as each block's forward begins
                 and tensor.untyped_storage().data_ptr() not in self._params)
 
     def _side_stream(self, device: torch.device) -> Any:
