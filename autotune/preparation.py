@@ -154,14 +154,19 @@ class ModelFacts:
     library_checkpointing: str | None  # the library's own per-layer checkpointing switch, if it has one
     optimizer_state_bytes: int | None = None  # the optimizer's state for these parameters (None: not measurable)
     unprimed: str | None = None  # why the optimizer could not be primed (autotune.training.optimizer)
+    gradient_bytes: int | None = None  # the parameters that require gradients (None: all of them)
+
+    def state(self) -> dict[str, int]:
+        """What a step holds whatever the batch, by part: the weights, the gradients of the parameters that train,
+        and the optimizer's state (measured; where it could not be, AdamW's two moments of the trained ones)."""
+        gradients = self.parameter_bytes if self.gradient_bytes is None else self.gradient_bytes
+        optimizer = 2 * gradients if self.optimizer_state_bytes is None else self.optimizer_state_bytes
+        return {"weights": self.parameter_bytes, "gradients": gradients, "optimizer_state": optimizer}
 
     @property
     def fixed_bytes(self) -> int:
-        """What a step holds whatever the batch: weights, gradients and the optimizer's state (4x the weights,
-        AdamW's, where the state could not be measured)."""
-        if self.optimizer_state_bytes is None:
-            return 4 * self.parameter_bytes
-        return 2 * self.parameter_bytes + self.optimizer_state_bytes
+        """The sum of :meth:`state`: the one definition the search's memory line and the state check share."""
+        return sum(self.state().values())
 
 
 def preflight(target: Target) -> ModelFacts:
@@ -176,8 +181,8 @@ def preflight(target: Target) -> ModelFacts:
     keep_in_fp32(model, target.options.fp32_modules, device.type)  # --fp32-modules names the model lacks fail here
     params = list(model.parameters())
     facts = ModelFacts(type(model).__name__, sum(p.numel() for p in params),
-                       sum(p.numel() * p.element_size() for p in params), find_chain(model), None)
-    gradient_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+                       sum(p.numel() * p.element_size() for p in params), find_chain(model), None,
+                       gradient_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad))
     del params
     try:
         # The optimizer's state is measured on the CPU, before the model goes to the device: a model whose state
@@ -185,7 +190,7 @@ def preflight(target: Target) -> ModelFacts:
         state, unprimed = measure_state_bytes(workload.optimizer, model, target.options.trial_settings.lr)
         # A closure over this frame's ``model``, not an argument: ``del model`` below then frees the model even
         # while the StateDoesNotFit raised through here, and its traceback's frames, live on in the caller
-        _check_state_fits(facts, gradient_bytes, state, workload.optimizer.name, target,
+        _check_state_fits(dataclasses.replace(facts, optimizer_state_bytes=state), workload.optimizer.name, target,
                           lambda: _floor_of(model, workload, facts.chain, target.precisions))
         chain = _forward(model, workload, device, batch_size, facts)
         library = _library_switch(model)
@@ -198,21 +203,17 @@ def preflight(target: Target) -> ModelFacts:
                                unprimed=unprimed)
 
 
-def _check_state_fits(facts: ModelFacts, gradient_bytes: int, state_bytes: int | None, optimizer: str,
-                      target: Target, floor: Callable[[], Floor]) -> None:
+def _check_state_fits(facts: ModelFacts, optimizer: str, target: Target, floor: Callable[[], Floor]) -> None:
     """Raise :class:`StateDoesNotFit` when the training state alone exceeds the usable budget (no trial could fit),
     with the levers that would fit: FSDP ranks, the state offloaded to host memory, an optimizer with less state.
     ``floor()`` measures the smallest plan's activations at batch 1 (only then: it costs forward passes)."""
     budget = target.budget
     if budget.bytes is None:
         return
-    usable = usable_bytes(budget.bytes, budget.headroom)
-    guessed = state_bytes is None  # an optimizer that could not be primed: AdamW's two moments as the guess
-    optimizer_bytes = 2 * facts.parameter_bytes if guessed else state_bytes
-    total = facts.parameter_bytes + gradient_bytes + optimizer_bytes
-    if total < usable:
+    if facts.fixed_bytes < usable_bytes(budget.bytes, budget.headroom):
         return
-    parts = {"weights": facts.parameter_bytes, "gradients": gradient_bytes, "optimizer_state": optimizer_bytes}
+    guessed = facts.optimizer_state_bytes is None  # an optimizer that could not be primed: AdamW's moments guessed
+    parts = facts.state()
     name = optimizer.rsplit(":", 1)[-1].rsplit(".", 1)[-1]  # torch.optim:AdamW -> AdamW
     try:
         measured: Floor | str = floor()

@@ -50,13 +50,13 @@ def test_a_model_without_blocks_has_the_saved_tensors_of_its_one_plan():
 
 def test_a_state_that_does_not_fit_still_names_its_levers_when_the_activations_cannot_be_measured(tmp_path):
     target = _target(tmp_path, "autotune.examples:TinyGPT", budget="64KiB", model_kwargs=TINY)
-    facts = ModelFacts("TinyGPT", 10_000, 40_000, None, None)  # 40 KB of weights, as much of gradients, 80 KB of state
+    facts = ModelFacts("TinyGPT", 10_000, 40_000, None, None, optimizer_state_bytes=80_000)  # 40 KB of weights
 
     def fails() -> Floor:
         raise RuntimeError("running_mean should contain 3 elements")
 
     with pytest.raises(autotune.StateDoesNotFit) as info:
-        _check_state_fits(facts, 40_000, 80_000, "torch.optim:AdamW", target, fails)
+        _check_state_fits(facts, "torch.optim:AdamW", target, fails)
     message = str(info.value)
     assert "(activations not measured: RuntimeError: running_mean should contain 3 elements)" in message
     assert info.value.floor is None and "sharded over" in message and "\n" not in message

@@ -1,5 +1,6 @@
 """The tuner's stages, each on its own typed input and output, and the CUDA-path defects they fix."""
 
+import dataclasses
 import gc
 import signal
 import sys
@@ -182,3 +183,26 @@ def test_tune_lets_go_of_everything_its_caller_held(tmp_path):
     done = procs.run([sys.executable, "-c", _LETS_GO.format(tiny=TINY), str(tmp_path)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "model freed", done.stdout[-2000:]
+
+
+def _half_frozen():
+    from autotune.examples import TinyGPT
+
+    model = TinyGPT(**TINY)
+    for block in model.transformer.h[:2]:  # the first two blocks frozen, as a fine-tune does
+        block.requires_grad_(False)
+    return model
+
+
+def test_the_state_counts_gradients_and_moments_only_for_the_parameters_that_train(tmp_path):
+    facts = tuner.preflight(tuner.resolve(_options(tmp_path, model=_half_frozen, model_kwargs=None)))
+    model = _half_frozen()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    trained = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert 0 < trained < weights
+    state = facts.state()
+    assert state["weights"] == weights and state["gradients"] == trained
+    assert 2 * trained <= state["optimizer_state"] < 2 * trained + 4096  # AdamW's moments (and step counts)
+    assert facts.fixed_bytes == sum(state.values())  # one definition: the memory line's and the state check's
+    unmeasured = dataclasses.replace(facts, optimizer_state_bytes=None)
+    assert unmeasured.state()["optimizer_state"] == 2 * trained  # the guess: AdamW's moments of what trains
