@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -19,7 +18,7 @@ from torch import nn
 
 from autotune._log import logger
 from autotune.plans.checkpointing import Chain, find_chain, order_chain
-from autotune.plans.floor import Floor, measure_floor
+from autotune.plans.floor import Floor, measure_floor, state_levers
 from autotune.training.data import scan_items, worst_indices
 from autotune.device import Backend, available_ram_bytes, backend_for, resolve_device
 from autotune.errors import StateDoesNotFit, UsageError, first_line
@@ -34,7 +33,6 @@ from autotune.records import Budget, PlanCheck, TrialSettings, usable_bytes
 from autotune.search.space import SearchSpace
 from autotune.search.store import default_storage, default_study_name, fingerprint, store_plan_checks, stored_plan_checks
 from autotune.thirdparty import library_checkpointing
-from autotune.units import format_bytes
 from autotune.training.workload import Workload, parse_model_kwargs, to_device
 
 if TYPE_CHECKING:
@@ -247,58 +245,6 @@ def floor_facts(target: Target, chain: Chain | None) -> dict[str, Any] | None:
         del model
         target.backend.release()
     return {**dataclasses.asdict(floor), "activations": floor.activations}
-
-
-def state_levers(parts: dict[str, int], optimizer: str, guessed: bool, budget_bytes: int, headroom: float,
-                 host_bytes: int | None, floor: Floor | str | None = None) -> str:
-    """One line: the state by part, against the budget, and what would fit (see :func:`_check_state_fits`).
-
-    With ``floor`` measured, sharding needs room on each rank for its share of the state, the largest block's
-    weights (gathered whole while it computes) and batch 1's activations; unmeasured (a string: why), it leaves
-    at least a quarter of the usable budget to activations. Offloading the state leaves the device the
-    activations and the weights of the block being computed.
-    """
-    usable = usable_bytes(budget_bytes, headroom)
-    total = sum(parts.values())
-    about = "about " if guessed else ""
-    measured = floor if isinstance(floor, Floor) else None
-    if measured is not None:
-        room = usable - measured.activations - measured.block_weights
-        step = (f"; batch 1 adds {format_bytes(measured.activations)} of activations with every block recomputed "
-                f"(measured here at {measured.precision}: {format_bytes(measured.kept)} kept from forward to backward, "
-                f"{format_bytes(measured.recompute)} for one block's recompute)")
-    else:
-        room = 0.75 * usable
-        step = f" (activations not measured: {floor})" if isinstance(floor, str) else ""
-    head = (f"nothing fits: training {'the' if not guessed else 'this'} model needs {about}{format_bytes(total)} "
-            f"before any activation (weights {format_bytes(parts['weights'])}, gradients "
-            f"{format_bytes(parts['gradients'])}, {optimizer} state {about}{format_bytes(parts['optimizer_state'])}), more "
-            f"than --budget {format_bytes(budget_bytes)} less {headroom:.0%} headroom ({format_bytes(usable)}){step}")
-    if room <= 0:
-        return (f"{head}; even without any state, batch 1's activations and one block's weights exceed the budget: "
-                f"no sharding or state offload fits it; raise --budget")
-    ranks = max(2, math.ceil(total / room))
-    host = (f", {format_bytes(host_bytes)} available here" + ("" if host_bytes >= total else ", not enough")
-            if host_bytes is not None else "")
-    device = (f": {format_bytes(measured.activations + measured.block_weights)} at batch 1" if measured else "")
-    return (f"{head}; it would fit sharded over {ranks} ranks (--parallel fsdp under torchrun --nproc-per-node "
-            f"{ranks}: {format_bytes(total / ranks)} of state on each, {format_bytes(usable - total / ranks)} left for "
-            f"the gathered block and activations), or with the state in host memory (FSDP2's CPUOffloadPolicy, on one "
-            f"rank too: {format_bytes(total)} of host memory{host}; the device keeps the activations and the weights of "
-            f"the block being computed{device}){_smaller_state(parts, usable)}")
-
-
-def _smaller_state(parts: dict[str, int], usable: float) -> str:
-    """The optimizer lever of :func:`state_levers`: what an optimizer with less state would leave, if anything."""
-    weights_and_gradients = parts["weights"] + parts["gradients"]
-    if parts["optimizer_state"] == 0:
-        return ""
-    if weights_and_gradients < usable:
-        return (f"; or an optimizer that holds less state: the weights and gradients alone are "
-                f"{format_bytes(weights_and_gradients)}, leaving {format_bytes(usable - weights_and_gradients)} for "
-                f"the state and activations (SGD without momentum holds none; --optimizer)")
-    return (f"; no optimizer alone makes it fit: the weights and gradients are "
-            f"{format_bytes(weights_and_gradients)} without any state")
 
 
 def _forward(model: nn.Module, workload: Workload, device: torch.device, batch_size: int, facts: ModelFacts) -> Chain | None:

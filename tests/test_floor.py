@@ -7,8 +7,8 @@ import autotune
 from autotune import tuner
 from autotune.options import Options
 from autotune.plans.checkpointing import apply_plan, find_chain, remove_plan
-from autotune.plans.floor import Floor, measure_floor
-from autotune.preparation import ModelFacts, _check_state_fits, state_levers
+from autotune.plans.floor import Floor, measure_floor, state_levers
+from autotune.preparation import ModelFacts, _check_state_fits
 
 TINY = {"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
 
