@@ -5,7 +5,7 @@ import torch
 
 import autotune
 from autotune.training.data import random_indices, real_tokens, scan_items, worst_indices
-from autotune.examples import TinyGPT, pad_collate, variable_token_loader
+from autotune.examples import pad_collate, variable_token_loader
 from autotune.meters import TensorMeter
 from autotune.records import Config
 from autotune.training.trainer import Trainer
