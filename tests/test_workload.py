@@ -124,3 +124,27 @@ def test_a_warm_workload_hands_out_exact_copies_of_the_model_a_seeded_build_give
     locked = Workload.from_specs(Locked)
     locked.warm(0)
     assert locked._found[("model", 0)] is None and isinstance(locked.build_model(seed=0), Locked)
+
+    class Odd(torch.nn.Parameter):  # a parameter type that cannot be rebuilt as _copy_model rebuilds it
+        def __new__(cls, data, requires_grad, scale):
+            return super().__new__(cls, data, requires_grad)
+
+    odd = torch.nn.Linear(2, 2)
+    odd.weight = Odd(torch.ones(2, 2), True, 1.0)
+    shaped = Workload.from_specs(lambda: odd)
+    shaped.warm(0)
+    assert shaped._found[("model", 0)] is None
+
+
+def test_warming_a_workload_makes_no_second_copy_of_the_weights(monkeypatch):
+    # A 7B model is 28 GB of fp32 weights: warming keeps one build, and checks that it can be copied without a copy
+    from autotune.training import workload as module
+
+    copies = []
+    monkeypatch.setattr(module, "_copy_model", lambda template: copies.append(template) or template)
+    warm = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs={"n_layer": 2, "block_size": 16,
+                                                                         "n_embd": 32, "n_head": 2, "vocab_size": 64})
+    warm.warm(0)
+    assert warm._found[("model", 0)] is not None and copies == []
+    warm.build_model(seed=0)
+    assert len(copies) == 1  # the trial's own copy

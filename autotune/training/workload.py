@@ -191,9 +191,8 @@ class Workload:
         with contextlib.suppress(Exception):
             template = self.build_model(seed)
             states = _random_states()
-            if all(t.device.type == "cpu" for t in (*template.parameters(), *template.buffers())):
-                _copy_model(template)  # a model that cannot be copied is built every time
-                self._found[key] = (template, states)
+            if all(t.device.type == "cpu" for t in (*template.parameters(), *template.buffers())) and _copyable(template):
+                self._found[key] = (template, states)  # a model that cannot be copied is built every time
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """The tensors this workload keeps between trials (the models :meth:`warm` built, their random states)."""
@@ -336,6 +335,21 @@ def _copy_model(template: nn.Module) -> nn.Module:
                 fresh = torch.empty_like(t).copy_(t)
                 memo[id(t)] = type(t)(fresh, t.requires_grad) if isinstance(t, nn.Parameter) else fresh
     return copy.deepcopy(template, memo)
+
+
+def _copyable(template: nn.Module) -> bool:
+    """Whether :func:`_copy_model` can copy ``template``, found without a second copy of its weights in memory:
+    everything but its parameters and buffers deep-copied (they are shared through the memo), and each parameter's
+    type rebuilt around an empty tensor."""
+    tensors = (*template.parameters(), *template.buffers())
+    try:
+        copy.deepcopy(template, {id(t): t for t in tensors})
+        for t in tensors:
+            if isinstance(t, nn.Parameter):
+                type(t)(torch.empty(0, dtype=t.dtype), t.requires_grad)
+    except Exception:  # noqa: BLE001 - whatever stops a copy: the model is built every time instead
+        return False
+    return True
 
 
 def _random_states() -> tuple[Any, ...]:
