@@ -52,4 +52,7 @@ EOF
 else
     echo "one GPU: the two-rank checks (a one-rank OOM waking the other through the store) need two"
 fi
+# The training state in host memory (FSDP2's CPUOffloadPolicy, not yet a searched axis) on one rank: the device peak
+# lower than the same FSDP2 step's, the state's host bytes, the step time ratio and the optimizer step's share
+PYTHONUNBUFFERED=1 timeout 600 torchrun --standalone --nproc-per-node 1 benchmarks/state_offload.py
 echo "distributed GPU check passed"
