@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -189,7 +190,7 @@ def preflight(target: Target) -> ModelFacts:
         # A closure over this frame's ``model``, not an argument: ``del model`` below then frees the model even
         # while the StateDoesNotFit raised through here, and its traceback's frames, live on in the caller
         _check_state_fits(dataclasses.replace(facts, optimizer_state_bytes=state), workload.optimizer.name, target,
-                          lambda: _floor_of(model, workload, facts.chain, target.precisions))
+                          lambda: _floor_of(workload, facts.chain, target.precisions, target.options.fp32_modules, model))
         chain = _forward(model, workload, device, batch_size, facts)
         library = _library_switch(model)
     finally:
@@ -221,28 +222,50 @@ def _check_state_fits(facts: ModelFacts, optimizer: str, target: Target, floor: 
                                        measured), parts, measured if isinstance(measured, Floor) else None)
 
 
-def _floor_of(model: nn.Module, workload: Workload, chain: Chain | None, precisions: Sequence[str]) -> Floor:
-    """The smallest plan's activations at batch 1 (:mod:`autotune.plans.floor`), on the CPU, at the searched
-    precision that saves the least (bf16 stands in for fp16 there: the same bytes, without fp16's slow CPU kernels)."""
+def _floor_of(workload: Workload, chain: Chain | None, precisions: Sequence[str], fp32_modules: Sequence[str],
+              model: nn.Module | None = None) -> Floor:
+    """The smallest plan's activations at batch 1 (:mod:`autotune.plans.floor`), at the searched precision that saves
+    the least (bf16 stands in for fp16: the same bytes, without fp16's slow CPU kernels).
+
+    Measured with PyTorch's fake tensors (torch.compile's: shapes and dtypes, no memory, no arithmetic, so a large
+    model's takes seconds) on a model built under them; where the model cannot build or run so (a shape that
+    depends on values), on the CPU, on ``model`` or a build of it.
+    """
     half = "bf16" if {"bf16", "fp16"} & set(precisions) else "fp32"
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode  # private, and in every torch autotune supports
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)  # the batch stays real: its own bytes are real
+        with mode:
+            fake = workload.build_model()
+            keep_in_fp32(fake, fp32_modules, "cpu")
+        return _floor_measured(fake, workload, chain, half, mode)
+    except Exception as exc:  # noqa: BLE001 - measured for real instead
+        logger.info("batch 1's activations are measured on the CPU (fake tensors could not run the model: %s: %s)",
+                    type(exc).__name__, first_line(exc))
+    if model is None:
+        model = workload.build_model()
+        keep_in_fp32(model, fp32_modules, "cpu")
+    return _floor_measured(model, workload, chain, half, contextlib.nullcontext())
+
+
+def _floor_measured(model: nn.Module, workload: Workload, chain: Chain | None, half: str,
+                    mode: contextlib.AbstractContextManager) -> Floor:
     batch = workload.make_batch(model, 1)
-    with PRECISIONS[half].autocast("cpu"):
+    with mode, PRECISIONS[half].autocast("cpu"):
         measured = measure_floor(model, chain, lambda: workload.loss(model, batch))
     return dataclasses.replace(measured, precision=half)
 
 
 def floor_facts(target: Target, chain: Chain | None) -> dict[str, Any] | None:
-    """When nothing fits: the smallest plan's activations at batch 1 (:func:`_floor_of`), on a model built for it, as
-    the report's ``workload.floor``; None where they cannot be measured (said in the log)."""
-    model = target.workload.build_model()
+    """When nothing fits: the smallest plan's activations at batch 1 (:func:`_floor_of`), as the report's
+    ``workload.floor``; None where they cannot be measured (said in the log)."""
     try:
-        keep_in_fp32(model, target.options.fp32_modules, "cpu")
-        floor = _floor_of(model, target.workload, chain, target.precisions)
+        floor = _floor_of(target.workload, chain, target.precisions, target.options.fp32_modules)
     except Exception as exc:  # noqa: BLE001 - the answer is given without the figure
         logger.info("the activations at batch 1 could not be measured: %s: %s", type(exc).__name__, first_line(exc))
         return None
     finally:
-        del model
         target.backend.release()
     return {**dataclasses.asdict(floor), "activations": floor.activations}
 

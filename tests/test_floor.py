@@ -74,3 +74,60 @@ def test_the_ranks_leave_room_for_the_gathered_block_and_batch_1(tmp_path):
     big = Floor(kept=150 * 2**20, recompute=20 * 2**20, block_weights=10 * 2**20)
     line = state_levers(parts, "AdamW", False, 200 * 2**20, 0.2, None, big)
     assert "no sharding or state offload fits it; raise --budget" in line and "sharded over" not in line
+
+
+class _Expert(torch.nn.Module):
+    """A block whose work depends on the values (a mixture of experts' routing): fake tensors cannot run it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        rows = torch.nonzero(x.sum(-1) > -1e9).squeeze(-1)  # every row, but only the values can say so
+        return torch.relu(self.linear(x[rows]))
+
+
+class _Routed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Expert() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def example_batch(self, batch_size):
+        return (torch.randn(batch_size, 64), torch.zeros(batch_size, 64))
+
+    def loss(self, output, target):
+        return torch.nn.functional.mse_loss(output, target)
+
+
+@pytest.mark.parametrize("model,kwargs", [("autotune.examples:TinyGPT", None), ("autotune.examples:ResNetish", {})])
+def test_fake_tensors_measure_what_the_cpu_measures_without_allocating_it(tmp_path, model, kwargs, caplog):
+    from autotune.preparation import _floor_of
+
+    workload = _target(tmp_path, model, model_kwargs=kwargs).workload
+    real = workload.build_model()
+    chain = find_chain(real)
+    batch = workload.make_batch(real, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        on_cpu = measure_floor(real, chain, lambda: workload.loss(real, batch))
+    with caplog.at_level("INFO", logger="autotune"):
+        fake = _floor_of(workload, chain, ("fp32", "bf16"), ())
+    assert "measured on the CPU" not in caplog.text  # the fake tensors ran it
+    assert fake.precision == "bf16" and fake.block_weights == on_cpu.block_weights
+    # the same bytes, to a few hundred (fake and real kernels may differ in a small saved statistic)
+    assert abs(fake.kept - on_cpu.kept) <= 0.01 * on_cpu.kept and abs(fake.recompute - on_cpu.recompute) <= 0.01 * on_cpu.recompute
+
+
+def test_a_model_fake_tensors_cannot_run_is_measured_on_the_cpu(tmp_path, caplog):
+    from autotune.preparation import _floor_of
+
+    workload = autotune.training.workload.Workload.from_specs(_Routed)
+    with caplog.at_level("INFO", logger="autotune"):
+        floor = _floor_of(workload, find_chain(workload.build_model()), ("fp32",), ())
+    assert "batch 1's activations are measured on the CPU (fake tensors could not run the model" in caplog.text
+    assert floor.kept > 0 and floor.recompute > 0 and floor.precision == "fp32"

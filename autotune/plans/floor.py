@@ -1,8 +1,10 @@
 """The activations no plan gets below: the smallest plan's, at batch 1, measured by saved-tensor hooks.
 
 When a model's state alone exceeds the budget, the levers that would fit it (FSDP ranks, the state in host
-memory) still need room for the activations of one step at the smallest batch. This measures them on the
-CPU, before any trial, in forward passes only (no backward: no gradients are allocated):
+memory) still need room for the activations of one step at the smallest batch. This measures them before any
+trial, in forward passes only (no backward: no gradients are allocated), on the model as it is given: on the
+CPU, or under PyTorch's fake tensors, where no memory is allocated at all (``autotune.preparation`` tries those
+first). Storages are told apart by their StorageImpl, which views share and fake tensors have:
 
 - ``kept``: what plan ``all`` (every block recomputed) keeps from forward to backward: each block's inputs
   and what runs between blocks, the bytes autograd saves, parameters and buffers left out;
@@ -66,10 +68,11 @@ class _SavedBytes:
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
-    """The tensor's storage (its address) and bytes; a tensor without one (a subclass) counts as itself."""
+    """The tensor's storage (its StorageImpl, which views share; not its address, which a fake tensor's storage
+    lacks) and bytes; a tensor without one (a subclass) counts as itself."""
     try:
         storage = tensor.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
+        return storage._cdata, storage.nbytes()
     except (RuntimeError, NotImplementedError):
         return id(tensor), tensor.numel() * tensor.element_size()
 

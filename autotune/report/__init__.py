@@ -261,7 +261,7 @@ def nothing_fits_hint(report: "Report") -> str:
     if floor and state:
         least += (f"; at batch 1 with every block recomputed a step needs about "
                   f"{format_bytes(state + floor['activations'])} ({format_bytes(state)} of weights, gradients and "
-                  f"optimizer state, {format_bytes(floor['activations'])} of activations measured on the CPU at "
+                  f"optimizer state, {format_bytes(floor['activations'])} of activations, measured at "
                   f"{floor['precision']})")
     statuses = sorted({m.status for m in report.trials})
     return (f"autotune: nothing fits within {format_bytes(report.budget_bytes)} less {report.headroom:.0%} headroom "
