@@ -154,34 +154,51 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (what torchrun, SLURM, Kubernetes and systemd send, then wait a grace period): handled as Ctrl-C."""
 
 
+class _Signals(list):
+    """The SIGTERMs received (the list), and how many Ctrl-Cs (``interrupts``)."""
+
+    interrupts = 0
+
+
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[list[int]]:
+def _sigterm_as_interrupt() -> Iterator[_Signals]:
     """Inside the block, SIGTERM raises :class:`Terminated` (a KeyboardInterrupt): the running trial is
-    discarded, the partial report written, and the exit code is 128 + 15. Yields the signals received."""
-    received: list[int] = []
+    discarded, the partial report written, and the exit code is 128 + 15. Ctrl-C raises KeyboardInterrupt as
+    Python's own handler does, and is counted. Yields the signals received."""
+    received = _Signals()
 
     def handler(signum: int, frame: object) -> None:
         received.append(signum)
         if len(received) == 1:  # a second SIGTERM must not cut the partial report short
             raise Terminated()
 
+    def ctrl_c(signum: int, frame: object) -> None:
+        received.interrupts += 1
+        raise KeyboardInterrupt()
+
     if threading.current_thread() is not threading.main_thread():  # signals are only for the main thread
         yield received
         return
     previous = signal.signal(signal.SIGTERM, handler)
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int is signal.default_int_handler:  # not where Ctrl-C is ignored (nohup) or handled by the caller
+        signal.signal(signal.SIGINT, ctrl_c)
     try:
         yield received
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if previous_int is signal.default_int_handler:
+            signal.signal(signal.SIGINT, previous_int)
 
 
 class _StopsAtTheNextTrial:
-    """The CLI's progress, which also stops the run as the next trial or probe starts if a SIGTERM has come and the
-    search goes on: Python runs a signal's handler between any two bytecodes, a finalizer's or a weakref callback's
-    too (SQLAlchemy's ``InstanceState._cleanup``), and an exception raised there is printed as "Exception ignored"
-    and dropped. Seen once in CI: the search then ran to its end and exited 0 instead of 143."""
+    """The CLI's progress, which also stops the run as the next trial or probe starts if a SIGTERM or a Ctrl-C has
+    come and the search goes on: Python runs a signal's handler between any two bytecodes, a finalizer's or a weakref
+    callback's too (SQLAlchemy's ``InstanceState._cleanup``, torch's ``WeakIdKeyDictionary``), and an exception
+    raised there is printed as "Exception ignored" and dropped. Seen in CI, once for each signal: the search then
+    ran to its end and exited 0 instead of 143 or 130."""
 
-    def __init__(self, progress: Any, received: list[int]) -> None:
+    def __init__(self, progress: Any, received: _Signals) -> None:
         self.progress, self.received = progress, received
 
     def __getattr__(self, name: str) -> Any:
@@ -196,8 +213,11 @@ class _StopsAtTheNextTrial:
         self.progress.probe_started(*args, **kwargs)
 
     def _stop_if_signalled(self) -> None:
-        if self.received:  # Terminated propagated, it would have ended the search: it was swallowed
+        # Had the handler's exception propagated, it would have ended the search: it was swallowed
+        if self.received:
             raise Terminated()
+        if self.received.interrupts:
+            raise KeyboardInterrupt()
 
 
 @contextlib.contextmanager
