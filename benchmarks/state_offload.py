@@ -35,13 +35,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _host_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """What the state holds on the CPU: sharded parameters, their gradients, the optimizer's state."""
-    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    tensors += [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()
-                if p.grad is not None]
-    tensors += [v.to_local() if hasattr(v, "to_local") else v for s in optimizer.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
+    """What the state holds on the CPU: sharded parameters, their gradients, the optimizer's state (each DTensor's
+    local shard)."""
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+               *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local if t.device.type == "cpu")
 
 
 def run(device: torch.device, offload: bool, steps: int) -> dict:

@@ -319,9 +319,11 @@ class FakeStreams:
         fake = self
 
         class Stream(str):
-            def __new__(cls, device: Any = None) -> "Stream":
-                fake._made += 1
-                return super().__new__(cls, f"side{fake._made}")
+            def __new__(cls, device: Any = None, name: str | None = None) -> "Stream":
+                if name is None:  # a stream the code makes
+                    fake._made += 1
+                    name = f"side{fake._made}"
+                return super().__new__(cls, name)
 
             def wait_stream(self, other: str) -> None:
                 fake.log.append(("wait_stream", str(self), str(other)))
@@ -358,7 +360,7 @@ class FakeStreams:
             fake.log.append(("record_stream", id(tensor), str(stream)))
 
         monkeypatch.setattr(torch.cuda, "Stream", Stream)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream.__base__.__new__(Stream, "compute"))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(name="compute"))
         monkeypatch.setattr(torch.cuda, "stream", _On)
         monkeypatch.setattr(torch, "empty_like", pinned_empty_like)
         monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)

@@ -100,8 +100,8 @@ def _saved(model: nn.Module, run: Callable[[], Any], blocks: tuple[str, ...] = (
 
 
 def measure_floor(model: nn.Module, chain: Chain | None, run: Callable[[], Any]) -> Floor:
-    """Measure :class:`Floor` for ``model`` (on the CPU, as it is), ``run()`` being one forward pass with its loss
-    at batch 1 under the precision to measure. The model is left without a plan."""
+    """Measure :class:`Floor` for ``model`` as it is (real CPU tensors or fake ones), ``run()`` being one forward pass
+    with its loss at batch 1 under the precision to measure. The model is left without a plan."""
     if chain is None:
         return Floor(_saved(model, run).total, 0, 0)
     plain = _saved(model, run, chain.blocks)
