@@ -52,3 +52,17 @@ def pytest_collection_finish(session):
 
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank in this process (what a DeviceMesh needs), destroyed afterwards."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this test process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -154,3 +154,23 @@ def test_the_tensor_meter_has_no_reserved_figure():
     with TensorMeter().measure() as h:
         torch.zeros(10)
         assert h.peak_reserved_bytes() is None
+
+
+def test_a_dtensors_local_shard_is_counted_though_dtensor_made_it_below_the_meter(one_rank_group):
+    # DTensor runs each op on its local tensors inside its own dispatch, where the meter's mode is off: FSDP2's
+    # optimizer state (AdamW's moments over the sharded parameters) was counted nowhere before
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    param = torch.nn.Parameter(DTensor.from_local(torch.randn(1000), mesh, [Shard(0)]))
+    with TensorMeter().measure() as h:
+        state = torch.zeros_like(param)
+        assert h.live_bytes == 4000
+        moved = state * 2
+        assert h.live_bytes == 8000
+        del state, moved
+        assert h.live_bytes == 0
+        param.grad = torch.ones_like(param)
+        opt = torch.optim.AdamW([param])
+        opt.step()
+        assert h.live_bytes >= 3 * 4000  # the gradient and the two moments

@@ -283,3 +283,32 @@ def test_a_parameter_made_during_the_forward_pass_is_not_moved_nor_its_views():
     y.sum().backward()
     assert torch.equal(weight.grad, torch.ones(128, 128).t() @ x.detach())  # dL/dW = (dL/dy)^T x
     assert torch.equal(x.grad, torch.ones(128, 128) @ weight.detach())
+
+
+def test_an_offloading_plan_trains_under_fsdp2_as_without_its_offload(one_rank_group):
+    # FSDP2's sharded parameters are DTensors, whose own storage cannot be read: the offload reads their local
+    # shards (before, every step of an offloading plan under --parallel fsdp failed)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    from autotune.examples import TinyGPT
+
+    load = Workload.from_specs(lambda: TinyGPT(n_layer=2, block_size=32, n_embd=64, n_head=2))
+    losses, grads, moved = {}, {}, 0
+    for plan in ("0", "0+offload"):
+        model = load.build_model(seed=0)
+        apply_plan(model, plan, find_chain(model))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        loss = load.loss(model, load.make_batch(model, 4))
+        loss.backward()
+        losses[plan], grads[plan] = loss.item(), [p.grad.to_local().clone() for p in model.parameters()]
+        moved = offloader_of(model).moved if plan.endswith("offload") else moved
+    assert moved > 0 and losses["0"] == losses["0+offload"]
+    assert all(torch.equal(a, b) for a, b in zip(grads["0"], grads["0+offload"]))

@@ -16,7 +16,8 @@ import weakref
 from typing import Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
+                                         is_traceable_wrapper_subclass)
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -24,7 +25,7 @@ from autotune.errors import TrialTimeoutError, is_oom
 from autotune.meters.base import Measuring, MemoryReading, Meter
 from autotune.meters.oom import BudgetExceededError
 
-__all__ = ["TensorMeter"]
+__all__ = ["TensorMeter", "leave_device", "restart_peak", "plain_tensors"]
 
 
 class _Tracker(TorchDispatchMode):
@@ -47,10 +48,8 @@ class _Tracker(TorchDispatchMode):
         allocation is held to the budget again.
         """
         added = []
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
-                continue
-            if t.is_sparse or t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        for t in plain_tensors(tensors):
+            if t.device.type != self.device_type or t.is_sparse or t.is_meta:
                 continue
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
@@ -77,6 +76,18 @@ class _Tracker(TorchDispatchMode):
     def _free(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
 
+    def untrack(self, tensors: Iterable[object]) -> int:
+        """Stop counting the storages of ``tensors`` (they left the device); return the bytes let go."""
+        freed = 0
+        for t in plain_tensors(tensors):
+            if t.device.type == self.device_type and not t.is_meta:
+                known = self._storages.pop(t.untyped_storage(), None)
+                if known is not None:
+                    known[1].detach()
+                    self.live_bytes -= known[0]
+                    freed += known[0]
+        return freed
+
     def release(self) -> None:
         """Stop following storages that outlive the region, so the finalisers drop this tracker."""
         for _, finaliser in list(self._storages.values()):
@@ -89,6 +100,37 @@ class _Tracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.track(tree_leaves(out))
         return out
+
+
+def plain_tensors(tensors: Iterable[object]) -> Iterator[torch.Tensor]:
+    """The plain tensors among ``tensors``, and those inside wrapper subclasses (a DTensor's local shard: the op that
+    made it ran inside DTensor's own dispatch, below this meter's, so its storage is seen here or nowhere). Read
+    without dispatching anything (``to_local()`` would be an op the meter sees)."""
+    for t in tensors:
+        if type(t) in (torch.Tensor, torch.nn.Parameter):
+            yield t
+        elif isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
+            yield from plain_tensors(getattr(t, name) for name in t.__tensor_flatten__()[0])
+
+
+def _active() -> _Tracker | None:
+    """The innermost tensor meter measuring here, if any."""
+    return next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, _Tracker)), None)
+
+
+def leave_device(tensors: Iterable[object]) -> int:
+    """For an emulation of host memory on one memory (the CPU's): the active tensor meter stops counting ``tensors``
+    as the device's, as if they had been moved to the host; return the bytes it let go (0 without a meter)."""
+    tracker = _active()
+    return 0 if tracker is None else tracker.untrack(tensors)
+
+
+def restart_peak() -> None:
+    """The active tensor meter's peak starts again from what is live now: what came before it was not the device's
+    (an emulation's set-up, which the device never holds at once)."""
+    tracker = _active()
+    if tracker is not None:
+        tracker.peak_bytes = tracker.live_bytes
 
 
 class TensorMeter(Meter):

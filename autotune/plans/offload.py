@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autotune.errors import AutotuneError
+from autotune.meters.tensor import plain_tensors
 from autotune.units import format_bytes
 
 __all__ = ["Offloader", "HostBudgetExceededError", "install", "uninstall", "offloader_of", "MIN_OFFLOAD_BYTES",
@@ -60,9 +61,10 @@ class HostBudgetExceededError(torch.OutOfMemoryError):
     A ``torch.OutOfMemoryError``, so every handler treats it as one; its message says it is the host's.
     """
 
-    def __init__(self, requested_bytes: int, held_bytes: int, budget_bytes: int) -> None:
+    def __init__(self, requested_bytes: int, held_bytes: int, budget_bytes: int, *,
+                 what: str = "activation offload") -> None:
         super().__init__(
-            f"host memory: activation offload tried to hold {format_bytes(held_bytes + requested_bytes)} in host "
+            f"host memory: {what} tried to hold {format_bytes(held_bytes + requested_bytes)} in host "
             f"memory, over the host budget of {format_bytes(budget_bytes)} (--host-budget)")
         self.requested_bytes, self.held_bytes, self.budget_bytes = requested_bytes, held_bytes, budget_bytes
 
@@ -103,7 +105,7 @@ class Offloader:
         """The hooks for one forward pass (the parameters' and buffers' storages read again: a wrapper may have moved
         them; what an earlier pass moved is forgotten, so a tensor that lives on is not answered with an old copy)."""
         model = self.model()
-        kept = [*model.parameters(), *model.buffers()] if model is not None else []
+        kept = plain_tensors([*model.parameters(), *model.buffers()] if model is not None else [])  # DTensors' shards
         self._params = {t.untyped_storage().data_ptr() for t in kept}
         self._seen = WeakIdKeyDictionary()
         self._last = None
