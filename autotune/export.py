@@ -170,7 +170,7 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
     if ctx.device_type == "cpu" and ctx.precision == "bf16":
         notes.append("without a GPU, TrainingArguments refuses bf16=True unless use_cpu=True is passed too")
     if ctx.wrapper == "fsdp":  # FSDP2 on each block (transformers' auto-wrap by layer class) and the root
-        args["fsdp"] = "full_shard auto_wrap"
+        args["fsdp"] = "full_shard auto_wrap" + (" offload" if ctx.plan.state else "")
         args["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
                                **({"transformer_layer_cls_to_wrap": ctx.block_types} if ctx.block_types else {})}
     return {"training_arguments": args}
@@ -190,8 +190,9 @@ def _lightning(ctx: _Context, notes: list[str]) -> dict[str, Any]:
             f"strategy 'fsdp' is Lightning's FSDPStrategy, which wraps with FSDP1 (FullyShardedDataParallel); autotune "
             f"measured FSDP2 (fully_shard on each {' / '.join(ctx.block_types) or 'block'} and the root). For FSDP1's "
             f"nearest equivalent pass FSDPStrategy(auto_wrap_policy={{{', '.join(ctx.block_types) or 'BlockClass'}}}, "
-            f"sharding_strategy='FULL_SHARD'); for the wrapper measured, ModelParallelStrategy with fully_shard called "
-            f"in the LightningModule's configure_model")
+            f"sharding_strategy='FULL_SHARD'" + (", cpu_offload=True" if ctx.plan.state else "") + "); for the "
+            f"wrapper measured, ModelParallelStrategy with fully_shard called in the LightningModule's configure_model"
+            + (" with offload_policy=CPUOffloadPolicy()" if ctx.plan.state else ""))
     return {"trainer": trainer, "batch_size": ctx.micro}
 
 
@@ -226,7 +227,9 @@ def _deepspeed(ctx: _Context, notes: list[str]) -> dict[str, Any]:
                 "stage 0 is DeepSpeed's plain data parallelism, the nearest to DDP, with buckets of its own"
                 if ctx.wrapper == "ddp" else
                 "stage 3 shards parameters, gradients and optimizer state as FSDP does, with its own prefetching and "
-                "buffers, so its memory and speed differ from the measurement"))
+                "buffers, so its memory and speed differ from the measurement" + (
+                    "; its offload_param and offload_optimizer (device cpu) are the nearest to the state in host "
+                    "memory that was measured" if ctx.plan.state else "")))
     return {"config": config}
 
 
@@ -242,6 +245,7 @@ def _accelerate(ctx: _Context, notes: list[str]) -> dict[str, Any]:
                            "batch_size": ctx.micro}
     if ctx.wrapper == "fsdp":  # FullyShardedDataParallelPlugin(**fsdp_plugin): FSDP2, each block and the root
         out["fsdp_plugin"] = {"fsdp_version": 2, "reshard_after_forward": True,
+                              **({"cpu_offload": True} if ctx.plan.state else {}),
                               **({"auto_wrap_policy": "transformer_based_wrap",
                                   "transformer_cls_names_to_wrap": ctx.block_types} if ctx.block_types else {})}
         notes.append("pass Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(**fsdp_plugin), ...) and launch "
@@ -263,6 +267,9 @@ def _common_notes(ctx: _Context, report: Report, framework: str) -> list[str]:
         notes.append("segments 1 recomputes nothing (the last segment is never recomputed): "
                      "no checkpointing is exported")
     name = NAMES[framework]
+    if ctx.plan.state:
+        notes.append("the state is in host memory, as measured (FSDP2's CPUOffloadPolicy): the optimizer steps on the "
+                     "CPU, whose arithmetic equals the GPU's within float rounding")
     if ctx.offloads:
         notes.append(
             f"autotune measured {ctx.plan_text}; {name} has no setting that keeps activations in host memory, so this "

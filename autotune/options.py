@@ -14,7 +14,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from autotune.errors import UsageError
-from autotune.plans import parse_plans
+from autotune.plans import Plan, parse_plans
 from autotune.records import Budget, GuardRails, ProbeSettings, TrialSettings
 from autotune.search.space import parse_batch_sizes, parse_precisions
 from autotune.search.strategies import make_strategy
@@ -98,10 +98,12 @@ class Options:
         group=SPACE, metavar="PLANS")
     offload: str | Sequence[str] | None = option(
         "auto", "none,activations: also search every plan with what it keeps for the backward pass held in host "
-        "memory (PLAN+offload); auto: activations where the device's memory is not the host's (CUDA), none on the CPU",
+        "memory (PLAN+offload); state (under --parallel fsdp): with the training state in host memory, FSDP2's "
+        "CPUOffloadPolicy (PLAN+state); activations+state: both; auto: activations where the device's memory is not "
+        "the host's (CUDA), none on the CPU",
         group=SPACE, metavar="MODES")
     host_budget: str | int | None = option(
-        None, "host memory offloaded activations may hold, such as 64GiB; a trial past it is the host's out-of-memory",
+        None, "host memory offloaded activations and state may hold, such as 64GiB; a trial past it is the host's out-of-memory",
         group=SPACE, metavar="SIZE", default_text="half the host memory available when the search starts")
     batch_sizes: str | Sequence[int] = option(
         "1..512", "a range A..B (the powers of two in it) or a list such as 8,16,24", group=SPACE)
@@ -182,6 +184,7 @@ class Options:
                             # None: the default, half the host memory available when the search starts (Target)
                             ("host_budget", None if self.host_budget is None else parse_size(self.host_budget))):
             object.__setattr__(self, name, value)
+        _check_state_offload(self)
 
     def _check_numbers(self) -> None:
         for flag, value in (("--headroom", self.headroom), ("--trial-timeout", self.trial_timeout),
@@ -245,23 +248,33 @@ def _segments(value: str | Sequence | None) -> tuple[str, ...] | None:
     return parse_plans(value if isinstance(value, str) else ",".join(map(str, value)))
 
 
-OFFLOAD_MODES = ("none", "activations")
+OFFLOAD_MODES = ("none", "activations", "state", "activations+state")
 
 
 def _offload(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    """``--offload`` as modes (none, activations), or None for ``auto`` (resolved against the device)."""
+    """``--offload`` as modes (none, activations, state, activations+state), or None for ``auto`` (resolved against the
+    device)."""
     if value is None or (isinstance(value, str) and value.strip() == "auto"):
         return None
     parts = [p.strip().lower() for p in (value.split(",") if isinstance(value, str) else value) if str(p).strip()]
+    parts = ["activations+state" if p == "state+activations" else p for p in parts]
     for part in parts:
-        if part == "state":
-            raise UsageError("--offload state (the training state in host memory, FSDP2's CPUOffloadPolicy) is not "
-                             "searched yet: use none,activations, or --parallel fsdp to shard the state")
         if part not in OFFLOAD_MODES:
-            raise UsageError(f"unknown --offload mode {part!r}: write none, activations, both (none,activations) or auto")
+            raise UsageError(f"unknown --offload mode {part!r}: write none, activations, state, activations+state "
+                             f"(several with commas: none,activations) or auto")
     if not parts:
-        raise UsageError(f"--offload {value!r} is empty: write none, activations, none,activations or auto")
+        raise UsageError(f"--offload {value!r} is empty: write none, activations, state, none,activations or auto")
     return tuple(dict.fromkeys(parts))
+
+
+def _check_state_offload(options: "Options") -> None:
+    """The state in host memory (``--offload state``, a plan ``+state``) is FSDP2's ``CPUOffloadPolicy``: it needs
+    ``--parallel fsdp``."""
+    asked = [m for m in options.offload or () if "state" in m] + [p for p in options.segments or () if Plan(p).state]
+    if asked and options.parallel != "fsdp":
+        raise UsageError(f"--offload state (and plans +state) keep the training state in host memory with FSDP2's "
+                         f"CPUOffloadPolicy: run under torchrun with --parallel fsdp (one rank is enough: torchrun "
+                         f"--nproc-per-node 1), not --parallel {options.parallel}")
 
 
 def _budgets(value: str | Sequence[str | int] | None) -> tuple[int, ...]:

@@ -97,18 +97,22 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
         notices.append(f"--warmup-steps {options.warmup_steps} is not used with the {backend.meter_name} meter: each trial's "
                        f"warm-up is one metered step, the optimizer's state primed before it")
         logger.warning(notices[-1])
-    host_budget, host_source = _host_budget(options.host_budget)
+    host_budget, host_source = _host_budget(options.host_budget, job.local_world_size if job is not None else 1)
     return Target(options, backend, workload, budget, _precisions(options.precisions, backend), isolation, venue,
                   profile, tuple(notices), job, host_budget, host_source)
 
 
-def _host_budget(given: int | None) -> tuple[int | None, str]:
-    """What offloaded activations may hold in host memory, and where that figure comes from."""
+def _host_budget(given: int | None, local_ranks: int = 1) -> tuple[int | None, str]:
+    """What offloaded activations and state may hold in host memory (each rank's), and where that figure comes from:
+    by default half the host's available memory, shared by the ranks of a --parallel job on this machine."""
     if given is not None:
         return given, "--host-budget"
     available = available_ram_bytes()
     if available is None:
         return None, "none: the host's available memory is unknown here"
+    if local_ranks > 1:
+        return available // (2 * local_ranks), f"half the host memory available when the search started, shared by " \
+                                               f"the {local_ranks} ranks on this machine"
     return available // 2, "half the host memory available when the search started"
 
 
@@ -211,6 +215,8 @@ def _check_state_fits(facts: ModelFacts, optimizer: str, target: Target, floor: 
         return
     if facts.fixed_bytes < usable_bytes(budget.bytes, budget.headroom):
         return
+    if any("state" in mode for mode in target.options.offload or ()):
+        return  # the state is searched in host memory (+state plans): the device holds none of it
     guessed = facts.optimizer_state_bytes is None  # an optimizer that could not be primed: AdamW's moments guessed
     parts = facts.state()
     name = optimizer.rsplit(":", 1)[-1].rsplit(".", 1)[-1]  # torch.optim:AdamW -> AdamW
@@ -367,10 +373,17 @@ def _offload_modes(modes: tuple[str, ...] | None, device: torch.device, notices:
     """Resolve ``--offload`` (None: auto) against the device: activations where its memory is not the host's."""
     if modes is None:
         return ("none", "activations") if device.type == "cuda" else ("none",)
-    if "activations" in modes and device.type == "cpu":
+    if any("activations" in m for m in modes) and device.type == "cpu":
         notices.append("activation offload on the CPU is emulated (device and host are one memory): offloaded "
                        "trials' host copies are counted apart from the budget, and their step times include a memory "
                        "copy where a GPU transfers over PCIe, so they understate offload's cost")
+        logger.warning(notices[-1])
+    if any("state" in m for m in modes):
+        notices.append("plans +state keep the training state in host memory (FSDP2's CPUOffloadPolicy) and run the "
+                       "optimizer's step on the CPU: its arithmetic is the CPU's, equal to the device's within float "
+                       "rounding, not bitwise" + (
+                           "; on the CPU it is emulated (the state's bytes counted apart from the budget, no transfers "
+                           "in the step times, which understate its cost)" if device.type == "cpu" else ""))
         logger.warning(notices[-1])
     return modes
 

@@ -187,7 +187,7 @@ class TrialSettings:
     lr: float = 1e-4  # AdamW learning rate; memory and step time do not depend on it
     seed: int = 0  # the same initial weights and dropout masks for every trial
     guard: GuardRails = GuardRails()  # gradient clipping and fp32 modules: part of how a trial trains
-    host_budget_bytes: int | None = None  # what offloaded activations may hold in host memory (--host-budget)
+    host_budget_bytes: int | None = None  # what offloaded activations and state may hold in host memory (--host-budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +201,9 @@ class Measurement:
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     peak_nvml_bytes: int | None = None
-    host_peak_bytes: int | None = None  # an offloading plan (PLAN+offload): the most its host copies held at once
+    host_peak_bytes: int | None = None  # an offloading plan (PLAN+offload): the most its host copies held at once;
+    # PLAN+state: plus the state's (sharded parameters, gradients, optimizer state) in host memory
+    optimizer_step_share: float | None = None  # PLAN+state: the median timed step's share spent in the optimizer's step
     oom_held_bytes: int | None = None  # oom: bytes held when the failing allocation was made
     oom_needed_bytes: int | None = None  # oom: held plus the allocation that failed
     memory_source: str = ""  # "tensor" or "cuda"
@@ -263,8 +265,9 @@ class Measurement:
 
     @property
     def offload(self) -> str:
-        """What the trial's plan kept in host memory: ``"activations"`` (``PLAN+offload``) or ``"none"``."""
-        return "activations" if Plan(self.config.plan).offload else "none"
+        """What the trial's plan kept in host memory: ``"activations"`` (``PLAN+offload``), ``"state"`` (``PLAN+state``),
+        ``"activations+state"`` or ``"none"``."""
+        return Plan(self.config.plan).offload_mode
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

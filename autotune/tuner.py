@@ -169,7 +169,7 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "steps_s": round(sum(m.steps_s or 0.0 for m in result.measurements), 3),
             # --offload: what offloading plans (PLAN+offload) could hold in host memory, and how that was set
             **({"host_budget_bytes": target.host_budget_bytes, "host_budget_source": target.host_budget_source}
-               if any(Plan(s).offload for s in study.space.segments) else {}),
+               if any(Plan(s).offload_mode != "none" for s in study.space.segments) else {}),
         },
         trials=result.measurements,
         notices=target.notices + study.notices,

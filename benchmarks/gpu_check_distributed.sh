@@ -52,7 +52,21 @@ EOF
 else
     echo "one GPU: the two-rank checks (a one-rank OOM waking the other through the store) need two"
 fi
-# The training state in host memory (FSDP2's CPUOffloadPolicy, not yet a searched axis) on one rank: the device peak
-# lower than the same FSDP2 step's, the state's host bytes, the step time ratio and the optimizer step's share
+# The training state in host memory (FSDP2's CPUOffloadPolicy) on one rank, searched (--offload state): each plan's
+# device peak with the state on the host below the same plan's without it, its host bytes and the optimizer step's
+# share of the step; then the same lever alone, beside the plain FSDP2 step (step time ratio, losses)
+check fsdp1state 1 -- --parallel fsdp --offload none,state,activations+state --batch-sizes 8,32 --no-probe
+python3 - "$out/fsdp1state.json" <<'EOF'
+import json, sys
+trials = {(t["precision"], t["segments"], t["batch_size"]): t for t in json.load(open(sys.argv[1]))["trials"]}
+for (precision, plan, batch), t in sorted(trials.items()):
+    if "+state" not in plan or t["status"] != "ok":
+        continue
+    plain = trials[(precision, plan.replace("+offload", "").replace("+state", ""), batch)]
+    print(f"  {plan:>18} batch {batch:>3}: device {t['peak_bytes'] / 2**20:.1f} MiB against {plain['peak_bytes'] / 2**20:.1f}"
+          f" MiB, host {t['host_peak_bytes'] / 2**20:.1f} MiB, step {t['step_s'] / plain['step_s']:.2f}x, optimizer "
+          f"step {t['optimizer_step_share']:.0%} of it")
+    assert t["peak_bytes"] < plain["peak_bytes"] and t["host_peak_bytes"] > 0 and t["optimizer_step_share"], t
+EOF
 PYTHONUNBUFFERED=1 timeout 600 torchrun --standalone --nproc-per-node 1 benchmarks/state_offload.py
 echo "distributed GPU check passed"

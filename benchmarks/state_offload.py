@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc-per-node 1 benchmarks/state_offload.py [--device cuda] [--steps 5]
 
-autotune does not search this lever yet (``--offload state`` says so); its state-does-not-fit answer names
-it with figures. This measures what it costs where a GPU is lent: TinyGPT (8 x 512, T=256) at batch 8, every
+autotune searches this lever with ``--offload state`` under ``--parallel fsdp`` (plans ``PLAN+state``); this
+script measures it outside autotune, as a check on those trials, where a GPU is lent: TinyGPT (8 x 512, T=256) at batch 8, every
 block and the root under ``fully_shard``, AdamW; for each variant the device's allocated peak, the state held
 in host memory (the sharded parameters, their gradients and the optimizer's state on the CPU), the median
 step time, the optimizer step's share of it, and the losses (the offloaded step runs AdamW on the CPU: equal

@@ -29,6 +29,7 @@ from torch import nn
 from autotune.execution import job as distributed
 from autotune.execution.wrapping import Wrapping
 from autotune.meters import TensorMeter
+from autotune.plans import Plan
 from autotune.records import Config, TrialSettings
 from autotune.execution.trial import run_trial
 from autotune.training.trainer import Trainer
@@ -164,6 +165,22 @@ def optimizer_states(job, workloads: dict[str, Workload]) -> dict[str, list[int]
     return states
 
 
+def state_offload_trials(job, workload: Workload, batch_size: int) -> dict[str, list]:
+    """Trials of plan 0 under FSDP2 without and with the state in host memory: each rank's device and host peaks, the
+    optimizer step's share, the losses (every rank's, gathered)."""
+    wjob = distributed.Job("fsdp", job.rank, job.world_size, job.local_rank, job.backend, job.control, trials=job.trials)
+    found: dict[str, list] = {}
+    for plan in ("0", "0+state"):
+        job.trials = wjob.trials = wjob.trials + 1
+        group = dist.new_group(backend="gloo")
+        m = run_trial(workload, Config("fp32", plan, batch_size), device="cpu", meter=TensorMeter("cpu"),
+                      settings=TrialSettings(measure_steps=2, settle_steps=0),
+                      parallel=Wrapping(wjob, group, torch.device("cpu")))
+        dist.destroy_process_group(group)
+        found[plan] = job.gather([m.status, m.peak_bytes, m.host_peak_bytes, m.optimizer_step_share, m.loss_final])
+    return found
+
+
 def main(out: str) -> None:
     job = distributed.join("ddp", torch.device("cpu"))
     workload = Workload.from_specs(Wide).with_chain(None)
@@ -180,12 +197,15 @@ def main(out: str) -> None:
     for wrapper in ("ddp", "fsdp"):
         wjob = distributed.Job(wrapper, job.rank, job.world_size, job.local_rank, job.backend, job.control,
                                trials=job.trials)
-        for plan in ("0", "all"):
+        # Offloaded activations under both wrappers, the state in host memory under FSDP2 (its CPUOffloadPolicy)
+        for plan in ("0", "all", "0+offload", "all+offload", *(("0+state", "all+offload+state") if wrapper == "fsdp"
+                                                                 else ())):
             group = dist.new_group(backend="gloo")
             grads, params = one_step(workload, plan, wjob, group, x[mine], y[mine])
             dist.destroy_process_group(group)
-            found["grads"][f"{wrapper}/{plan}"] = largest_relative_difference(grads, single[plan][0])
-            found["params"][f"{wrapper}/{plan}"] = largest_relative_difference(params, single[plan][1])
+            base = Plan(plan).base
+            found["grads"][f"{wrapper}/{plan}"] = largest_relative_difference(grads, single[base][0])
+            found["params"][f"{wrapper}/{plan}"] = largest_relative_difference(params, single[base][1])
         for name, load in (("peaks", workload), ("sgd_peaks", sgd)):  # AdamW, then the user's SGD over the shards
             job.trials = wjob.trials = wjob.trials + 1
             group = dist.new_group(backend="gloo")
@@ -194,6 +214,7 @@ def main(out: str) -> None:
             dist.destroy_process_group(group)
             found.setdefault(name, {})[wrapper] = job.gather(m.peak_bytes)
             found.setdefault("status", {})[f"{wrapper}/{name}"] = m.status
+    found["state_offload"] = state_offload_trials(job, workload, half)
     found["states"] = optimizer_states(job, {"adamw": workload, "sgd": sgd})
     found["zoo"] = zoo_plans_under_the_wrappers(job)
     if job.rank == 0:

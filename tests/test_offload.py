@@ -155,10 +155,13 @@ def test_offload_auto_on_the_cpu_runs_the_space_it_ran_before(tmp_path):
     assert all(t["offload"] == "none" for t in data["trials"]) and "host_budget_bytes" not in data["search"]
 
 
-@pytest.mark.parametrize("flag, words", [("state", "not searched yet"), ("disk", "unknown --offload mode")])
-def test_an_offload_mode_that_is_not_searched_is_one_line_and_exit_2(tmp_path, capsys, flag, words):
-    code = main(["--model", "autotune.examples:TinyGPT", "--offload", flag, "--storage", f"sqlite:///{tmp_path}/s.db",
-                 *QUICK])
+@pytest.mark.parametrize("flags, words", [(["--offload", "state"], "run under torchrun with --parallel fsdp"),
+                                          (["--offload", "none,activations+state"], "not --parallel none"),
+                                          (["--segments", "0,all+state"], "--parallel fsdp"),
+                                          (["--segments", "all+cpu"], "no +cpu"),
+                                          (["--offload", "disk"], "unknown --offload mode")])
+def test_an_offload_mode_that_is_not_searched_is_one_line_and_exit_2(tmp_path, capsys, flags, words):
+    code = main(["--model", "autotune.examples:TinyGPT", *flags, "--storage", f"sqlite:///{tmp_path}/s.db", *QUICK])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and words in err
 

@@ -142,21 +142,25 @@ class MemoryModel:
         variants = list(dict.fromkeys(variants))
         points = _points(measurements)
         precisions = list(dict.fromkeys(p for p, _ in variants + list(points)))
-        intercept: dict[str, float] = {}
+        # The state is on the device for every plan but those that hold it in host memory (+state): an intercept
+        # is shared per precision and where the state lives.
+        intercept: dict[tuple[str, bool], float] = {}
         for p in precisions:
-            multi = [pts for (q, _), pts in points.items() if q == p and len(pts) >= 2]
-            shared = _shared_intercept(multi) if multi else None
-            if shared is not None:
-                intercept[p] = max(shared, 0.0)
-        fallback = statistics.median(intercept.values()) if intercept else (fixed_bytes_hint or 0.0)
+            for state in (False, True):
+                multi = [pts for (q, s), pts in points.items() if q == p and Plan(s).state == state and len(pts) >= 2]
+                shared = _shared_intercept(multi) if multi else None
+                if shared is not None:
+                    intercept[p, state] = max(shared, 0.0)
+        fallbacks = {state: statistics.median(mine) if mine else (0.0 if state else fixed_bytes_hint or 0.0)
+                     for state in (False, True) for mine in [[v for (_, s), v in intercept.items() if s == state]]}
         models: dict[Variant, MemoryLine] = {}
         for variant, pts in points.items():
-            p = variant[0]
+            p, state = variant[0], Plan(variant[1]).state
             if len(pts) >= 2:
                 fixed, slope = fit_line(pts)
                 source = "fit"
             else:
-                fixed = intercept.get(p, fallback)
+                fixed = intercept.get((p, state), fallbacks[state])
                 (b, y), = pts.items()
                 slope, source = (y - fixed) / b, "shared-intercept"
                 if slope <= 0:  # the intercept is too large for this point: it says more than the guess
@@ -170,7 +174,9 @@ class MemoryModel:
             if variant not in models:
                 slope = _borrowed_slope(variant, slopes, blocks)
                 if slope is not None:
-                    models[variant] = MemoryLine(variant[0], variant[1], intercept.get(variant[0], fallback), slope, 0, "predicted")
+                    state = Plan(variant[1]).state
+                    models[variant] = MemoryLine(variant[0], variant[1], intercept.get((variant[0], state), fallbacks[state]),
+                                                 slope, 0, "predicted")
         return cls(models)
 
     def predict(self, variant: Variant, batch_size: int) -> float | None:
@@ -197,8 +203,8 @@ def _borrowed_slope(variant: Variant, slopes: dict[Variant, float], blocks: int 
 
     def along_shape(of: str) -> float | None:  # the recompute-share line of precision `of`, at this plan
         # The line is drawn through block plans (their share is exact); a selective plan's share is a prior. Plans
-        # that offload keep a line of their own: what they keep waits on the host.
-        mine = {s: a for (p, s), a in slopes.items() if p == of and Plan(s).offload == Plan(name).offload}
+        # that offload keep a line of their own: what they keep (or their state) waits on the host.
+        mine = {s: a for (p, s), a in slopes.items() if p == of and Plan(s).kind == Plan(name).kind}
         drawn = {s: a for s, a in mine.items() if not Plan(s).selective} or mine
         own = {Plan(s).recompute_share(blocks): a for s, a in drawn.items()}
         if not own:

@@ -58,9 +58,13 @@ def _search_lines(report: Any) -> list[str]:
     if "host_budget_source" in search:  # offloaded plans were searched
         held = max((m.host_peak_bytes for m in report.trials if m.host_peak_bytes is not None), default=None)
         budget = search.get("host_budget_bytes")
-        lines.append(f"host: offloaded plans (PLAN+offload) held up to {format_bytes(held) if held else 'nothing'} in "
-                     f"host memory, under a host budget of {format_bytes(budget) if budget else 'none'} "
-                     f"({search['host_budget_source']})")
+        lines.append(f"host: offloaded plans (PLAN+offload, PLAN+state) held up to "
+                     f"{format_bytes(held) if held else 'nothing'} in host memory, under a host budget of "
+                     f"{format_bytes(budget) if budget else 'none'} ({search['host_budget_source']})")
+    shares = sorted(m.optimizer_step_share for m in report.trials if m.optimizer_step_share is not None)
+    if shares:  # the state in host memory: the optimizer steps on the CPU
+        lines.append(f"state: with the state in host memory (PLAN+state) the optimizer's step on the CPU took "
+                     f"{shares[0]:.0%} to {shares[-1]:.0%} of the step ({len(shares)} timed trials)")
     return lines
 
 

@@ -83,6 +83,7 @@ def combine(parts: list[Measurement | RankInterrupted | RankRefused], job: "Job"
     tokens = [None if m.tokens_per_s is None else m.tokens_per_s * sum(m.step_times_s) for m in ms]
     real = round(sum(tokens)) if tokens and None not in tokens and times else None
     ranks = [{"rank": r, "status": m.status, "peak_bytes": m.peak_bytes, "step_s": m.step_s,
+              **({"host_peak_bytes": m.host_peak_bytes} if m.host_peak_bytes is not None else {}),
               **({"error": m.error} if m.error else {})} for r, m in enumerate(ms)]
     return dataclasses.replace(
         first,
@@ -91,6 +92,8 @@ def combine(parts: list[Measurement | RankInterrupted | RankRefused], job: "Job"
         peak_allocated_bytes=_largest(ms, "peak_allocated_bytes"),
         peak_reserved_bytes=_largest(ms, "peak_reserved_bytes"),
         peak_nvml_bytes=_largest(ms, "peak_nvml_bytes"),
+        host_peak_bytes=_largest(ms, "host_peak_bytes"),  # each rank's own (they may share a host: ranks say each)
+        optimizer_step_share=_largest(ms, "optimizer_step_share"),
         **timing_fields(first.config.batch_size * job.world_size, times, real, ok),
         wall_s=max(m.wall_s for m in ms),
         setup_s=max((m.setup_s for m in ms if m.setup_s is not None), default=None),

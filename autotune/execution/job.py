@@ -64,6 +64,11 @@ class Job:
     def leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def local_world_size(self) -> int:
+        """The ranks on this machine (torchrun's LOCAL_WORLD_SIZE; else all of them): they share its host memory."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
     def device(self, device: torch.device) -> torch.device:
         """The device this rank trains on: its local GPU on CUDA (``--device cuda`` means each rank's own)."""
         if device.type != "cuda":

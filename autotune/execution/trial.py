@@ -143,7 +143,8 @@ def run_trial(
         status, error = outcome(exc)
     finally:
         records = (run.plan, run.losses, list(run.scales), run.skipped, run.step_times, run.tokens,
-                   _setup_and_steps(asked_at, run.first_step_at), run.host_peak_bytes)
+                   _setup_and_steps(asked_at, run.first_step_at), run.host_peak_bytes,
+                   run.host_state.step_share(run.step_times) if run.host_state is not None else None)
         run.release()
         del run  # model, optimizer, batch and activations go with it
         backend_for(device).release()
@@ -153,7 +154,7 @@ def run_trial(
 def _measurement(config: Config, status: str, error: str | None, records: tuple, reading: Any,
                  started: float, timed: bool) -> Measurement:
     """The trial's :class:`Measurement` from its records and the meter's reading."""
-    plan, losses, scales, skipped, step_times, tokens, (setup_s, steps_s), host_peak = records
+    plan, losses, scales, skipped, step_times, tokens, (setup_s, steps_s), host_peak, optimizer_share = records
     ok = status == "ok"
     real = sum(tokens) if tokens and None not in tokens else None
     return Measurement(
@@ -164,6 +165,7 @@ def _measurement(config: Config, status: str, error: str | None, records: tuple,
         peak_reserved_bytes=reading.peak_reserved_bytes if reading else None,
         peak_nvml_bytes=reading.peak_nvml_bytes if reading else None,
         host_peak_bytes=host_peak,
+        optimizer_step_share=optimizer_share,
         oom_held_bytes=getattr(reading, "oom_held_bytes", None),
         oom_needed_bytes=getattr(reading, "oom_needed_bytes", None),
         memory_source=reading.source if reading else "",

@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autotune.errors import UsageError
+from autotune.training.host_state import offload_policy
+
 if TYPE_CHECKING:
     from autotune.execution.job import Job
 
@@ -24,8 +27,15 @@ class Wrapping:
     def __init__(self, job: "Job", group: Any, device: torch.device) -> None:
         self.job, self.group, self.device = job, group, device
 
-    def wrap(self, model: nn.Module, blocks: tuple[str, ...]) -> nn.Module:
-        """``model`` (on its device, plan applied) under DDP, or FSDP2 on each of ``blocks`` and the root."""
+    def wrap(self, model: nn.Module, blocks: tuple[str, ...], *, offload_state: bool = False) -> nn.Module:
+        """``model`` (on its device, plan applied) under DDP, or FSDP2 on each of ``blocks`` and the root.
+
+        ``offload_state`` (a ``PLAN+state``, FSDP2 only): the state in host memory under FSDP2's ``CPUOffloadPolicy``
+        (:mod:`autotune.training.host_state`); the model may then still be on the CPU: FSDP2 moves and shards one
+        block at a time."""
+        if offload_state and self.job.wrapper != "fsdp":
+            raise UsageError(f"a plan with +state keeps FSDP2's sharded state in host memory: it needs --parallel fsdp, "
+                             f"not {self.job.wrapper}")
         if self.job.wrapper == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -41,9 +51,10 @@ class Wrapping:
         # sharding plans of clip_grad_norm_, of the GradScaler's unscale_) would hand a later trial the group
         # of an earlier one, destroyed by then ("Could not resolve the process group registered under ...").
         mesh = DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=(f"trial{self.job.trials}",))
+        policy = {"offload_policy": offload_policy(self.device)} if offload_state else {}
         for path in blocks:
-            fully_shard(model.get_submodule(path), mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(model.get_submodule(path), mesh=mesh, **policy)
+        fully_shard(model, mesh=mesh, **policy)
         return model
 
     def slowest(self, seconds: float, late: bool) -> tuple[float, bool]:

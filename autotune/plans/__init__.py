@@ -20,6 +20,11 @@ is a set of blocks, each recomputed on its own with exactly the arguments of its
   keeps for the backward pass (saved tensors of blocks not recomputed, the inputs recomputed
   blocks keep) held in host memory in between (:mod:`autotune.plans.offload`, ``--offload
   activations``). It recomputes what its base plan recomputes; the copies change no value.
+* ``PLAN+state`` (``0+state``, ``all+offload+state``): the plan, trained under FSDP2 with the training
+  state (sharded parameters, gradients, optimizer state) in host memory and the optimizer's step on
+  the CPU (``CPUOffloadPolicy``, ``--offload state`` under ``--parallel fsdp``,
+  :mod:`autotune.training.host_state`). The model's forward and backward are the plan's; only where
+  the state lives changes.
 
 :class:`Plan` is a plan's name that knows its blocks, its recompute share, its label and its
 description; everything else asks it. A new kind of plan is a case here and, if it is applied
@@ -35,12 +40,14 @@ from typing import Iterable
 
 from autotune.errors import UsageError
 
-__all__ = ["Plan", "Selective", "NONE", "ALL", "OFFLOAD", "SELECTIVE", "parse_plans", "plan_order", "auto_plans",
+__all__ = ["Plan", "Selective", "NONE", "ALL", "OFFLOAD", "STATE", "SELECTIVE", "parse_plans", "plan_order", "auto_plans",
            "with_offload"]
 
 NONE = "0"
 ALL = "all"
 OFFLOAD = "+offload"  # the suffix of a plan whose kept tensors wait in host memory (--offload activations)
+STATE = "+state"  # the suffix of a plan trained with the state in host memory (--offload state, under FSDP2)
+_MODIFIERS = (OFFLOAD, STATE)  # in the order a canonical name writes them
 _EVERY = re.compile(r"^every(\d+)$")
 
 
@@ -68,7 +75,7 @@ SELECTIVE = {
                             ("linear",)),
 }
 _HINT = ("0 (off), a segment count such as 2, all, everyN such as every2, sac-matmul, sac-linear, sac-lean (any of "
-         "them with +offload), or auto")
+         "them with +offload, +state or both), or auto")
 
 
 class Plan(str):
@@ -82,8 +89,13 @@ class Plan(str):
         if isinstance(name, Plan):
             return name
         text = str(name).strip().lower().replace(" ", "")
-        if text.endswith(OFFLOAD):
-            return super().__new__(cls, Plan(text[: -len(OFFLOAD)]).base + OFFLOAD)
+        if "+" in text:
+            base, *modifiers = text.split("+")
+            unknown = [m for m in modifiers if f"+{m}" not in _MODIFIERS]
+            if unknown:
+                raise UsageError(f"unknown checkpoint plan {str(name)!r} in --segments (no +{unknown[0]}): write {_HINT}")
+            named = "".join(m for m in _MODIFIERS if m[1:] in modifiers)
+            return super().__new__(cls, Plan(base).base + named)
         if text.isdigit():
             text = str(int(text))
         elif text not in (ALL, *SELECTIVE):
@@ -99,12 +111,32 @@ class Plan(str):
     @property
     def offload(self) -> bool:
         """Whether what the plan keeps for the backward pass waits in host memory (``PLAN+offload``)."""
-        return self.endswith(OFFLOAD)
+        return OFFLOAD in self
+
+    @property
+    def state(self) -> bool:
+        """Whether the training state waits in host memory (``PLAN+state``: FSDP2's ``CPUOffloadPolicy``)."""
+        return self.endswith(STATE)
 
     @property
     def base(self) -> "Plan":
-        """The checkpoint plan without offload: ``all`` for ``all+offload``, the plan itself otherwise."""
-        return Plan(self[: -len(OFFLOAD)]) if self.offload else self
+        """The checkpoint plan without offload: ``all`` for ``all+offload`` and ``all+offload+state``."""
+        return Plan(self.split("+")[0]) if "+" in self else self
+
+    @property
+    def without_state(self) -> "Plan":
+        """The plan as the model sees it: ``all+offload`` for ``all+offload+state`` (the state is the wrapper's)."""
+        return Plan(self[: -len(STATE)]) if self.state else self
+
+    @property
+    def offload_mode(self) -> str:
+        """The ``--offload`` mode that makes this plan from its base: none, activations, state or activations+state."""
+        return "+".join(m for m, on in (("activations", self.offload), ("state", self.state)) if on) or "none"
+
+    @property
+    def kind(self) -> tuple[bool, bool]:
+        """(offloads activations, offloads the state): plans of one kind share a memory line's shape and an order."""
+        return self.offload, self.state
 
     @property
     def off(self) -> bool:
@@ -166,7 +198,7 @@ class Plan(str):
         other = Plan(other)
         if self == other:
             return True
-        if not length or self.offload or other.offload:
+        if not length or self.kind != (False, False) or other.kind != (False, False):
             return False  # an offloaded plan may fail for the host's memory: its failures imply nothing of another's
         mine, theirs = self.selective, other.selective
         if mine and theirs:
@@ -184,6 +216,8 @@ class Plan(str):
     @property
     def label(self) -> str:
         """A short label for tables and plots: ``no checkpointing``, ``segments 4``, ``every 2nd block``, ..."""
+        if self.state:
+            return f"{self.without_state.label}, state on the host"
         if self.offload:
             return f"{self.base.label}, offloaded"
         if self.off:
@@ -198,6 +232,9 @@ class Plan(str):
 
     def describe(self, blocks: str) -> str:
         """One line saying what the plan recomputes of ``blocks`` (e.g. ``"12 blocks (transformer.h)"``)."""
+        if self.state:
+            return (f"{self.without_state.describe(blocks)}, the training state held in host memory and the optimizer "
+                    f"step on the CPU (FSDP2's CPUOffloadPolicy)")
         if self.offload:
             return (f"{self.base.describe(blocks)}, what it keeps for the backward pass held in host memory "
                     f"(activation offload)")
@@ -228,9 +265,11 @@ def parse_plans(text: str) -> tuple[Plan, ...] | None:
 
 
 def with_offload(plans: Iterable[str], modes: Iterable[str]) -> tuple[Plan, ...]:
-    """``plans`` for each ``--offload`` mode: ``none`` keeps them, ``activations`` adds each one offloaded."""
+    """``plans`` for each ``--offload`` mode: ``none`` keeps them, ``activations`` adds each one offloaded, ``state``
+    each one with the state in host memory (``activations,state`` together: each with both)."""
     plans, modes = [Plan(p).base for p in plans], list(modes)
-    named = [*(plans if "none" in modes else ()), *(Plan(p + OFFLOAD) for p in plans if "activations" in modes)]
+    suffixes = {"none": "", "activations": OFFLOAD, "state": STATE, "activations+state": OFFLOAD + STATE}
+    named = [Plan(p + suffixes[mode]) for mode in modes for p in plans]
     return tuple(dict.fromkeys(named))
 
 

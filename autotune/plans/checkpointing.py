@@ -97,8 +97,8 @@ class AppliedPlan:
     def to_dict(self) -> dict[str, Any]:
         data = {"name": self.name, "recomputed_blocks": list(self.recomputed),
                 "chain_length": self.chain.length if self.chain else None}
-        if Plan(self.name).offload:  # what it keeps for the backward pass waits in host memory
-            data["offload"] = "activations"
+        if Plan(self.name).offload_mode != "none":  # what it keeps for the backward pass, or its state, waits on the host
+            data["offload"] = Plan(self.name).offload_mode
         selective = Plan(self.name).selective
         if selective:  # every block wrapped; inside each, the policy keeps part of the forward
             data["policy"] = selective.keeps
@@ -178,6 +178,9 @@ def apply_plan(model: nn.Module, plan: str | int, chain: Chain | None = None, *,
     Returns what was done; ``0`` leaves the model unchanged.
     """
     name = Plan(plan)
+    if name.state:  # the state's place is the wrapper's (FSDP2's CPUOffloadPolicy): the model gets the rest of the plan
+        applied = apply_plan(model, name.without_state, chain, contexts=contexts, host_budget_bytes=host_budget_bytes)
+        return dataclasses.replace(applied, name=name)
     if name.offload:
         applied = apply_plan(model, name.base, chain, contexts=contexts)
         offload.install(model, host_budget_bytes=host_budget_bytes)

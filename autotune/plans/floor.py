@@ -149,8 +149,8 @@ def state_levers(parts: dict[str, int], optimizer: str, guessed: bool, budget_by
     device = (f": {format_bytes(measured.activations + measured.block_weights)} at batch 1" if measured else "")
     return (f"{head}; it would fit sharded over {ranks} ranks (--parallel fsdp under torchrun --nproc-per-node "
             f"{ranks}: {format_bytes(total / ranks)} of state on each, {format_bytes(usable - total / ranks)} left for "
-            f"the gathered block and activations), or with the state in host memory (FSDP2's CPUOffloadPolicy, on one "
-            f"rank too: {format_bytes(total)} of host memory{host}; the device keeps the activations and the weights of "
+            f"the gathered block and activations), or with the state in host memory (--parallel fsdp --offload state, "
+            f"FSDP2's CPUOffloadPolicy, on one rank too: {format_bytes(total)} of host memory{host}; the device keeps the activations and the weights of "
             f"the block being computed{device}){_smaller_state(parts, usable)}")
 
 

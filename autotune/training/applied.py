@@ -160,6 +160,9 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
         raise UsageError(f"the report's blocks are not in this {type(model).__name__} (no {missing[0]}): apply a report "
                          f"made for this model")
     micro = int(accumulation.get("micro_batch_size") or fields["batch_size"])
+    if segments.state:  # the wrapper's part of the plan: apply() cannot do it for the caller
+        logger.warning("plan %s was measured with the training state in host memory: wrap the model as it was, FSDP2's "
+                       "fully_shard on each block and the root with offload_policy=CPUOffloadPolicy()", segments)
     return prepare(model, precision=fields["precision"], segments=segments, chain=chain, guard=guard,
                    device_type=device_type, micro_batch_size=micro,
                    accumulation_steps=int(accumulation.get("accumulation_steps") or 1))
@@ -169,7 +172,8 @@ def prepare(model: nn.Module, *, precision: str, segments: str, chain: Chain | N
             device_type: str, micro_batch_size: int, accumulation_steps: int = 1, record_loss_scale: bool = False,
             record_grad_norm: bool = False, host_budget_bytes: int | None = None) -> Applied:
     """Apply the guard rails' fp32 modules and the checkpoint plan to ``model`` in place; return its :class:`Applied`.
-    ``host_budget_bytes`` bounds what an offloading plan (``PLAN+offload``) holds in host memory.
+    ``host_budget_bytes`` bounds what an offloading plan (``PLAN+offload``) holds in host memory. A plan ``PLAN+state``
+    prepares the model as ``PLAN`` does: the state's place is the wrapper's (FSDP2's ``CPUOffloadPolicy``).
 
     The one way a model is prepared for training: :func:`apply` for users, and every trial and
     probe candidate (recording loss scales, and for the probe gradient norms).

@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autotune.device import Backend, backend_for
+from autotune.errors import UsageError
+from autotune.training.host_state import HostState
+from autotune.plans import Plan
 from autotune.plans.offload import offloader_of
 from autotune.records import Config, GuardRails
 from autotune.training.applied import Applied, prepare
@@ -41,6 +44,7 @@ class Trainer:
         self.unprimed: str | None = None  # why the optimizer could not be primed: its state comes with a step
         self.run: Applied | None = None
         self.plan: dict[str, Any] = {}
+        self.host_state: HostState | None = None  # a PLAN+state: the state in host memory under FSDP2
 
     def build(self, *, prime: bool = True) -> None:
         """Build the model (seeded), prepare it (fp32 modules, checkpoint plan), make the optimizer and its state.
@@ -55,14 +59,23 @@ class Trainer:
                            micro_batch_size=self.config.batch_size, record_loss_scale=True,
                            record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes)
         self.plan = self.run.plan
-        model.to(self.device)
+        state = Plan(self.config.plan).state  # the state in host memory: FSDP2 moves each block as it shards it
+        if state and self.parallel is None:
+            raise UsageError(f"plan {self.config.plan} keeps FSDP2's sharded state in host memory: it trains under "
+                             f"--parallel fsdp (torchrun, one rank is enough)")
+        if not state:
+            model.to(self.device)
         self.module = model  # the user's module (batches come from its example_batch), under any wrapper
         if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
-            self.run.model = self.parallel.wrap(model, self.workload.chain.blocks if self.workload.chain else ())
+            self.run.model = self.parallel.wrap(model, self.workload.chain.blocks if self.workload.chain else (),
+                                                offload_state=state)
         self.optimizer = self.workload.optimizer.make(model, self.lr)  # the wrapper's parameters (FSDP2's: the shards)
         if prime:
             self.ballast, failed = prime_optimizer(self.optimizer)
             self.unprimed = None if failed is None else f"{type(failed).__name__}: {failed}"
+        if state:
+            self.host_state = HostState(model, self.optimizer, self.ballast, self.device,
+                                        host_budget_bytes=self.host_budget_bytes, activations=offloader_of(model))
 
     @property
     def holds_state(self) -> bool:
@@ -71,9 +84,12 @@ class Trainer:
 
     @property
     def host_peak_bytes(self) -> int | None:
-        """The most an offloading plan's host copies held at once so far (None for a plan that does not offload)."""
+        """The most an offloading plan's host copies held at once so far, plus what a ``PLAN+state``'s state held (at
+        most what both held at once); None for a plan that keeps nothing in host memory."""
         offloader = offloader_of(self.module) if getattr(self, "module", None) is not None else None
-        return None if offloader is None else offloader.host_peak_bytes
+        if offloader is None and self.host_state is None:
+            return None
+        return (offloader.host_peak_bytes if offloader else 0) + (self.host_state.host_bytes if self.host_state else 0)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -101,6 +117,9 @@ class Trainer:
         """Drop the model, optimizer, scaler and batch; keep the records."""
         if self.run is not None:
             self.run.model = self.run.scaler = None
+        if self.host_state is not None:  # its step wraps the optimizer's: a cycle to break, not to leave to the gc
+            self.optimizer.__dict__.pop("step", None)
+            self.host_state.optimizer = self.host_state.model = None
         self.ballast = []
         for name in ("optimizer", "batch", "module"):
             self.__dict__.pop(name, None)

@@ -182,11 +182,16 @@ class _View:
 
     def envelopes(self, precision: str, limit: float | None) -> list[list[Config]]:
         """The envelope of each chain of plans (:meth:`envelope`): the block plans, and each selective or offloading
-        plan after no checkpointing. Time orders the plans of a chain, not a selective plan against a block plan, nor
-        a plan whose copies to the host cost time against one that recomputes."""
+        plan after no checkpointing; plans with the state in host memory (+state) in chains of their own. Time orders
+        the plans of a chain, not a selective plan against a block plan, nor a plan whose copies to the host cost time
+        against one that recomputes."""
         unordered = [s for s in self.ordered if Plan(s).selective or Plan(s).offload]
-        block = [s for s in self.ordered if s not in unordered]
-        chains = [block] + [[s for s in self.ordered if Plan(s).off or s == own] for own in unordered]
+        blocks = [[s for s in self.ordered if s not in unordered and Plan(s).state == state] for state in (False, True)]
+
+        def off(state: bool) -> list[str]:  # no checkpointing, with the state where ``state`` says
+            return [s for s in self.ordered if Plan(s).base.off and Plan(s).kind == (False, state)]
+
+        chains = [*blocks, *([*off(Plan(own).state), own] for own in unordered)]
         envelopes: list[list[Config]] = []
         for chain in chains:
             envelope = self.envelope(precision, limit, chain)

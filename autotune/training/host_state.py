@@ -1,0 +1,120 @@
+"""The training state in host memory (``PLAN+state``, ``--offload state``): FSDP2's ``CPUOffloadPolicy``, measured.
+
+Under the policy FSDP2 keeps each rank's shards of the parameters, their gradients and the optimizer's
+state on the CPU (pinned on CUDA) and the optimizer steps there; each block's parameters are copied to
+the device for its all-gather and each gradient shard back after its reduce-scatter. The device holds
+the gathered blocks, the activations and the reduce buffers, and no state. :class:`HostState` follows
+one model under the policy:
+
+* **host_bytes**: the most the state held in host memory, read after the wrap, the priming and each
+  optimizer step: the shards of the parameters and gradients and the optimizer's tensors, each storage
+  once. The optimizer step's own temporaries (AdamW's intermediates) are not in it.
+* **the optimizer step's seconds**: the trial reports their share of its timed steps
+  (``optimizer_step_share``). On CUDA the step is the CPU's work, so its wall time is its cost.
+* **the host budget**: a state over it ends the step in :class:`HostBudgetExceededError`, an out-of-memory
+  of the host; activation offload's copies (``PLAN+offload+state``) may hold what the state leaves of it.
+
+**The CPU's emulation.** Device and host are one memory there, so autotune's tensor meter is told which
+tensors are the host's: the sharded parameters once wrapped, the optimizer's primed ballast, each
+gradient shard as FSDP2 sets it (a post-accumulate-grad hook, which FSDP2 runs after its copy to the
+host) and everything the optimizer's step makes (it runs outside the meter). The build's own peak is
+forgotten: the device never holds the whole model, since FSDP2 moves and shards one block at a time.
+The step time then has no transfer over PCIe in it, and no pinned copies: it understates the cost.
+On CUDA none of this is installed (a gradient hook would make FSDP2's copy to the host synchronous).
+
+The values trained are those of the step without the policy except for the optimizer's arithmetic,
+which is the CPU's: bitwise on the CPU, equal to float rounding against a GPU's optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from autotune.meters.tensor import leave_device, plain_tensors, restart_peak
+from autotune.plans.offload import HostBudgetExceededError, Offloader
+
+__all__ = ["HostState", "offload_policy"]
+
+
+def offload_policy(device: torch.device) -> Any:
+    """FSDP2's ``CPUOffloadPolicy`` for ``device`` (pinned host memory where the device is a GPU)."""
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import CPUOffloadPolicy
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+
+
+def _host_storage_bytes(tensors: Iterable[Any]) -> int:
+    """The bytes of the distinct CPU storages of ``tensors`` (a DTensor's: its local shard's; non-tensors skipped)."""
+    storages = {}
+    for t in plain_tensors(tensors):
+        if t.device.type == "cpu":
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+class HostState:
+    """One model trained with its state in host memory (module docstring); ``emulated`` on the CPU."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ballast: list[torch.Tensor],
+                 device: torch.device, *, host_budget_bytes: int | None = None,
+                 activations: Offloader | None = None) -> None:
+        self.model, self.optimizer, self.ballast = model, optimizer, ballast
+        self.emulated = device.type != "cuda"
+        self.host_budget_bytes, self.activations = host_budget_bytes, activations
+        self.host_bytes = 0  # the most the state held
+        self.step_seconds: list[float] = []  # each optimizer step's
+        if self.emulated:
+            leave_device([*model.parameters(), *ballast])
+            restart_peak()
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(self._gradient_left)
+        self._step = optimizer.step
+        optimizer.step = self.step
+        self._account()
+
+    def _gradient_left(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            leave_device([param.grad])
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """The optimizer's step, timed; on the CPU outside the tensor meter (the host's work)."""
+        start = time.perf_counter()
+        with _disable_current_modes() if self.emulated else contextlib.nullcontext():
+            out = self._step(*args, **kwargs)
+        self.step_seconds.append(time.perf_counter() - start)
+        self._account()
+        return out
+
+    def held(self) -> int:
+        """What the state holds in host memory now (module docstring)."""
+        state = (v for s in self.optimizer.state.values() for v in s.values())
+        params = list(self.model.parameters())
+        return _host_storage_bytes([*params, *(p.grad for p in params), *state, *self.ballast])
+
+    def _account(self) -> None:
+        held = self.held()
+        self.host_bytes = max(self.host_bytes, held)
+        if self.host_budget_bytes is None:
+            return
+        if held > self.host_budget_bytes:
+            raise HostBudgetExceededError(held, 0, self.host_budget_bytes, what="the state offload (--offload state)")
+        if self.activations is not None:  # activation offload's copies get what the state leaves
+            self.activations.host_budget_bytes = self.host_budget_bytes - held
+
+    def step_share(self, step_times: list[float]) -> float | None:
+        """The median share of ``step_times`` (the timed steps, the last ones) spent in the optimizer's step."""
+        mine = self.step_seconds[-len(step_times):] if step_times else []
+        if not step_times or len(mine) < len(step_times):
+            return None
+        return round(statistics.median(o / s for o, s in zip(mine, step_times) if s > 0), 4)
