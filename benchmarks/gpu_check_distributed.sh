@@ -55,7 +55,7 @@ fi
 # The training state in host memory (FSDP2's CPUOffloadPolicy) on one rank, searched (--offload state): each plan's
 # device peak with the state on the host below the same plan's without it, its host bytes and the optimizer step's
 # share of the step; then the same lever alone, beside the plain FSDP2 step (step time ratio, losses)
-check fsdp1state 1 -- --parallel fsdp --offload none,state,activations+state --batch-sizes 8,32 --no-probe
+check fsdp1state 1 -- --parallel fsdp --offload none,state,activations+state --precisions bf16,fp16 --batch-sizes 8,32 --no-probe
 python3 - "$out/fsdp1state.json" <<'EOF'
 import json, sys
 trials = {(t["precision"], t["segments"], t["batch_size"]): t for t in json.load(open(sys.argv[1]))["trials"]}
