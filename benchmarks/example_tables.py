@@ -11,7 +11,9 @@ Writes, beside the reports in ``--results``:
 * ``example-gpt2-plans-cpu.md``: every block plan at one precision and batch size, and the library's
   own switch (docs/plans.md);
 * ``selective-fronts-cpu.md``: the two 200 MiB grids with the selective plans: every timed trial,
-  the front and the recommendation (docs/plans.md).
+  the front and the recommendation (docs/plans.md);
+* ``offload-modes-cpu.md``: plans ``0`` and ``all`` under FSDP2 on one rank with each ``--offload`` mode: device
+  and host peaks, step times, the optimizer step's share (docs/plans.md, "The state in host memory").
 """
 
 from __future__ import annotations
@@ -83,6 +85,27 @@ def fronts(reports: dict[str, Report]) -> str:
     return "# Selective plans on a 200 MiB grid\n\n" + "\n".join(parts)
 
 
+def offload_modes(report: Report, name: str) -> str:
+    """Each plan with each offload mode: device peak (and its share of plan 0's without offload), host peak, step time
+    against the same plan without offload, the optimizer step's share."""
+    by = {(m.config.precision, m.segments, m.batch_size): m for m in report.trials if m.status == "ok"}
+    none = by.get((report.trials[0].precision, "0", report.trials[0].batch_size))
+    rows = ["| plan | offload | device peak | vs `0` | host peak | step vs the plan alone | optimizer step |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for m in sorted(by.values(), key=lambda m: (Plan(m.segments).base, Plan(m.segments).kind)):
+        alone = by.get((m.config.precision, Plan(m.segments).base, m.batch_size))
+        rows.append(f"| `{m.segments}` | {m.offload} | {format_bytes(m.peak_bytes)} | "
+                    f"{m.peak_bytes / none.peak_bytes:.2f} | "
+                    f"{format_bytes(m.host_peak_bytes) if m.host_peak_bytes is not None else '-'} | "
+                    f"{m.step_s / alone.step_s:.2f}x | "
+                    f"{f'{m.optimizer_step_share:.0%}' if m.optimizer_step_share is not None else '-'} |")
+    first = report.trials[0]
+    return (f"From `results/{name}` (written by `bash benchmarks/regenerate_examples.sh`): "
+            f"{report.workload['model_class']}, {first.precision}, batch {first.batch_size}, FSDP2 on one rank "
+            f"(gloo), both offloads emulated on {report.environment.get('device_name') or 'this CPU'}: host copies "
+            f"and the state counted apart from the device, no transfers in the step times.\n\n" + "\n".join(rows) + "\n")
+
+
 def _ranges(indices) -> str:
     """``[0, 1, 2, 4]`` as ``0-2, 4``; nothing as ``none``."""
     indices = sorted(indices)
@@ -106,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         "example-gpt2-plans-cpu.md": plans(load(results / "example-gpt2-plans-cpu.json"), "example-gpt2-plans-cpu.json"),
         "selective-fronts-cpu.md": fronts({f"selective-front-{m}-cpu.json": load(results / f"selective-front-{m}-cpu.json")
                                            for m in ("gpt2", "TinyGPT")}),
+        "offload-modes-cpu.md": offload_modes(load(results / "offload-modes-TinyGPT-cpu.json"),
+                                              "offload-modes-TinyGPT-cpu.json"),
     }
     for name, text in written.items():
         (results / name).write_text(text, encoding="utf-8")

@@ -25,3 +25,9 @@ step front-gpt2 "${gpt2[@]}" "${front[@]}" --storage "sqlite:///$store/gpt2.db" 
     --out "$out/selective-front-gpt2-cpu.json"
 step front-TinyGPT --model autotune.examples:TinyGPT "${front[@]}" --storage "sqlite:///$store/TinyGPT.db" \
     --study TinyGPT --out "$out/selective-front-TinyGPT-cpu.json"
+# docs/plans.md (the state in host memory): plans 0 and all with each --offload mode, FSDP2 on one rank
+echo "== offload-modes"
+torchrun --standalone --nproc-per-node 1 -m autotune --model autotune.examples:TinyGPT --device cpu \
+    --precisions bf16 --segments 0,all --batch-sizes 16 --strategy grid --measure-steps 9 --no-library-compare \
+    --parallel fsdp --offload none,activations,state,activations+state --no-probe \
+    --storage "sqlite:///$store/offload.db" --out "$out/offload-modes-TinyGPT-cpu.json"
