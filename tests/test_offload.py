@@ -180,6 +180,13 @@ def test_nothing_fits_names_offload_on_cuda_and_sharding_where_the_state_is_most
     assert "--parallel fsdp" not in nothing_fits_hint(on_cuda)  # the state is 1% of 1 GiB
     tight = dataclasses.replace(on_cuda, budget_bytes=int(1.5 * grid.workload["fixed_bytes"]))
     assert "sharding the training state" in nothing_fits_hint(tight) and "--parallel fsdp" in nothing_fits_hint(tight)
+    assert "--offload none,state" in nothing_fits_hint(tight)
+    floor = {"activations": 1000, "block_weights": 24, "precision": "bf16"}
+    hosted = dataclasses.replace(tight, workload={**tight.workload, "floor": floor},
+                                 search={**tight.search, "space": {**tight.search["space"], "segments": ["0", "0+state"]}})
+    said = nothing_fits_hint(hosted)  # the state was searched in host memory already: what the device still needs
+    assert "--offload none,state" not in said and "with the state in host memory the activations and the gathered " \
+        "block's weights, 1.00 KiB" in said
 
 
 def test_a_trial_past_its_host_budget_is_an_oom_of_the_host_with_the_bytes_it_asked_for():

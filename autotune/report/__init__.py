@@ -251,9 +251,11 @@ def nothing_fits_hint(report: "Report") -> str:
     if report.environment.get("device_type") == "cuda" and not any(Plan(s).offload for s in space["segments"]):
         tries.append("--offload none,activations (what the plans keep for the backward pass held in host memory)")
     state = report.workload.get("fixed_bytes")
+    hosted = any(Plan(s).state for s in space["segments"])  # plans +state: the state was already off the device
     if state and report.budget_bytes and state > 0.5 * usable_bytes(report.budget_bytes, report.headroom):
         tries.append(f"sharding the training state ({format_bytes(state)} of weights, gradients and optimizer state, "
-                     f"over half the budget) with --parallel fsdp under torchrun")
+                     f"over half the budget) with --parallel fsdp under torchrun" + (
+                         "" if hosted else ", or holding it in host memory there with --offload none,state"))
     tries.append("a larger --budget")
     least = (f"; the smallest peak measured was {format_bytes(smallest.peak_bytes)} ({smallest.config}, {smallest.status})"
              if smallest else "")
@@ -262,7 +264,9 @@ def nothing_fits_hint(report: "Report") -> str:
         least += (f"; at batch 1 with every block recomputed a step needs about "
                   f"{format_bytes(state + floor['activations'])} ({format_bytes(state)} of weights, gradients and "
                   f"optimizer state, {format_bytes(floor['activations'])} of activations, measured at "
-                  f"{floor['precision']})")
+                  f"{floor['precision']}" + (f"; with the state in host memory the activations and the gathered "
+                                             f"block's weights, {format_bytes(floor['activations'] + floor['block_weights'])}"
+                                             if hosted and "block_weights" in floor else "") + ")")
     statuses = sorted({m.status for m in report.trials})
     return (f"autotune: nothing fits within {format_bytes(report.budget_bytes)} less {report.headroom:.0%} headroom "
             f"(trial outcomes: {', '.join(statuses)}){least}: try {', '.join(tries)}")
