@@ -219,6 +219,7 @@ def main(out: str) -> None:
     found["zoo"] = zoo_plans_under_the_wrappers(job)
     if job.rank == 0:
         found["parameter_bytes"] = sum(p.numel() * 4 for p in Wide().parameters())
+        found["block_bytes"] = sum(p.numel() * 4 for p in Block().parameters())
         with open(out, "w") as f:
             json.dump(found, f)
     dist.destroy_process_group()

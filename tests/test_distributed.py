@@ -286,23 +286,26 @@ def test_ddp_and_fsdp_steps_match_one_process_and_fsdp_shards_memory(tmp_path, p
     # plan under FSDP2 failed every step: it read a DTensor's storage)
     assert {"ddp/all+offload", "fsdp/0+offload", "fsdp/0+state", "fsdp/all+offload+state"} <= set(found["grads"])
     ddp, fsdp = found["peaks"]["ddp"], found["peaks"]["fsdp"]
-    assert max(fsdp) < 0.75 * min(ddp), found["peaks"]  # parameters, gradients and AdamW state: half on each rank
+    assert max(fsdp) < 0.6 * min(ddp), found["peaks"]  # parameters, gradients and AdamW state: half on each rank
     # The user's optimizer under both wrappers, over the parameters each rank holds: SGD keeps one buffer a
     # parameter, AdamW two (and a step counter a tensor); FSDP2's ranks hold half of each. The peaks differ by at
     # least that buffer (AdamW's step makes temporaries too): under FSDP2 too, now that the tensor meter counts a
-    # DTensor's local shard (the state FSDP2's optimizer makes was counted nowhere before)
-    params, states = found["parameter_bytes"], found["states"]
+    # DTensor's local shard (the state FSDP2's optimizer makes was counted nowhere before) and sees FSDP2 free each
+    # gathered block (resize_(0): before, every block stayed counted). On gloo a rank's FSDP2 peak may include a
+    # collective's buffer or not, as gloo's worker thread lets it go (measured: 0.5 MB in one run of four): the
+    # comparisons of FSDP2 peaks allow one block
+    params, states, block = found["parameter_bytes"], found["states"], found["block_bytes"]
     for wrapper, share in (("ddp", 1.0), ("fsdp", 0.5)):
         for sgd, adamw in zip(states[f"{wrapper}/sgd"], states[f"{wrapper}/adamw"]):
             assert abs(sgd - share * params) <= 0.01 * params and abs(adamw - 2 * sgd) <= 1024, (wrapper, states)
         for adamw, sgd in zip(found["peaks"][wrapper], found["sgd_peaks"][wrapper]):
-            assert adamw - sgd >= 0.99 * share * params, (wrapper, adamw, sgd, params)
+            assert adamw - sgd >= 0.99 * share * params - (block if wrapper == "fsdp" else 0), (wrapper, adamw, sgd)
     # The state in host memory (FSDP2's CPUOffloadPolicy, emulated on the CPU): each rank's device peak falls by at
     # least its share of the weights and AdamW's moments, the host holds its share of weights, gradients and moments,
     # the losses are the same, and the optimizer's step has a share of the step time
     for plain, host in zip(found["state_offload"]["0"], found["state_offload"]["0+state"]):
         assert plain[0] == host[0] == "ok" and plain[2] is None, (plain, host)
-        assert host[1] <= plain[1] - 3 * 0.5 * params * 0.99, (plain, host, params)
+        assert host[1] <= plain[1] - 3 * 0.5 * params * 0.99 + block, (plain, host, params)
         assert abs(host[2] - 4 * 0.5 * params) <= 0.01 * params, (host, params)
         assert host[4] == plain[4] and 0 < host[3] < 1, (plain, host)
     # A plan never changes the model under a wrapper either: BatchNorm, per-layer arguments, dropout with experts,

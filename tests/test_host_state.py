@@ -164,3 +164,19 @@ def test_apply_prepares_a_state_plan_as_its_plan_and_says_to_wrap_it(caplog):
     applied = autotune.apply(model, Measurement(Config("fp32", "all+state", 4), "ok", peak_bytes=1))
     assert applied.plan["name"] == "all+state" and len(applied.plan["recomputed_blocks"]) == 2
     assert applied.plan["offload"] == "state" and "CPUOffloadPolicy" in caplog.text
+
+
+def test_a_model_whose_weights_pass_the_budget_trains_with_its_state_on_the_host(one_rank_group):
+    # FSDP2 moves and shards one block at a time and the state stays on the host: the device needs one gathered block,
+    # the root's parameters and the activations, not the model (on the CPU the build is the host's, not the meter's)
+    load = Workload.from_specs(lambda: TinyGPT(n_layer=8, block_size=32, n_embd=64, n_head=2))
+    load = load.with_chain(find_chain(load.build_model()))
+    weights = _parameter_bytes(load)  # 1.66 MiB, a block 195 KiB
+    job = Job("fsdp", 0, 1, 0, "gloo")
+    found = {}
+    for plan in ("all", "all+state"):
+        job.trials = next(_TRIALS)
+        found[plan] = run_trial(load, Config("fp32", plan, 2), device="cpu", meter=TensorMeter("cpu", budget_bytes=weights),
+                                settings=SETTINGS, parallel=Wrapping(job, dist.group.WORLD, torch.device("cpu")))
+    assert found["all"].status == "oom"
+    assert found["all+state"].status == "ok", found["all+state"]  # under the budget: the weights

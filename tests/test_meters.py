@@ -174,3 +174,20 @@ def test_a_dtensors_local_shard_is_counted_though_dtensor_made_it_below_the_mete
         opt = torch.optim.AdamW([param])
         opt.step()
         assert h.live_bytes >= 3 * 4000  # the gradient and the two moments
+
+
+def test_a_storage_resized_in_place_is_counted_at_its_new_size_and_held_to_the_budget():
+    # FSDP2 frees each gathered block with storage.resize_(0) and gathers into it again: no op a dispatch mode sees
+    with TensorMeter(budget_bytes=6000).measure() as h:
+        t = torch.empty(1000)
+        t.untyped_storage().resize_(0)
+        assert h.live_bytes == 0
+        t.untyped_storage().resize_(4000)
+        assert h.live_bytes == 4000
+        with pytest.raises(BudgetExceededError):
+            t.untyped_storage().resize_(8000)  # refused as an allocator would: the storage keeps its size
+        assert t.untyped_storage().nbytes() == 4000 and h.live_bytes == 4000 and h.peak_bytes() == 4000
+        del t
+        assert h.live_bytes == 0
+    assert h.reading.peak_bytes == 8000  # a region that ran out reports the total it asked for
+    assert "resize_" not in torch.UntypedStorage.__dict__  # torch's own method again outside the region

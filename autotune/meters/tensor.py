@@ -25,7 +25,7 @@ from autotune.errors import TrialTimeoutError, is_oom
 from autotune.meters.base import Measuring, MemoryReading, Meter
 from autotune.meters.oom import BudgetExceededError
 
-__all__ = ["TensorMeter", "leave_device", "restart_peak", "plain_tensors"]
+__all__ = ["TensorMeter", "leave_device", "enter_device", "plain_tensors"]
 
 
 class _Tracker(TorchDispatchMode):
@@ -76,6 +76,24 @@ class _Tracker(TorchDispatchMode):
     def _free(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
 
+    def resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Resize a counted storage in place and count it at its new size (FSDP frees each gathered block's
+        parameters with ``resize_(0)`` and gathers into them again); past the budget, refuse as an allocator would."""
+        known = self._storages.get(storage)
+        if known is None:  # not this device's, or not counted (what an emulation made the host's)
+            _RESIZE(storage, nbytes)
+            return
+        tried = self.live_bytes - known[0] + nbytes
+        if nbytes > known[0] and self.budget_bytes is not None and tried > self.budget_bytes:
+            if tried > self.refused_bytes:
+                self.refused_bytes, self.refused_held_bytes = tried, self.live_bytes
+            raise BudgetExceededError(nbytes - known[0], tried, self.budget_bytes)
+        _RESIZE(storage, nbytes)
+        known[1].detach()
+        self._storages[storage] = (nbytes, weakref.finalize(storage, self._free, nbytes))
+        self.live_bytes = tried
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
     def untrack(self, tensors: Iterable[object]) -> int:
         """Stop counting the storages of ``tensors`` (they left the device); return the bytes let go."""
         freed = 0
@@ -102,6 +120,32 @@ class _Tracker(TorchDispatchMode):
         return out
 
 
+_RESIZE = torch.UntypedStorage.resize_  # the method itself; while a meter measures, the class answers with _resize
+
+
+def _resize(storage: torch.UntypedStorage, nbytes: int) -> torch.UntypedStorage:
+    """``UntypedStorage.resize_`` while a tensor meter measures: the meter counts the storage at its new size."""
+    tracker = _active()
+    if tracker is None:
+        _RESIZE(storage, nbytes)
+    else:
+        tracker.resize(storage, int(nbytes))
+    return storage
+
+
+@contextlib.contextmanager
+def _resizes_seen() -> Iterator[None]:
+    """Storages resized in place are recounted (an op's output shows a new size; ``resize_`` on a storage is no op)."""
+    if torch.UntypedStorage.__dict__.get("resize_") is _resize:  # a meter inside a meter: the outer one installed it
+        yield
+        return
+    torch.UntypedStorage.resize_ = _resize
+    try:
+        yield
+    finally:
+        del torch.UntypedStorage.resize_
+
+
 def plain_tensors(tensors: Iterable[object]) -> Iterator[torch.Tensor]:
     """The plain tensors among ``tensors``, and those inside wrapper subclasses (a DTensor's local shard: the op that
     made it ran inside DTensor's own dispatch, below this meter's, so its storage is seen here or nowhere). Read
@@ -125,12 +169,12 @@ def leave_device(tensors: Iterable[object]) -> int:
     return 0 if tracker is None else tracker.untrack(tensors)
 
 
-def restart_peak() -> None:
-    """The active tensor meter's peak starts again from what is live now: what came before it was not the device's
-    (an emulation's set-up, which the device never holds at once)."""
+def enter_device(tensors: Iterable[object]) -> None:
+    """The inverse of :func:`leave_device`: the active tensor meter counts ``tensors`` as the device's (made where it
+    did not look, as an emulation's host was); nothing without a meter."""
     tracker = _active()
     if tracker is not None:
-        tracker.peak_bytes = tracker.live_bytes
+        tracker.track(tensors)
 
 
 class TensorMeter(Meter):
@@ -153,7 +197,7 @@ class TensorMeter(Meter):
         handle = _TensorMeasuring(tracker)
         raised: BaseException | None = None
         try:
-            with tracker:
+            with tracker, _resizes_seen():
                 yield handle
         except BaseException as exc:
             raised = exc

@@ -15,10 +15,11 @@ one model under the policy:
   of the host; activation offload's copies (``PLAN+offload+state``) may hold what the state leaves of it.
 
 **The CPU's emulation.** Device and host are one memory there, so autotune's tensor meter is told which
-tensors are the host's: the sharded parameters once wrapped, the optimizer's primed ballast, each
-gradient shard as FSDP2 sets it (a post-accumulate-grad hook, which FSDP2 runs after its copy to the
-host) and everything the optimizer's step makes (it runs outside the meter). The build's own peak is
-forgotten: the device never holds the whole model, since FSDP2 moves and shards one block at a time.
+tensors are the host's: the model's build and wrap and the optimizer's primed ballast (:func:`built_on_host`: the device never
+holds the whole model, since FSDP2 moves and shards one block at a time; the buffers it moved are
+counted), each gradient shard as FSDP2 sets it (a post-accumulate-grad hook, which
+FSDP2 runs after its copy to the host) and everything the optimizer's step makes (it runs outside the
+meter).
 The step time then has no transfer over PCIe in it, and no pinned copies: it understates the cost.
 On CUDA none of this is installed (a gradient hook would make FSDP2's copy to the host synchronous).
 
@@ -31,16 +32,16 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autotune.meters.tensor import leave_device, plain_tensors, restart_peak
+from autotune.meters.tensor import enter_device, leave_device, plain_tensors
 from autotune.plans.offload import HostBudgetExceededError, Offloader
 
-__all__ = ["HostState", "offload_policy"]
+__all__ = ["HostState", "built_on_host", "offload_policy"]
 
 
 def offload_policy(device: torch.device) -> Any:
@@ -50,6 +51,24 @@ def offload_policy(device: torch.device) -> Any:
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import CPUOffloadPolicy
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+
+
+@contextlib.contextmanager
+def built_on_host(device: torch.device) -> Iterator[list[torch.Tensor]]:
+    """Where a ``PLAN+state`` model is built and wrapped and its optimizer primed: on the host, from which FSDP2 shards
+    it a block at a time.
+
+    On the CPU's emulation the build runs outside the tensor meter (the device never holds the whole model, nor the
+    sharded state); the caller puts in the yielded list what the device does hold afterwards (the buffers), which
+    the meter then counts. On CUDA it changes nothing: the model is built on the host there anyway.
+    """
+    on_device: list[torch.Tensor] = []
+    if device.type == "cuda":
+        yield on_device
+        return
+    with _disable_current_modes():
+        yield on_device
+    enter_device(on_device)
 
 
 def _host_storage_bytes(tensors: Iterable[Any]) -> int:
@@ -73,9 +92,7 @@ class HostState:
         self.host_budget_bytes, self.activations = host_budget_bytes, activations
         self.host_bytes = 0  # the most the state held
         self.step_seconds: list[float] = []  # each optimizer step's
-        if self.emulated:
-            leave_device([*model.parameters(), *ballast])
-            restart_peak()
+        if self.emulated:  # the model, its shards and the ballast were built on the host (built_on_host)
             for param in model.parameters():
                 if param.requires_grad:
                     param.register_post_accumulate_grad_hook(self._gradient_left)

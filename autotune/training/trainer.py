@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autotune.device import Backend, backend_for
 from autotune.errors import UsageError
-from autotune.training.host_state import HostState
+from autotune.training.host_state import HostState, built_on_host
 from autotune.plans import Plan
 from autotune.plans.offload import offloader_of
 from autotune.records import Config, GuardRails
@@ -53,26 +54,29 @@ class Trainer:
         :func:`autotune.training.optimizer.prime`), so that step already holds what every later step
         holds: one metered step sees the steady peak.
         """
-        model = self.workload.build_model(seed=self.seed)  # the same seeded model every time (a copy once warm)
-        self.run = prepare(model, precision=self.config.precision, segments=self.config.plan,
-                           chain=self.workload.chain, guard=self.guard, device_type=self.device.type,
-                           micro_batch_size=self.config.batch_size, record_loss_scale=True,
-                           record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes)
-        self.plan = self.run.plan
         state = Plan(self.config.plan).state  # the state in host memory: FSDP2 moves each block as it shards it
         if state and self.parallel is None:
             raise UsageError(f"plan {self.config.plan} keeps FSDP2's sharded state in host memory: it trains under "
                              f"--parallel fsdp (torchrun, one rank is enough)")
-        if not state:
-            model.to(self.device)
-        self.module = model  # the user's module (batches come from its example_batch), under any wrapper
-        if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
-            self.run.model = self.parallel.wrap(model, self.workload.chain.blocks if self.workload.chain else (),
-                                                offload_state=state)
-        self.optimizer = self.workload.optimizer.make(model, self.lr)  # the wrapper's parameters (FSDP2's: the shards)
-        if prime:
-            self.ballast, failed = prime_optimizer(self.optimizer)
-            self.unprimed = None if failed is None else f"{type(failed).__name__}: {failed}"
+        with built_on_host(self.device) if state else contextlib.nullcontext() as buffers:
+            model = self.workload.build_model(seed=self.seed)  # the same seeded model every time (a copy once warm)
+            self.run = prepare(model, precision=self.config.precision, segments=self.config.plan,
+                               chain=self.workload.chain, guard=self.guard, device_type=self.device.type,
+                               micro_batch_size=self.config.batch_size, record_loss_scale=True,
+                               record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes)
+            self.plan = self.run.plan
+            if not state:
+                model.to(self.device)
+            self.module = model  # the user's module (batches come from its example_batch), under any wrapper
+            if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
+                self.run.model = self.parallel.wrap(model, self.workload.chain.blocks if self.workload.chain else (),
+                                                    offload_state=state)
+            self.optimizer = self.workload.optimizer.make(model, self.lr)  # the wrapper's parameters (FSDP2's: shards)
+            if prime:
+                self.ballast, failed = prime_optimizer(self.optimizer)
+                self.unprimed = None if failed is None else f"{type(failed).__name__}: {failed}"
+            if state:
+                buffers.extend(model.buffers())  # the device's, where FSDP2 moved them
         if state:
             self.host_state = HostState(model, self.optimizer, self.ballast, self.device,
                                         host_budget_bytes=self.host_budget_bytes, activations=offloader_of(model))
