@@ -26,6 +26,7 @@ from autotune.export import export
 from autotune.records import Config, Measurement, TrialSettings
 from autotune.search.space import SearchSpace
 from autotune.search.strategies.auto import _View
+from autotune.training.host_state import wrap_bytes
 from autotune.training.trainer import Trainer
 from autotune.training.workload import Workload
 from tests.test_export import QUICKSTART
@@ -180,3 +181,67 @@ def test_a_model_whose_weights_pass_the_budget_trains_with_its_state_on_the_host
                                 settings=SETTINGS, parallel=Wrapping(job, dist.group.WORLD, torch.device("cpu")))
     assert found["all"].status == "oom"
     assert found["all+state"].status == "ok", found["all+state"]  # under the budget: the weights
+
+
+def test_a_released_trainer_lets_its_model_and_optimizer_go(one_rank_group):
+    # HostState's gradient hooks and wrapped step hold the model where the garbage collector cannot see a cycle
+    import gc
+    import weakref
+
+    load = _workload()
+    job = Job("fsdp", 0, 1, 0, "gloo")
+    job.trials = next(_TRIALS)
+    trainer = Trainer(load, Config("fp32", "0+state", 4), torch.device("cpu"),
+                      parallel=Wrapping(job, dist.group.WORLD, torch.device("cpu")))
+    trainer.build()
+    trainer.step(load.make_batch(trainer.module, 4))
+    gone = [weakref.ref(trainer.optimizer), weakref.ref(trainer.module)]
+    trainer.release()
+    trainer.release()  # twice: nothing left to undo
+    del trainer
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
+
+
+def test_the_wrap_s_own_device_peak_counts_on_the_cpu_too(one_rank_group):
+    # Under the policy FSDP2 moves each unit to the device whole and makes its padded shard there: the largest unit
+    # (here the root's own parameters: no blocks to wrap) and its shard
+    load = _workload()
+    model = load.build_model()
+    weights = _parameter_bytes(load)
+    assert wrap_bytes(model, (), 1) == 2 * weights and wrap_bytes(model, (), 4) == weights + weights // 4
+    blocks = load.chain.blocks
+    block = sum(p.numel() * 4 for p in model.get_submodule(blocks[0]).parameters())
+    assert wrap_bytes(model, blocks, 1) == 2 * max(block, weights - len(blocks) * block)
+    unwrapped = load.with_chain(None)  # FSDP2 on the root alone: the whole model on the device while it wraps
+    m = _trial(unwrapped, "0+state", batch_size=2)
+    assert m.status == "ok" and m.peak_bytes >= 2 * weights
+
+
+def test_plans_named_with_their_offload_are_searched_as_named():
+    assert with_offload(["0", "all+state"], ["none"]) == ("0", "all+state")
+    assert with_offload(["0", "all+offload"], ["none", "state"]) == ("0", "0+state", "all+offload")
+
+
+def test_the_memory_line_implies_nothing_of_a_plan_whose_state_is_on_the_host():
+    from autotune.analysis.pareto import LineRule, line_failures
+
+    rule = LineRule(600e6)  # the state, on the device for every plan but +state
+    trials = [_ok("all+state", 512, 800e6), _ok("all", 512, 1400e6)]
+    implied = line_failures(trials, 400e6, [128, 256, 1024], rule)
+    assert not [c for c in implied if Plan(c.plan).state] and Config("fp32", "all", 1024) in implied
+
+
+def test_the_time_bound_of_a_state_plan_comes_from_plans_with_the_state_on_the_host():
+    from autotune.search.strategies.auto import step_time_bound
+
+    # plan 0 steps fast on the device; 0+state runs the optimizer on the CPU and is twice as slow
+    measured = {m.config: m for m in [_ok("0", 4, 0), _ok("0", 8, 0), _timed("0+state", 4, 0.4), _timed("0+state", 8, 0.8)]}
+    measured.update({c: dataclasses.replace(m, step_s=0.2 * c.batch_size / 4, timed=True) for c, m in measured.items()
+                     if c.plan == "0"})
+    bound = step_time_bound(Config("fp32", "all+state", 8), measured, 4)
+    assert bound == pytest.approx(8 / 0.8)  # 0+state's line (k = 0: no recomputing plan timed), not plan 0's (20)
+
+
+def _timed(plan: str, batch: int, step: float) -> Measurement:
+    return Measurement(Config("fp32", plan, batch), "ok", peak_bytes=1, step_s=step, samples_per_s=batch / step)

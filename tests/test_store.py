@@ -414,3 +414,11 @@ def test_a_host_oom_is_reused_only_under_a_host_budget_no_larger(stored_host, ho
     device_oom = dataclasses.replace(m, error="DefaultCPUAllocator: can't allocate memory")  # the device's: as before
     assert reusable({**attrs(device_oom, budget=5000), "host_budget_bytes": stored_host}, settings_key="s",
                     enforced_bytes=5000, timeout_s=None, host_budget_bytes=host) == device_oom
+
+
+@pytest.mark.parametrize("host, reused", [(4000, True), (3000, False), (None, True)])
+def test_an_offloaded_success_is_not_reused_under_a_host_budget_it_would_pass(host, reused):
+    m = Measurement(Config("fp32", "0+state", 64), "ok", peak_bytes=10, host_peak_bytes=3500)
+    got = reusable({**attrs(m, budget=5000), "host_budget_bytes": 8000}, settings_key="s", enforced_bytes=5000,
+                   timeout_s=None, host_budget_bytes=host)
+    assert (got == m) is reused

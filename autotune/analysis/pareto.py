@@ -158,6 +158,8 @@ def line_failures(measurements: Iterable[Measurement], limit: float | None, batc
             peaks.setdefault(m.config.variant, {})[m.batch_size] = float(m.peak_bytes)
     implied: dict[Config, int] = {}
     for variant, points in peaks.items():
+        if Plan(variant[1]).state:
+            continue  # its line does not start at the state (rule.state_bytes): the state is in host memory
         slope = rule.per_sample(points)
         if slope is None:
             continue

@@ -25,7 +25,7 @@ from autotune.errors import TrialTimeoutError, is_oom
 from autotune.meters.base import Measuring, MemoryReading, Meter
 from autotune.meters.oom import BudgetExceededError
 
-__all__ = ["TensorMeter", "leave_device", "enter_device", "plain_tensors"]
+__all__ = ["TensorMeter", "leave_device", "enter_device", "passing_peak", "plain_tensors"]
 
 
 class _Tracker(TorchDispatchMode):
@@ -175,6 +175,20 @@ def enter_device(tensors: Iterable[object]) -> None:
     tracker = _active()
     if tracker is not None:
         tracker.track(tensors)
+
+
+def passing_peak(nbytes: int) -> None:
+    """The active tensor meter counts ``nbytes`` allocated and freed at once (what an emulation's device held
+    briefly where the meter did not look): a peak, held to the budget."""
+    tracker = _active()
+    if tracker is None or nbytes <= 0:
+        return
+    tried = tracker.live_bytes + nbytes
+    if tracker.budget_bytes is not None and tried > tracker.budget_bytes:
+        if tried > tracker.refused_bytes:
+            tracker.refused_bytes, tracker.refused_held_bytes = tried, tracker.live_bytes
+        raise BudgetExceededError(nbytes, tried, tracker.budget_bytes)
+    tracker.peak_bytes = max(tracker.peak_bytes, tried)
 
 
 class TensorMeter(Meter):

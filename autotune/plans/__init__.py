@@ -266,11 +266,13 @@ def parse_plans(text: str) -> tuple[Plan, ...] | None:
 
 def with_offload(plans: Iterable[str], modes: Iterable[str]) -> tuple[Plan, ...]:
     """``plans`` for each ``--offload`` mode: ``none`` keeps them, ``activations`` adds each one offloaded, ``state``
-    each one with the state in host memory (``activations,state`` together: each with both)."""
-    plans, modes = [Plan(p).base for p in plans], list(modes)
+    each one with the state in host memory (``activations+state``: each with both). A plan named with its offload
+    (``all+offload`` in ``--segments``) is searched as named, whatever the modes."""
+    plans, modes = [Plan(p) for p in plans], list(modes)
     suffixes = {"none": "", "activations": OFFLOAD, "state": STATE, "activations+state": OFFLOAD + STATE}
-    named = [Plan(p + suffixes[mode]) for mode in modes for p in plans]
-    return tuple(dict.fromkeys(named))
+    bare = [p for p in plans if p == p.base]
+    named = [Plan(p + suffixes[mode]) for mode in modes for p in bare]
+    return tuple(dict.fromkeys([*named, *(p for p in plans if p != p.base)]))
 
 
 def plan_order(names: Iterable[str], length: int | None) -> list[Plan]:

@@ -171,6 +171,9 @@ def reusable(attrs: dict, *, settings_key: str, enforced_bytes: int | None, time
     if (measurement.status == "oom" and "host memory" in (measurement.error or "") and stored_host is not None
             and (host_budget_bytes is None or stored_host < host_budget_bytes)):
         return None  # it ran out of a smaller host budget than today's (offloaded activations): it may fit now
+    if (measurement.status == "ok" and measurement.host_peak_bytes is not None and host_budget_bytes is not None
+            and measurement.host_peak_bytes > host_budget_bytes):
+        return None  # it fitted a larger host budget than today's: today it would run out of host memory
     return measurement
 
 

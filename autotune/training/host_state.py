@@ -38,10 +38,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autotune.meters.tensor import enter_device, leave_device, plain_tensors
+from autotune.meters.tensor import enter_device, leave_device, passing_peak, plain_tensors
 from autotune.plans.offload import HostBudgetExceededError, Offloader
 
-__all__ = ["HostState", "built_on_host", "offload_policy"]
+__all__ = ["HostState", "OnHost", "built_on_host", "offload_policy", "wrap_bytes"]
 
 
 def offload_policy(device: torch.device) -> Any:
@@ -53,22 +53,44 @@ def offload_policy(device: torch.device) -> Any:
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
-@contextlib.contextmanager
-def built_on_host(device: torch.device) -> Iterator[list[torch.Tensor]]:
-    """Where a ``PLAN+state`` model is built and wrapped and its optimizer primed: on the host, from which FSDP2 shards
-    it a block at a time.
+class OnHost:
+    """What :func:`built_on_host` learns from its caller: what the device holds after the wrap (the buffers FSDP2
+    moved there), and the most FSDP2's wrap put on the device at once (:func:`wrap_bytes`)."""
 
-    On the CPU's emulation the build runs outside the tensor meter (the device never holds the whole model, nor the
-    sharded state); the caller puts in the yielded list what the device does hold afterwards (the buffers), which
-    the meter then counts. On CUDA it changes nothing: the model is built on the host there anyway.
+    def __init__(self) -> None:
+        self.on_device: list[torch.Tensor] = []
+        self.wrap_bytes = 0
+
+
+@contextlib.contextmanager
+def built_on_host(device: torch.device) -> Iterator[OnHost]:
+    """Where a ``PLAN+state`` model is built and wrapped and its optimizer primed: on the host, from which FSDP2 moves
+    one unit at a time to the device to shard it.
+
+    On the CPU's emulation all of it runs outside the tensor meter; then the meter counts what the device holds
+    afterwards (``on_device``) and, as a peak that came and went, the wrap's own (``wrap_bytes``). On CUDA it
+    changes nothing: the model is built on the host there anyway, and the CUDA meter sees the wrap's device memory.
     """
-    on_device: list[torch.Tensor] = []
+    told = OnHost()
     if device.type == "cuda":
-        yield on_device
+        yield told
         return
     with _disable_current_modes():
-        yield on_device
-    enter_device(on_device)
+        yield told
+    enter_device(told.on_device)
+    passing_peak(told.wrap_bytes)
+
+
+def wrap_bytes(model: nn.Module, blocks: Iterable[str], world_size: int) -> int:
+    """The most FSDP2's wrap under ``CPUOffloadPolicy`` puts on the device at once: each unit (a block, then the root's
+    own parameters, the whole model where there are no blocks) is moved there whole and its padded shard made there
+    before it goes to the host."""
+    def size(module: nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    units = [size(model.get_submodule(path)) for path in blocks]
+    largest = max([size(model) - sum(units), *units])
+    return largest + -(-largest // world_size)
 
 
 def _host_storage_bytes(tensors: Iterable[Any]) -> int:
@@ -82,7 +104,11 @@ def _host_storage_bytes(tensors: Iterable[Any]) -> int:
 
 
 class HostState:
-    """One model trained with its state in host memory (module docstring); ``emulated`` on the CPU."""
+    """One model trained with its state in host memory (module docstring); ``emulated`` on the CPU.
+
+    Made, it has read what the state holds (``host_bytes``); :meth:`install` holds it to the host budget and then
+    wraps the optimizer's step (and on the CPU hooks each gradient); :meth:`close` undoes both.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ballast: list[torch.Tensor],
                  device: torch.device, *, host_budget_bytes: int | None = None,
@@ -90,28 +116,44 @@ class HostState:
         self.model, self.optimizer, self.ballast = model, optimizer, ballast
         self.emulated = device.type != "cuda"
         self.host_budget_bytes, self.activations = host_budget_bytes, activations
-        self.host_bytes = 0  # the most the state held
-        self.step_seconds: list[float] = []  # each optimizer step's
-        if self.emulated:  # the model, its shards and the ballast were built on the host (built_on_host)
-            for param in model.parameters():
-                if param.requires_grad:
-                    param.register_post_accumulate_grad_hook(self._gradient_left)
-        self._step = optimizer.step
-        optimizer.step = self.step
-        self._account()
+        self.host_bytes = self.held()  # the most the state held
+        self.step_seconds: list[float] = []  # per training step, the optimizer's (0 where a GradScaler skipped it)
+        self._this_step = 0.0
+        self._step: Any = None
+        self._hooks: list[Any] = []
 
-    def _gradient_left(self, param: torch.Tensor) -> None:
-        if param.grad is not None:
-            leave_device([param.grad])
+    def install(self) -> None:
+        """Hold the state to the host budget; then time the optimizer's step (and on the CPU, tell the meter)."""
+        self._check(self.host_bytes)
+        if self.emulated:  # the model, its shards and the ballast were built on the host (built_on_host)
+            self._hooks = [p.register_post_accumulate_grad_hook(_gradient_left) for p in self.model.parameters()
+                           if p.requires_grad]
+        self._step = self.optimizer.step
+        self.optimizer.step = self.step
+
+    def close(self) -> None:
+        """Undo :meth:`install` and let the model, optimizer and state go (hooks and the wrapped step hold them)."""
+        for hook in self._hooks:
+            hook.remove()
+        if self.optimizer is not None:
+            self.optimizer.__dict__.pop("step", None)
+        self._hooks, self._step, self.model, self.optimizer, self.ballast, self.activations = [], None, None, None, [], None
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """The optimizer's step, timed; on the CPU outside the tensor meter (the host's work)."""
         start = time.perf_counter()
         with _disable_current_modes() if self.emulated else contextlib.nullcontext():
             out = self._step(*args, **kwargs)
-        self.step_seconds.append(time.perf_counter() - start)
-        self._account()
+        self._this_step += time.perf_counter() - start
+        held = self.held()
+        self.host_bytes = max(self.host_bytes, held)
+        self._check(held)
         return out
+
+    def end_step(self) -> None:
+        """A training step ended: record its optimizer's seconds (none where a GradScaler skipped the step)."""
+        self.step_seconds.append(self._this_step)
+        self._this_step = 0.0
 
     def held(self) -> int:
         """What the state holds in host memory now (module docstring)."""
@@ -119,9 +161,7 @@ class HostState:
         params = list(self.model.parameters())
         return _host_storage_bytes([*params, *(p.grad for p in params), *state, *self.ballast])
 
-    def _account(self) -> None:
-        held = self.held()
-        self.host_bytes = max(self.host_bytes, held)
+    def _check(self, held: int) -> None:
         if self.host_budget_bytes is None:
             return
         if held > self.host_budget_bytes:
@@ -135,3 +175,9 @@ class HostState:
         if not step_times or len(mine) < len(step_times):
             return None
         return round(statistics.median(o / s for o, s in zip(mine, step_times) if s > 0), 4)
+
+
+def _gradient_left(param: torch.Tensor) -> None:
+    """The CPU's emulation: FSDP2 has set a gradient shard, in host memory under the policy."""
+    if param.grad is not None:
+        leave_device([param.grad])

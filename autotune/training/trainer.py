@@ -9,7 +9,7 @@ import torch
 
 from autotune.device import Backend, backend_for
 from autotune.errors import UsageError
-from autotune.training.host_state import HostState, built_on_host
+from autotune.training.host_state import HostState, OnHost, built_on_host, wrap_bytes
 from autotune.plans import Plan
 from autotune.plans.offload import offloader_of
 from autotune.records import Config, GuardRails
@@ -58,28 +58,37 @@ class Trainer:
         if state and self.parallel is None:
             raise UsageError(f"plan {self.config.plan} keeps FSDP2's sharded state in host memory: it trains under "
                              f"--parallel fsdp (torchrun, one rank is enough)")
-        with built_on_host(self.device) if state else contextlib.nullcontext() as buffers:
-            model = self.workload.build_model(seed=self.seed)  # the same seeded model every time (a copy once warm)
-            self.run = prepare(model, precision=self.config.precision, segments=self.config.plan,
-                               chain=self.workload.chain, guard=self.guard, device_type=self.device.type,
-                               micro_batch_size=self.config.batch_size, record_loss_scale=True,
-                               record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes)
-            self.plan = self.run.plan
-            if not state:
-                model.to(self.device)
-            self.module = model  # the user's module (batches come from its example_batch), under any wrapper
-            if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
-                self.run.model = self.parallel.wrap(model, self.workload.chain.blocks if self.workload.chain else (),
-                                                    offload_state=state)
+        with built_on_host(self.device) if state else contextlib.nullcontext() as host:
+            model = self._prepared(host)
             self.optimizer = self.workload.optimizer.make(model, self.lr)  # the wrapper's parameters (FSDP2's: shards)
             if prime:
                 self.ballast, failed = prime_optimizer(self.optimizer)
                 self.unprimed = None if failed is None else f"{type(failed).__name__}: {failed}"
-            if state:
-                buffers.extend(model.buffers())  # the device's, where FSDP2 moved them
+            if host is not None:
+                host.on_device.extend(model.buffers())  # the device's, where FSDP2 moved them
         if state:
             self.host_state = HostState(model, self.optimizer, self.ballast, self.device,
                                         host_budget_bytes=self.host_budget_bytes, activations=offloader_of(model))
+            self.host_state.install()
+
+    def _prepared(self, host: OnHost | None) -> torch.nn.Module:
+        """The model, built (seeded), prepared, on its device and under the job's wrapper; ``host`` for a plan
+        ``+state``, whose model stays on the host for FSDP2 to shard there."""
+        model = self.workload.build_model(seed=self.seed)  # the same seeded model every time (a copy once warm)
+        self.run = prepare(model, precision=self.config.precision, segments=self.config.plan,
+                           chain=self.workload.chain, guard=self.guard, device_type=self.device.type,
+                           micro_batch_size=self.config.batch_size, record_loss_scale=True,
+                           record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes)
+        self.plan = self.run.plan
+        blocks = self.workload.chain.blocks if self.workload.chain else ()
+        if host is None:
+            model.to(self.device)
+        else:
+            host.wrap_bytes = wrap_bytes(model, blocks, self.parallel.job.world_size)
+        self.module = model  # the user's module (batches come from its example_batch), under any wrapper
+        if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
+            self.run.model = self.parallel.wrap(model, blocks, offload_state=host is not None)
+        return model
 
     @property
     def holds_state(self) -> bool:
@@ -88,8 +97,8 @@ class Trainer:
 
     @property
     def host_peak_bytes(self) -> int | None:
-        """The most an offloading plan's host copies held at once so far, plus what a ``PLAN+state``'s state held (at
-        most what both held at once); None for a plan that keeps nothing in host memory."""
+        """The most an offloading plan's host copies held at once so far, plus the most a ``PLAN+state``'s state held
+        (a bound on what both held at once); None for a plan that keeps nothing in host memory."""
         offloader = offloader_of(self.module) if getattr(self, "module", None) is not None else None
         if offloader is None and self.host_state is None:
             return None
@@ -121,9 +130,8 @@ class Trainer:
         """Drop the model, optimizer, scaler and batch; keep the records."""
         if self.run is not None:
             self.run.model = self.run.scaler = None
-        if self.host_state is not None:  # its step wraps the optimizer's: a cycle to break, not to leave to the gc
-            self.optimizer.__dict__.pop("step", None)
-            self.host_state.optimizer = self.host_state.model = None
+        if self.host_state is not None:  # its hooks and step hold the model and optimizer where the gc cannot see
+            self.host_state.close()
         self.ballast = []
         for name in ("optimizer", "batch", "module"):
             self.__dict__.pop(name, None)
@@ -134,6 +142,8 @@ class Trainer:
             loss = self.workload.loss(self.run.model, batch)
         self.run.backward(loss)
         self.run.step(self.optimizer)
+        if self.host_state is not None:
+            self.host_state.end_step()
         self.losses.append(float(loss.detach()))
 
     def timed_step(self, batch: Any) -> float:

@@ -116,18 +116,19 @@ def step_time_bound(config: Config, measured: Mapping[Config, Measurement], bloc
     curve may bulge above the line, so there it says nothing.
     """
     plan = Plan(config.plan)
-    steps = {m.batch_size: m.step_s for c, m in measured.items()
-             if c.precision == config.precision and Plan(c.plan).off and m.step_s and m.timed}
-    if len(steps) < 2 or (plan.off and min(steps) <= config.batch_size <= max(steps)):
+    # Plans that keep the state in host memory step the optimizer on the CPU: a line of their own (0+state's)
+    kind = [c for c in measured if c.precision == config.precision and Plan(c.plan).state == plan.state]
+    steps = {c.batch_size: measured[c].step_s for c in kind
+             if Plan(c.plan).without_state.off and measured[c].step_s and measured[c].timed}
+    if len(steps) < 2 or (plan.without_state.off and min(steps) <= config.batch_size <= max(steps)):
         return None  # no line yet; or a point between the plan's own timed ones, where a curve may bulge above it
     a, c = fit_line(steps)
 
     def base(b: int) -> float:
         return a + c * b
 
-    ks = [(m.step_s / base(m.batch_size) - 1) / share for cfg, m in measured.items()
-          if cfg.precision == config.precision and m.step_s and m.timed and base(m.batch_size) > 0
-          and (share := Plan(cfg.plan).recompute_share(blocks)) > 0]
+    ks = [(m.step_s / base(m.batch_size) - 1) / share for cfg, m in ((c, measured[c]) for c in kind)
+          if m.step_s and m.timed and base(m.batch_size) > 0 and (share := Plan(cfg.plan).recompute_share(blocks)) > 0]
     k = max(0.0, min(ks, default=0.0))
     step = base(config.batch_size) * (1 + k * plan.recompute_share(blocks))
     return config.batch_size / step if step > 0 else None
