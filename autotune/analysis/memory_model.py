@@ -151,16 +151,23 @@ class MemoryModel:
                 shared = _shared_intercept(multi) if multi else None
                 if shared is not None:
                     intercept[p, state] = max(shared, 0.0)
-        fallbacks = {state: statistics.median(mine) if mine else (0.0 if state else fixed_bytes_hint or 0.0)
-                     for state in (False, True) for mine in [[v for (_, s), v in intercept.items() if s == state]]}
+
+        def fixed_of(p: str, name: str) -> float:
+            """The intercept a line of ``(p, name)`` shares: its precision's where the state lives, else the median
+            of any precision's there, else the hint (the state on the device) or nothing (the state on the host)."""
+            state = Plan(name).state
+            if (p, state) in intercept:
+                return intercept[p, state]
+            mine = [v for (_, s), v in intercept.items() if s == state]
+            return statistics.median(mine) if mine else (0.0 if state else fixed_bytes_hint or 0.0)
         models: dict[Variant, MemoryLine] = {}
         for variant, pts in points.items():
-            p, state = variant[0], Plan(variant[1]).state
+            p = variant[0]
             if len(pts) >= 2:
                 fixed, slope = fit_line(pts)
                 source = "fit"
             else:
-                fixed = intercept.get((p, state), fallbacks[state])
+                fixed = fixed_of(*variant)
                 (b, y), = pts.items()
                 slope, source = (y - fixed) / b, "shared-intercept"
                 if slope <= 0:  # the intercept is too large for this point: it says more than the guess
@@ -174,9 +181,7 @@ class MemoryModel:
             if variant not in models:
                 slope = _borrowed_slope(variant, slopes, blocks)
                 if slope is not None:
-                    state = Plan(variant[1]).state
-                    models[variant] = MemoryLine(variant[0], variant[1], intercept.get((variant[0], state), fallbacks[state]),
-                                                 slope, 0, "predicted")
+                    models[variant] = MemoryLine(variant[0], variant[1], fixed_of(*variant), slope, 0, "predicted")
         return cls(models)
 
     def predict(self, variant: Variant, batch_size: int) -> float | None:

@@ -68,10 +68,22 @@ class _Tracker(TorchDispatchMode):
                 size, finaliser = self._storages.pop(storage)
                 finaliser.detach()
                 self.live_bytes -= size
-            if tried > self.refused_bytes:
-                self.refused_bytes, self.refused_held_bytes = tried, self.live_bytes
-            raise BudgetExceededError(nbytes, tried, self.budget_bytes)
+            self._refuse(nbytes, tried)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _refuse(self, asked: int, tried: int) -> None:
+        """Raise the budget's out-of-memory error for an allocation of ``asked`` bytes that would make ``tried`` live
+        (nothing of it counted), remembering the largest refusal for the region's reading."""
+        if tried > self.refused_bytes:
+            self.refused_bytes, self.refused_held_bytes = tried, self.live_bytes
+        raise BudgetExceededError(asked, tried, self.budget_bytes)
+
+    def passing(self, nbytes: int) -> None:
+        """Count ``nbytes`` allocated and freed at once: a peak, held to the budget (see :func:`passing_peak`)."""
+        tried = self.live_bytes + nbytes
+        if self.budget_bytes is not None and tried > self.budget_bytes:
+            self._refuse(nbytes, tried)
+        self.peak_bytes = max(self.peak_bytes, tried)
 
     def _free(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
@@ -85,9 +97,7 @@ class _Tracker(TorchDispatchMode):
             return
         tried = self.live_bytes - known[0] + nbytes
         if nbytes > known[0] and self.budget_bytes is not None and tried > self.budget_bytes:
-            if tried > self.refused_bytes:
-                self.refused_bytes, self.refused_held_bytes = tried, self.live_bytes
-            raise BudgetExceededError(nbytes - known[0], tried, self.budget_bytes)
+            self._refuse(nbytes - known[0], tried)
         _RESIZE(storage, nbytes)
         known[1].detach()
         self._storages[storage] = (nbytes, weakref.finalize(storage, self._free, nbytes))
@@ -181,14 +191,8 @@ def passing_peak(nbytes: int) -> None:
     """The active tensor meter counts ``nbytes`` allocated and freed at once (what an emulation's device held
     briefly where the meter did not look): a peak, held to the budget."""
     tracker = _active()
-    if tracker is None or nbytes <= 0:
-        return
-    tried = tracker.live_bytes + nbytes
-    if tracker.budget_bytes is not None and tried > tracker.budget_bytes:
-        if tried > tracker.refused_bytes:
-            tracker.refused_bytes, tracker.refused_held_bytes = tried, tracker.live_bytes
-        raise BudgetExceededError(nbytes, tried, tracker.budget_bytes)
-    tracker.peak_bytes = max(tracker.peak_bytes, tried)
+    if tracker is not None and nbytes > 0:
+        tracker.passing(nbytes)
 
 
 class TensorMeter(Meter):
