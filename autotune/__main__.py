@@ -83,7 +83,7 @@ def show(argv: Sequence[str]) -> int:
         _say(f"error: {exc}" if isinstance(exc, UsageError) else
              f"error: {exc.filename or args.report}: {exc.strerror or exc}")
         return EXIT_USAGE
-    return EXIT_OK if report.recommendation is not None else EXIT_NOTHING_FITS
+    return EXIT_NOTHING_FITS if report.nothing_fits else EXIT_OK
 
 
 def _check_writable(path: str, *, create_folder: bool = False) -> None:
@@ -142,7 +142,7 @@ def _follow(args: argparse.Namespace, stopped: list[int]) -> int:
         return EXIT_ERROR
     if stopped:
         return _interrupted_code(stopped)
-    return EXIT_OK if report.recommendation is not None else EXIT_NOTHING_FITS
+    return EXIT_NOTHING_FITS if report.nothing_fits else EXIT_OK
 
 
 def _interrupted_code(stopped: list[int]) -> int:
@@ -301,8 +301,9 @@ def _finish(args: argparse.Namespace, report: Any, frameworks: tuple[str, ...], 
         for path in written:
             _say(f"wrote {path}")
     if frameworks and report.recommendation is None:
-        _say("nothing to export: no configuration fits (see below)")
-    if report.recommendation is None:
+        _say("nothing to export: a dry run recommends nothing" if report.dry_run else
+             "nothing to export: no configuration fits (see below)")
+    if report.nothing_fits:
         print(nothing_fits_hint(report), file=sys.stderr)
         return EXIT_NOTHING_FITS
     return EXIT_OK

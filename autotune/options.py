@@ -36,6 +36,7 @@ class Flag:
     type: Callable[[str], Any] = str
     choices: tuple[str, ...] | None = None
     negate: str | None = None  # a bool option set off by this flag ("--no-probe"), else --NAME
+    switch: bool = False  # a bool option (default False) set on by --NAME ("--dry-run")
     default_text: str | None = None  # how --help shows a None default ("auto: ...")
     required: bool = False
 
@@ -139,6 +140,15 @@ class Options:
                                  default_text="sqlite:///results/<study>.db")
     study: str | None = option(None, "study name", group=TRIALS, default_text="derived from the model and device")
     results_dir: str = "results"  # where the default storage lives (Python only: the CLI's --out says where the JSON goes)
+    dry_run: bool = option(
+        False, "predict instead of measuring: every configuration's trial runs under PyTorch's fake tensors (shapes, "
+        "no memory, no arithmetic), counted by the tensor meter with the budget's rules; seconds for a model of any "
+        "size, no step times, no recommendation; each variant's limit found exactly (--batch-multiple)",
+        group=TRIALS, switch=True)
+    batch_multiple: int | None = option(
+        None, "exact limits are found in steps of N: the largest multiple of N that fits, and the next one (a dry run "
+        "bisects up to the top of --batch-sizes)", group=TRIALS, metavar="N", type=int,
+        default_text="1 on the CPU, 8 on CUDA")
     probe: bool = option(True, "skip the probe (the top candidates training an epoch over a slice of --data)",
                          group=PROBE, negate="--no-probe")
     probe_top: int = option(_PROBE.top, "Pareto candidates to probe, fastest first", group=PROBE, type=int)
@@ -204,6 +214,11 @@ class Options:
             raise UsageError(f"--clip-grad-norm {self.clip_grad_norm} must be positive")
         if self.trials_per_worker is not None and self.trials_per_worker < 1:
             raise UsageError(f"--trials-per-worker {self.trials_per_worker} must be at least 1 (1: a fresh worker per trial)")
+        if self.batch_multiple is not None and self.batch_multiple < 1:
+            raise UsageError(f"--batch-multiple {self.batch_multiple} must be at least 1 (limits are found in steps of it)")
+        if self.dry_run and self.parallel != "none":
+            raise UsageError(f"--dry-run predicts one process's training: run it without --parallel {self.parallel} "
+                             f"(and without torchrun)")
         if self.target_batch_size is not None and self.target_batch_size < 1:
             raise UsageError(f"--target-batch-size {self.target_batch_size} must be at least 1")
 

@@ -18,12 +18,13 @@ from autotune.errors import UsageError
 from autotune.plans import Plan
 
 __all__ = [
-    "Budget", "PRECISION_NAMES", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
+    "Budget", "PRECISION_NAMES", "PREDICTED", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
     "ProbeResult", "PlanCheck", "settled", "timing_fields", "completed", "retimed", "quantile", "usable_bytes", "accumulation_plan",
 ]
 
 PRECISION_NAMES = ("fp32", "fp16", "bf16")  # the modes of autotune.training.precision
 INIT_LOSS_SCALE = 2.0**16  # fp16's GradScaler starts here (the practitioner's guide): halve on inf/NaN, grow when quiet
+PREDICTED = "predicted"  # a Measurement's memory_source where the trial ran under fake tensors (--dry-run), not for real
 GROWTH_INTERVAL = 2000  # fp16: clean steps before the scale doubles (GradScaler's default, stated for the exports)
 
 
@@ -206,7 +207,7 @@ class Measurement:
     optimizer_step_share: float | None = None  # PLAN+state: the median timed step's share spent in the optimizer's step
     oom_held_bytes: int | None = None  # oom: bytes held when the failing allocation was made
     oom_needed_bytes: int | None = None  # oom: held plus the allocation that failed
-    memory_source: str = ""  # "tensor" or "cuda"
+    memory_source: str = ""  # "tensor" or "cuda" (measured), or PREDICTED (a dry run: under fake tensors, not run)
     step_s: float | None = None  # median of the measured steps
     step_times_s: tuple[float, ...] = ()
     samples_per_s: float | None = None
@@ -238,6 +239,11 @@ class Measurement:
     @property
     def precision(self) -> str:
         return self.config.precision
+
+    @property
+    def predicted(self) -> bool:
+        """Whether the peak was predicted (``--dry-run``: the trial's code under fake tensors), not measured."""
+        return self.memory_source == PREDICTED
 
     @property
     def memory_only(self) -> bool:

@@ -20,6 +20,7 @@ report so far, marked partial; finished trials are in the store either way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -31,7 +32,9 @@ from autotune.errors import Interrupted, first_line
 from autotune.options import Options
 from autotune.preparation import ModelFacts, Study, Target, describe, floor_facts, plan_study, preflight, resolve
 from autotune.analysis.pareto import LineRule, probe_candidates
+from autotune.dry_run import predict, with_dry_run
 from autotune.plans import ALL, Plan
+from autotune.execution.predict import fake_tensors
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
 from autotune.records import Config, Measurement, ProbeResult
@@ -88,20 +91,29 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
     events = _Events(progress, on_trial, on_probe)
     target = resolve(options, job)
     with target.venue:  # a warm worker stops with the stages
-        facts = preflight(target)
+        with fake_tensors() if options.dry_run else contextlib.nullcontext():  # a dry run's model holds no memory
+            facts = preflight(target)
         study = plan_study(target, facts)
+        if options.dry_run:
+            result, dry, notices = predict(target, facts, study, events)
+            return _with_floor(with_dry_run(analyse(target, facts, study, result), dry, notices), target, facts)
         result = search(target, facts, study, events)
         report = analyse(target, facts, study, result)
         if result.partial:
             raise Interrupted(report)
-        if report.recommendation is None and report.trials:  # the answer (exit 3) says what batch 1 needs at least
-            report = dataclasses.replace(report, workload={**report.workload,
-                                                           "floor": floor_facts(target, facts.chain)})
+        report = _with_floor(report, target, facts)
         try:
             report = probe(report, target, study, events)
             return compare_library(report, target, facts, study)
         except KeyboardInterrupt:
             raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
+
+
+def _with_floor(report: Report, target: Target, facts: ModelFacts) -> Report:
+    """Where nothing fits, the report with what batch 1 needs at least (the answer of exit 3)."""
+    if not report.nothing_fits or not report.trials:
+        return report
+    return dataclasses.replace(report, workload={**report.workload, "floor": floor_facts(target, facts.chain)})
 
 
 # -- stage 4: the search -----------------------------------------------------------------------------------------

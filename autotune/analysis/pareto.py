@@ -7,7 +7,7 @@ probed candidate wins. No torch: a report is analysed where it is read.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from autotune.plans import Plan
 from autotune.records import Config, Measurement, ProbeResult, usable_bytes
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from autotune.analysis.memory_model import MemoryModel
 
 __all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "bracket", "implied_failures", "LineRule",
-           "line_failures", "probe_candidates", "choose"]
+           "line_failures", "probe_candidates", "choose", "bisect_limit"]
 
 
 def feasible(measurements: Iterable[Measurement], budget_bytes: int | None) -> list[Measurement]:
@@ -225,3 +225,20 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
                 row["predicted_max_batch_size"] = open_[-1] if open_ else row["max_batch_size"]
         rows.append(row)
     return rows
+
+
+def bisect_limit(fits: Callable[[int], bool], lo: int, hi: int, multiple: int = 1) -> tuple[int, int]:
+    """The largest batch size that fits and the next multiple of ``multiple`` above it, between ``lo`` (known to fit;
+    0 where none is) and ``hi`` (known not to), asking ``fits`` of multiples of ``multiple`` only.
+
+    Memory grows with the batch, so every size below one that fits fits too: the answer is exact in steps of
+    ``multiple`` (where ``lo`` is no multiple and the first multiple above it fails, ``lo`` is the answer).
+    """
+    a, b = lo // multiple, -(-hi // multiple)  # a x multiple <= lo fits; b x multiple >= hi does not
+    while b - a > 1:
+        middle = (a + b) // 2
+        if fits(middle * multiple):
+            a = middle
+        else:
+            b = middle
+    return max(lo, a * multiple), b * multiple

@@ -38,7 +38,7 @@ def _flags() -> list[tuple[dataclasses.Field, Flag]]:
 
 def _help(field: dataclasses.Field, flag: Flag) -> str:
     """The flag's help with its default, said once."""
-    if flag.negate:
+    if flag.negate or flag.switch:
         return flag.help
     default = flag.default_text or (None if field.default in (None, (), "") else field.default)
     if isinstance(default, tuple):
@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     groups = {name: p.add_argument_group(name) for name in _GROUPS}
     for field, flag in _flags():
         kwargs: dict[str, Any] = {"dest": field.name, "help": _help(field, flag)}
-        if flag.negate:
-            kwargs.update(action="store_false", default=field.default)
+        if flag.negate or flag.switch:
+            kwargs.update(action="store_true" if flag.switch else "store_false", default=field.default)
         else:
             kwargs.update(default=field.default, type=flag.type, metavar=flag.metavar, choices=flag.choices,
                           required=flag.required)

@@ -58,7 +58,9 @@ class Progress:
         if self.quiet:
             return
         detail = format_bytes(m.peak_bytes) + (f", {m.step_s:.4f} s/step" if m.step_s else "")
-        if m.memory_only:
+        if m.predicted:
+            detail += " (predicted: not run)"
+        elif m.memory_only:
             detail += " (memory trial: not timed)"
         elif m.memory_from is not None or m.timings > 1:
             detail += f" (timed {'again' if m.timings > 1 else 'after its memory trial'})"

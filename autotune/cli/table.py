@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from autotune.analysis.pareto import recommend
+from autotune.records import usable_bytes
 from autotune.units import format_bytes
 
 __all__ = ["render"]
@@ -35,7 +36,9 @@ def _trial_rows(report: Any) -> list[str]:
     rec = report.recommendation
     for m in report.trials:
         mark = "<- recommended" if rec is not None and m.config == rec.config else ("pareto" if m.config in pareto else "")
-        if m.memory_only:
+        if m.predicted:
+            mark = "predicted (dry run: not run)"
+        elif m.memory_only:
             mark = "memory trial (not timed)"
         step = f"{m.step_s:.4f}" if m.step_s is not None else "-"
         sps = f"{m.samples_per_s:.1f}" if m.samples_per_s is not None else "-"
@@ -51,6 +54,9 @@ def _search_lines(report: Any) -> list[str]:
     search = report.search
     if "setup_s" not in search:  # a report from before set-up was measured
         return []
+    if report.dry_run:
+        return [f"dry run: {search['n_trials']} configurations in {search['wall_s']:.1f} s, {search['memory_meter']}; "
+                f"limits exact in steps of {search['batch_multiple']} (--batch-multiple)"]
     setup, steps = search["setup_s"], search["steps_s"]
     share = f"{setup / (setup + steps):.0%}, " if setup + steps > 0 else ""
     lines = [f"search: {search['n_trials']} configurations in {search['wall_s']:.1f} s; the trials spent {setup:.1f} s "
@@ -75,8 +81,10 @@ def _limit_lines(report: Any) -> list[str]:
         lines.append(f"distributed: {d['wrapper']}, world size {d['world_size']} ({d['backend']}); batch sizes and "
                      f"peaks are per rank (the largest rank's), samples/s are the whole job's")
     limits = report.limits
-    lines.append("largest batch that fits, per precision and segments: " + ", ".join(
+    exact = " (predicted; the next size, in brackets, does not fit)" if report.dry_run else ""
+    lines.append(f"largest batch that fits{exact}, per precision and segments: " + ", ".join(
         f"{row['precision']}/{row['segments']}: {row['max_batch_size'] if row['max_batch_size'] is not None else 'none'}"
+        + (f" ({row['min_oom_batch_size']})" if exact and row["min_oom_batch_size"] is not None else "")
         for row in limits
     ))
     nested = [row for row in limits if row.get("min_oom_rule", "nested-plan") == "nested-plan" and "min_oom_implied_by" in row]
@@ -117,6 +125,11 @@ def _probe_lines(report: Any) -> list[str]:
 def _recommendation_lines(report: Any) -> list[str]:
     rec = report.recommendation
     budget = format_bytes(report.budget_bytes) if report.budget_bytes else "none"
+    if report.dry_run:
+        fitting = sum(m.fits(usable_bytes(report.budget_bytes, report.headroom)) for m in report.trials)
+        return [f"recommendation: none in a dry run (it predicts memory, not time); {fitting} of its "
+                f"{len(report.trials)} configurations fit within {budget} less {report.headroom:.0%} headroom: run "
+                f"without --dry-run to measure which is fastest"]
     if rec is None and report.probe:
         return ["recommendation: none: every probed candidate was rejected"]
     if rec is None:

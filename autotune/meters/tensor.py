@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
                                          is_traceable_wrapper_subclass)
+from torch._subclasses.fake_tensor import FakeTensor  # private, and in every torch autotune supports
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -156,12 +157,15 @@ def _resizes_seen() -> Iterator[None]:
         del torch.UntypedStorage.resize_
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)  # a fake tensor (a dry run's) has a storage of its own, no data
+
+
 def plain_tensors(tensors: Iterable[object]) -> Iterator[torch.Tensor]:
     """The plain tensors among ``tensors``, and those inside wrapper subclasses (a DTensor's local shard: the op that
     made it ran inside DTensor's own dispatch, below this meter's, so its storage is seen here or nowhere). Read
     without dispatching anything (``to_local()`` would be an op the meter sees)."""
     for t in tensors:
-        if type(t) in (torch.Tensor, torch.nn.Parameter):
+        if type(t) in _PLAIN:
             yield t
         elif isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
             yield from plain_tensors(getattr(t, name) for name in t.__tensor_flatten__()[0])

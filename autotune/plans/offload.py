@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autotune.errors import AutotuneError
-from autotune.meters.tensor import plain_tensors
+from autotune.meters.tensor import _PLAIN, plain_tensors
 from autotune.units import format_bytes
 
 __all__ = ["Offloader", "HostBudgetExceededError", "install", "uninstall", "offloader_of", "MIN_OFFLOAD_BYTES",
@@ -106,7 +106,7 @@ class Offloader:
         them; what an earlier pass moved is forgotten, so a tensor that lives on is not answered with an old copy)."""
         model = self.model()
         kept = plain_tensors([*model.parameters(), *model.buffers()] if model is not None else [])  # DTensors' shards
-        self._params = {t.untyped_storage().data_ptr() for t in kept}
+        self._params = {t.untyped_storage()._cdata for t in kept}  # StorageImpls: a fake tensor's has no data
         self._seen = WeakIdKeyDictionary()
         self._last = None
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -190,11 +190,11 @@ class Offloader:
 
     def _movable(self, tensor: torch.Tensor) -> bool:
         base = tensor._base if tensor._is_view() else None
-        return (type(tensor) is torch.Tensor and tensor.layout == torch.strided and tensor.device.type in ("cuda", "cpu")
+        return (type(tensor) in _PLAIN and tensor.layout == torch.strided and tensor.device.type in ("cuda", "cpu")
                 and tensor.numel() * tensor.element_size() >= self.min_bytes
                 and not isinstance(base, nn.Parameter)  # a view of a parameter the model did not hold when the hooks
                 # were made: FSDP2's unsharded parameters, registered as each block's forward begins
-                and tensor.untyped_storage().data_ptr() not in self._params)
+                and tensor.untyped_storage()._cdata not in self._params)
 
     def _side_stream(self, device: torch.device) -> Any:
         if self._stream is None:

@@ -107,6 +107,19 @@ class Report:
         return recommend(self.trials, self.budget_bytes, self.headroom)
 
     @property
+    def dry_run(self) -> bool:
+        """Whether the trials were predicted (``--dry-run``), not measured: no step times, no recommendation."""
+        return bool(self.search.get("dry_run"))
+
+    @property
+    def nothing_fits(self) -> bool:
+        """Whether the run has no answer (the CLI's exit 3): no recommendation, or in a dry run, which recommends
+        nothing, no configuration predicted to fit within ``budget x (1 - headroom)``."""
+        if self.dry_run:
+            return not any(m.fits(usable_bytes(self.budget_bytes, self.headroom)) for m in self.trials)
+        return self.recommendation is None
+
+    @property
     def accumulation(self) -> dict[str, Any] | None:
         """With a target batch size: micro-batch, accumulation steps and effective batch for the recommendation."""
         rec = self.recommendation
@@ -130,8 +143,14 @@ class Report:
 
     def _limits(self, budget_bytes: int | None, model: MemoryModel | None = None) -> list[dict]:
         space = self.search.get("space") or {}
-        return batch_limits(self.trials, budget_bytes, batch_sizes=space.get("batch_sizes"), model=model,
+        rows = batch_limits(self.trials, budget_bytes, batch_sizes=space.get("batch_sizes"), model=model,
                             plans=space.get("segments", ()), blocks=space.get("blocks"), line_rule=self.line_rule)
+        if self.dry_run:  # bisected: exact where the next multiple of --batch-multiple was predicted not to fit
+            step = self.search["batch_multiple"]
+            for row in rows:
+                row.update(predicted=True, exact=row["min_oom_batch_size"] is not None
+                           and (row["max_batch_size"] or 0) + step >= row["min_oom_batch_size"])
+        return rows
 
     def to_dict(self) -> dict[str, Any]:
         recommendation = self.recommendation

@@ -35,6 +35,10 @@ class SearchSpace:
         """Return every configuration, by precision, then plan as given, then ascending batch size."""
         return [Config(p, s, b) for p in self.precisions for s in self.segments for b in sorted(self.batch_sizes)]
 
+    def variants(self) -> list[tuple[str, str]]:
+        """Return every (precision, plan) pair, in the order of :meth:`configs`."""
+        return [(p, s) for p in self.precisions for s in self.segments]
+
     def __len__(self) -> int:
         return len(self.precisions) * len(self.segments) * len(self.batch_sizes)
 

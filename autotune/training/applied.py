@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake  # private, and in every torch autotune supports
 
 from autotune._log import logger
 from autotune.plans.checkpointing import Chain, apply_plan
@@ -68,8 +69,9 @@ class Applied:
             self.scaler.unscale_(optimizer)  # clip and report the true gradients, not scaled ones
         if measure_norm:
             max_norm = self.clip_grad_norm if self.clip_grad_norm is not None else float("inf")
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-            if self.record_grad_norm:
+            total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            norm = None if is_fake(total) else float(total)  # a dry run's norm has no value
+            if self.record_grad_norm and norm is not None:
                 self.grad_norms.append(norm)
         if self.scaler is not None:
             before = self.scaler.get_scale() if self.record_loss_scale else None

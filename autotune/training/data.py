@@ -22,10 +22,11 @@ from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from autotune.records import quantile
 
-__all__ = ["ItemSizes", "scan_items", "worst_indices", "random_indices", "real_tokens", "MAX_SCAN"]
+__all__ = ["ItemSizes", "scan_items", "worst_indices", "random_indices", "real_tokens", "loader_notes", "MAX_SCAN"]
 
 MAX_SCAN = 20_000  # items read to find the largest; above this, a random sample of this many
 
@@ -137,3 +138,19 @@ def real_tokens(batch: Any) -> int | None:
         if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.ndim >= 2:
             return int((labels != -100).sum())
     return None
+
+
+def loader_notes(loader: DataLoader) -> tuple[str, ...]:
+    """What a loader's own sampler means for the limits: trials and the probe draw fixed batches of b items."""
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return (f"the loader's batch_sampler ({type(batch_sampler).__name__}) is not used: trials draw batches of b items "
+                f"from the whole dataset and measure memory on the worst of them, so a limit holds for any batch of at most "
+                f"b items, however the sampler groups them (bucketing only makes batches smaller); batches of more than b "
+                f"items, or sized by a token budget, are not covered: tune with --batch-sizes up to its largest batch",)
+    sampler = loader.sampler
+    if type(sampler) not in (RandomSampler, SequentialSampler):
+        return (f"the loader's sampler ({type(sampler).__name__}) is not used: trials draw batches of b items from the "
+                f"whole dataset; the worst batch bounds any batch of b items it can make, and samples/s is measured on "
+                f"random batches, not on its groups",)
+    return ()

@@ -6,6 +6,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake  # private, and in every torch autotune supports
 
 from autotune.device import Backend, backend_for
 from autotune.errors import UsageError
@@ -15,7 +16,7 @@ from autotune.plans.offload import offloader_of
 from autotune.records import Config, GuardRails
 from autotune.training.applied import Applied, prepare
 from autotune.training.optimizer import prime as prime_optimizer
-from autotune.training.workload import Workload
+from autotune.training.workload import Workload, move_model
 
 if TYPE_CHECKING:
     from autotune.execution.wrapping import Wrapping
@@ -82,7 +83,7 @@ class Trainer:
         self.plan = self.run.plan
         blocks = self.workload.chain.blocks if self.workload.chain else ()
         if host is None:
-            model.to(self.device)
+            move_model(model, self.device)
         else:
             host.wrap_bytes = wrap_bytes(model, blocks, self.parallel.job.world_size)
         self.module = model  # the user's module (batches come from its example_batch), under any wrapper
@@ -144,8 +145,10 @@ class Trainer:
         self.run.step(self.optimizer)
         if self.host_state is not None:
             self.host_state.end_step()
-        self.losses.append(float(loss.detach()))
+        if not is_fake(loss):  # a dry run's loss has a shape and no value (autotune.execution.predict)
+            self.losses.append(float(loss.detach()))
 
     def timed_step(self, batch: Any) -> float:
         """One step, timed to completion on the device; return its seconds."""
         return self.backend.timed(lambda: self.step(batch))
+

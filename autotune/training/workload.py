@@ -38,14 +38,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from autotune.plans.checkpointing import Chain
-from autotune.training.data import random_indices, scan_items, worst_indices
+from autotune.training.data import loader_notes, random_indices, scan_items, worst_indices
 from autotune.training.optimizer import OptimizerSpec
-from autotune.errors import AutotuneError, UsageError, is_oom
+from autotune.errors import AutotuneError, UsageError, first_line, is_oom
 
-__all__ = ["Workload", "load_object", "to_device", "parse_model_kwargs"]
+__all__ = ["Workload", "load_object", "to_device", "move_model", "parse_model_kwargs"]
 
 
 def load_object(spec: str, *, flag: str) -> Any:
@@ -194,6 +194,14 @@ class Workload:
             if all(t.device.type == "cpu" for t in (*template.parameters(), *template.buffers())) and _copyable(template):
                 self._found[key] = (template, states)  # a model that cannot be copied is built every time
 
+    def unwarmed(self) -> "Workload":
+        """The same workload, building every model anew: a dry run's build under fake tensors cannot copy a model
+        :meth:`warm` kept (its real tensors cannot be copied into fake ones). The data's worst batches found so far
+        are kept."""
+        fresh = dataclasses.replace(self)
+        fresh._found.update((k, v) for k, v in self._found.items() if not (isinstance(k, tuple) and k[0] == "model"))
+        return fresh
+
     def kept_tensors(self) -> list[torch.Tensor]:
         """The tensors this workload keeps between trials (the models :meth:`warm` built, their random states)."""
         kept: list[torch.Tensor] = []
@@ -309,7 +317,7 @@ def _dataset(data: Any) -> tuple[Dataset | None, Callable[[list], Any] | None, t
     dataset = data_obj if isinstance(data_obj, (Dataset, DataLoader)) else _call(data_obj, "--data", data)
     collate_fn, notes = None, ()
     if isinstance(dataset, DataLoader):  # a loader brings its collate_fn (padding, say)
-        notes = _loader_notes(dataset)
+        notes = loader_notes(dataset)
         dataset, collate_fn = dataset.dataset, dataset.collate_fn
     if isinstance(dataset, IterableDataset):
         raise UsageError(f"--data {data!r} is an IterableDataset: autotune needs a map-style Dataset (with "
@@ -371,25 +379,17 @@ def _set_random_states(states: tuple[Any, ...]) -> None:
     numpy.random.set_state(states[2])
 
 
-def _loader_notes(loader: DataLoader) -> tuple[str, ...]:
-    """What a loader's own sampler means for the limits: trials and the probe draw fixed batches of b items."""
-    batch_sampler = loader.batch_sampler
-    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
-        return (f"the loader's batch_sampler ({type(batch_sampler).__name__}) is not used: trials draw batches of b items "
-                f"from the whole dataset and measure memory on the worst of them, so a limit holds for any batch of at most "
-                f"b items, however the sampler groups them (bucketing only makes batches smaller); batches of more than b "
-                f"items, or sized by a token budget, are not covered: tune with --batch-sizes up to its largest batch",)
-    sampler = loader.sampler
-    if type(sampler) not in (RandomSampler, SequentialSampler):
-        return (f"the loader's sampler ({type(sampler).__name__}) is not used: trials draw batches of b items from the "
-                f"whole dataset; the worst batch bounds any batch of b items it can make, and samples/s is measured on "
-                f"random batches, not on its groups",)
-    return ()
-
-
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in ``batch`` (nested tuples, lists, dicts) to ``device``."""
     return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def move_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """Move ``model`` to ``device`` unless every parameter and buffer is there already (a dry run's model, built under
+    fake tensors: ``Module.to`` swaps fake parameters, which they refuse, even for a move to where they are)."""
+    if any(t.device != device for t in (*model.parameters(), *model.buffers())):
+        model.to(device)
+    return model
 
 
 def parse_model_kwargs(model_kwargs: str | dict | None) -> dict:
@@ -421,6 +421,9 @@ def _call(factory: Callable, flag: str, spec: Any, **kwargs: Any) -> Any:
     except Exception as exc:
         if is_oom(exc):
             raise  # a model too big for the budget is an outcome, not bad input
+        if torch._guards.detect_fake_mode() is not None:  # a dry run builds under fake tensors: shapes, no values
+            raise UsageError(f"{flag} {spec!r} cannot be built under fake tensors, as a dry run builds it (no memory, "
+                             f"no values): {type(exc).__name__}: {first_line(exc)}; run without --dry-run") from None
         raise UsageError(f"{flag} {spec!r} raised {type(exc).__name__} while building: {exc}") from None
 
 

@@ -1,0 +1,102 @@
+"""The dry run (``--dry-run``, ``tune(..., dry_run=True)``): the whole space predicted, each variant's limit exact.
+
+    Options -> resolve -> Target
+            -> preflight, under fake tensors -> ModelFacts   the model never holds memory: a 7B model costs no 28 GB
+            -> plan_study -> Study                           the plans are not checked (a check compares real numbers)
+            -> predict -> SearchResult                       each variant's sizes up to its first failure, then its
+                                                             limit bisected
+            -> analyse -> Report                             the same report, its peaks labelled predicted
+
+Every trial is :mod:`autotune.execution.predict`'s: the trial's own code under PyTorch's fake tensors, counted by
+the tensor meter with the budget's rules. Nothing is written to the trial store (a prediction is not a
+measurement a later search may reuse), and the report's default name ends in ``-dry-run``. A dry run says nothing
+of time, so it recommends nothing: its answer is the limits, the state and the predicted peaks; it exits 0 where
+some configuration is predicted to fit the budget less its headroom, and 3 where none is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+from autotune.analysis.pareto import bisect_limit, bracket
+from autotune.device import available_ram_bytes
+from autotune.execution.predict import Predictor
+from autotune.records import Config, Measurement
+from autotune.search.loop import SearchResult
+
+if TYPE_CHECKING:
+    from autotune.preparation import ModelFacts, Study, Target
+
+__all__ = ["predict", "with_dry_run", "DRY_RUN_NOTICE", "batch_multiple"]
+
+DRY_RUN_NOTICE = ("a dry run: every peak is predicted (memory_source predicted: the trial's code under fake tensors, "
+                  "counted by the tensor meter), not measured; it has no step times, so it recommends nothing: run "
+                  "without --dry-run to measure which configuration is fastest")
+
+
+def batch_multiple(asked: int | None, device_type: str) -> int:
+    """The step exact limits are found in: ``--batch-multiple``, else 8 on CUDA (tensor cores like multiples of 8)
+    and 1 elsewhere."""
+    return asked if asked is not None else (8 if device_type == "cuda" else 1)
+
+
+def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any) -> tuple[SearchResult, dict[str, Any],
+                                                                                       tuple[str, ...]]:
+    """Predict every configuration of the space, then bisect each variant's limit to a multiple of
+    ``--batch-multiple`` (up to the space's top): the search's result, what the report's ``search`` adds for a dry
+    run, and its notices."""
+    multiple = batch_multiple(target.options.batch_multiple, target.device.type)
+    predictor = Predictor(study.workload, device=target.device, budget_bytes=target.budget.enforced,
+                          settings=target.trial_settings, model_name=facts.model_class,
+                          state_bytes=facts.fixed_bytes, real_limit_bytes=available_ram_bytes())
+    trials: dict[Config, Measurement] = {}
+
+    def run(config: Config) -> Measurement:
+        if config not in trials:
+            events.trial_started(config)
+            trials[config] = predictor(config)
+            events.trial_done(trials[config], False)
+        return trials[config]
+
+    space, started = study.space, time.monotonic()
+    events.call("search_started", space_size=len(space), planned=None, strategy="dry-run",
+                budget_bytes=target.budget.bytes)
+    try:
+        for variant in space.variants():
+            for b in sorted(space.batch_sizes):  # memory grows with the batch: above a failure, nothing fits
+                if run(Config(*variant, b)).status != "ok":
+                    break
+            _exact_limit(lambda b: run(Config(*variant, b)).fits(target.budget.bytes), sorted(space.batch_sizes),
+                         multiple)
+    finally:
+        events.call("search_done")
+    order = {variant: i for i, variant in enumerate(space.variants())}  # the space's order, the bisection's within
+    ordered = sorted(trials.values(), key=lambda m: (order[m.config.variant], m.batch_size))
+    result = SearchResult(tuple(ordered), n_run=len(trials), n_reused=0, wall_s=time.monotonic() - started,
+                          study_name=study.name, storage=None)
+    measured = predictor.why is not None
+    search = {"strategy": "dry-run", "dry_run": True, "batch_multiple": multiple, "storage": None,
+              "memory_meter": "tensor, under fake tensors (predicted)" if not measured else
+              "tensor (measured on the CPU: the model cannot run under fake tensors)"}
+    return result, search, (DRY_RUN_NOTICE, *predictor.notices)
+
+
+def _exact_limit(fits: Any, sizes: list[int], multiple: int) -> None:
+    """Bisect between the space's largest size that fits and the smallest above it that does not (from 0 where none
+    fits); nothing where every size fits (the limit is the space's top, or more). ``fits`` is asked of the sizes up
+    to the first that does not fit (each predicted already)."""
+    outcomes: dict[int, bool] = {}
+    for b in sizes:
+        outcomes[b] = fits(b)
+        if not outcomes[b]:
+            break
+    lo, hi = bracket(sizes, outcomes)
+    if hi < len(sizes):
+        bisect_limit(fits, sizes[lo] if lo >= 0 else 0, sizes[hi], multiple)
+
+
+def with_dry_run(report: Any, search: dict[str, Any], notices: tuple[str, ...]) -> Any:
+    """The report of a dry run: its search says so, with the notices first."""
+    return dataclasses.replace(report, search={**report.search, **search}, notices=notices + report.notices)

@@ -1,0 +1,202 @@
+"""Memory known before it is measured: a trial's own code run under PyTorch's fake tensors (``--dry-run``).
+
+A prediction runs the trial of :mod:`autotune.execution.trial`: the model's build, its batch (the data's worst
+batch of the size, or ``example_batch``), the checkpoint plan's recompute and offload hooks, forward and backward
+under autocast and the GradScaler, the user's optimizer with its state primed. It runs under ``FakeTensorMode``,
+where every tensor has its shape, dtype, device and a storage of its own, and none has memory or arithmetic. The
+tensor meter counts those storages with the budget's rules, as it counts real ones: a prediction and a
+measurement share the code that counts and differ only in the tensors they count (PyTorch's MemTracker does the
+same for one configuration). So a model of any size is planned in seconds, on a machine that could not hold it.
+
+What no fake tensor can say is time: a prediction has no step time, and a dry run recommends nothing.
+
+Some models cannot run under fake tensors: values decide their shapes (a mixture of experts' routing,
+``nonzero``). Their trials run for real on the CPU instead, metered and not timed (:class:`Predictor`), and the dry
+run says so; where they cannot run for real here, one line names the op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
+                                           UnsupportedOperatorException)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autotune.errors import UsageError
+from autotune.execution.trial import _measurement, _Run, run_trial
+from autotune.execution.work import outcome
+from autotune.meters import TensorMeter
+from autotune.records import PREDICTED, Config, Measurement, TrialSettings
+from autotune.training.workload import Workload
+from autotune.units import format_bytes
+
+__all__ = ["fake_tensors", "predict_trial", "Unpredictable", "Predictor"]
+
+# What fake tensors raise where a value decides what comes next: a shape (nonzero, unique, boolean masks), a
+# Python number (.item(), a branch on a tensor), or an op without a fake kernel
+_CANNOT_FAKE = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+
+
+_FLOAT_STATS = (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
+                torch.ops.aten._native_batch_norm_legit_no_training.default)
+
+
+class Unpredictable(Exception):
+    """The trial cannot run under fake tensors; ``op`` is the op that needs real values."""
+
+    def __init__(self, op: str, reason: str) -> None:
+        super().__init__(f"{op}: {reason}")
+        self.op = op
+
+
+def fake_tensors() -> FakeTensorMode:
+    """The fake tensors a prediction runs under. Real tensors met inside (a dataset's items, a model's constants) are
+    taken as fake ones of the same shape."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+class _AsTheKernelsDo(TorchDispatchMode):
+    """Where a fake kernel's outputs differ from the real kernel's, the real kernel's (found by comparing the tensor
+    meter's counts on real and fake tensors over the bundled models and the zoo).
+
+    ``native_batch_norm`` on half-precision input (BatchNorm under autocast) saves its batch mean and inverse standard
+    deviation in float32 on the CPU and on CUDA; its fake kernel makes them in the input's dtype.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _FLOAT_STATS and args[0].dtype in (torch.float16, torch.bfloat16):
+            out = (out[0], *(torch.empty_like(t, dtype=torch.float32) for t in out[1:3]), *out[3:])
+        return out
+
+
+class _StepsAlways:
+    """A GradScaler that steps the optimizer whatever its inf check found: a fake tensor has no value to read, and the
+    step taken on finite gradients is the one that holds the optimizer's state (a skipped step holds less).
+
+    Everything else (scaling the loss, unscaling, the update of the scale) is the scaler's own, on fake tensors.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self._scaler = scaler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scaler, name)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        from torch.amp.grad_scaler import OptState  # the scaler's own record of what it did to this optimizer
+
+        if self._scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
+            self._scaler.unscale_(optimizer)  # the inf check's tensors, as the scaler's own step makes them
+        optimizer.step()
+
+    def get_scale(self) -> float:
+        return float(self._scaler._init_scale)  # its fake scale has no value; a step that always steps keeps it
+
+
+class _Predicted(_Run):
+    """A trial under fake tensors: built and stepped as a memory trial is, its scaler stepping always."""
+
+    def build(self) -> None:
+        super().build()
+        if self.run.scaler is not None:
+            self.run.scaler = _StepsAlways(self.run.scaler)
+
+
+def predict_trial(workload: Workload, config: Config, *, device: torch.device | str = "cpu",
+                  budget_bytes: int | None = None, settings: TrialSettings = TrialSettings()) -> Measurement:
+    """Predict the peak memory of a memory trial of ``config`` (:func:`autotune.execution.trial.run_trial` with
+    ``timed=False``) under ``budget_bytes``, without running it: status ``ok`` or ``oom`` (or ``failed``, the model's
+    own error), ``memory_source`` :data:`PREDICTED`, no step time.
+
+    Raises :class:`Unpredictable` where the model cannot run under fake tensors, and bad input as a trial does.
+    """
+    device = torch.device(device)
+    started = time.monotonic()
+    run = _Predicted(workload.unwarmed(), config, device, settings)
+    status, error, handle = "ok", None, None
+    try:
+        with fake_tensors(), _AsTheKernelsDo(), TensorMeter(device, budget_bytes=budget_bytes).measure() as handle:
+            run.build()
+            run.step(run.batch)  # the optimizer's state primed: one step holds all a step holds
+            if run.unprimed is not None:
+                run.make_state()
+    except _CANNOT_FAKE as exc:
+        raise Unpredictable(str(getattr(exc, "func", type(exc).__name__)), _reason(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - as in a trial, the model's failures are outcomes
+        status, error = outcome(exc)
+    finally:
+        records = (run.plan, [], [], 0, [], [], (0.0, round(time.monotonic() - started, 4)), run.host_peak_bytes, None)
+        run.release()
+        del run
+    reading = None if handle is None else dataclasses.replace(handle.reading, source=PREDICTED)
+    return _measurement(config, status, error, records, reading, started, timed=False)
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, DynamicOutputShapeException):
+        return "its output's shape depends on the values of its input"
+    if isinstance(exc, DataDependentOutputException):
+        return "the model reads a tensor's value (.item(), a branch on a tensor)"
+    return "it has no fake-tensor implementation"
+
+
+class Predictor:
+    """The dry run's trials: each configuration predicted under fake tensors, or, once the model is found to need real
+    values, measured for real on the CPU, metered and not timed, as a memory trial (``notices`` says so, once).
+
+    A model needs real values where fake tensors raise :class:`Unpredictable`, or where a prediction fails and the
+    same trial run for real does not (a fake kernel stricter than the CPU's, a library hook that moves storages).
+    Measuring for real costs the model's memory: where its training state is more than half of what this machine
+    has available (``real_limit_bytes``), the dry run stops with one line that names the op instead.
+    """
+
+    def __init__(self, workload: Workload, *, device: torch.device, budget_bytes: int | None, settings: TrialSettings,
+                 model_name: str, state_bytes: int, real_limit_bytes: int | None) -> None:
+        self.workload, self.device, self.budget_bytes, self.settings = workload, device, budget_bytes, settings
+        self.model_name, self.state_bytes, self.real_limit_bytes = model_name, state_bytes, real_limit_bytes
+        self.why: str | None = None  # why the model cannot be predicted, once found
+        self.notices: list[str] = []
+
+    def __call__(self, config: Config) -> Measurement:
+        if self.why is not None:
+            return self._measured(config)
+        try:
+            predicted = predict_trial(self.workload, config, device=self.device, budget_bytes=self.budget_bytes,
+                                      settings=self.settings)
+        except Unpredictable as exc:
+            self._cannot_predict(str(exc))
+            return self._measured(config)
+        if predicted.status != "failed":
+            return predicted
+        self._affordable(predicted.error)
+        measured = self._measured(config)
+        if measured.status == "failed":
+            return measured  # the model's own failure, fake or real
+        self._cannot_predict(predicted.error)
+        return measured
+
+    def _cannot_predict(self, why: str) -> None:
+        self._affordable(why)
+        self.why = why
+        self.notices.append(f"{self.model_name} cannot run under fake tensors ({why}): its dry run measured each "
+                            f"configuration for real on the CPU instead (memory_source tensor: metered, not timed, as "
+                            f"a memory trial)")
+
+    def _affordable(self, why: str) -> None:
+        """Raise :class:`UsageError` where this model cannot be measured for real here."""
+        if self.device.type != "cpu":
+            raise UsageError(f"{self.model_name} cannot run under fake tensors ({why}), and a dry run for "
+                             f"{self.device.type} cannot measure it on the CPU instead: run it without --dry-run")
+        if self.real_limit_bytes is not None and 2 * self.state_bytes > self.real_limit_bytes:
+            raise UsageError(f"{self.model_name} cannot run under fake tensors ({why}), and its training state "
+                             f"({format_bytes(self.state_bytes)}) is too large to measure on this machine's CPU instead "
+                             f"({format_bytes(self.real_limit_bytes)} available): run the search on its device")
+
+    def _measured(self, config: Config) -> Measurement:
+        meter = TensorMeter(self.device, budget_bytes=self.budget_bytes)
+        return run_trial(self.workload, config, device=self.device, meter=meter, settings=self.settings, timed=False)
