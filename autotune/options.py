@@ -149,6 +149,11 @@ class Options:
         None, "exact limits are found in steps of N: the largest multiple of N that fits, and the next one (a dry run "
         "bisects up to the top of --batch-sizes)", group=TRIALS, metavar="N", type=int,
         default_text="1 on the CPU, 8 on CUDA")
+    exact_limit: bool = option(
+        False, "after the search, make the recommended variant's limit exact with real trials (bisecting between the "
+        "space's sizes in steps of --batch-multiple) and time the largest size within the headroom; these trials are "
+        "the report's, not the study's: workers sharing a study each run them, a resumed search runs them again",
+        group=TRIALS, switch=True)
     probe: bool = option(True, "skip the probe (the top candidates training an epoch over a slice of --data)",
                          group=PROBE, negate="--no-probe")
     probe_top: int = option(_PROBE.top, "Pareto candidates to probe, fastest first", group=PROBE, type=int)

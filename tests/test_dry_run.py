@@ -196,9 +196,11 @@ def test_a_dry_runs_limits_hold_for_real_at_l_and_fail_at_the_next_size(model, k
 # -- the command line ---------------------------------------------------------------------------------------------
 
 
-# python -m autotune, printing its own peak resident memory (ru_maxrss, KiB on Linux) on stderr as it exits
-_MAIN = ("import atexit, resource, runpy, sys; atexit.register(lambda: print('maxrss_kib', "
-         "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)); sys.argv[0] = 'autotune'; "
+# python -m autotune, printing its own peak resident memory on stderr as it exits: VmHWM, the high-water mark of this
+# process's own memory (ru_maxrss would be the parent's where the child was spawned from a larger parent: Linux keeps
+# it across exec)
+_MAIN = ("import atexit, runpy, sys; atexit.register(lambda: print('maxrss_kib', next(int(line.split()[1]) for line "
+         "in open('/proc/self/status') if line.startswith('VmHWM:')), file=sys.stderr)); sys.argv[0] = 'autotune'; "
          "runpy.run_module('autotune', run_name='__main__')")
 
 
@@ -293,3 +295,36 @@ class _Huge(nn.Module):
 
 def huge() -> nn.Module:
     return _Huge()
+
+
+# -- a real search's exact limit ------------------------------------------------------------------------------------
+
+
+def test_a_search_measures_the_recommended_limit_exactly_and_times_the_largest_size_within_headroom(tiny_gpt_kwargs,
+                                                                                                  tmp_path):
+    space = dict(model_kwargs=tiny_gpt_kwargs, device="cpu", budget="24MiB", precisions="fp32", segments="0",
+                 batch_sizes="1..256")
+    report = autotune.tune("autotune.examples:TinyGPT", strategy="grid", probe=False, results_dir=str(tmp_path),
+                           exact_limit=True, **space)
+    exact = report.search["exact_limit"]
+    (row,) = report.limits
+    limit, above = row["max_batch_size"], row["min_oom_batch_size"]
+    assert (limit, above) == (exact["max_batch_size"], exact["min_oom_batch_size"]) and above == limit + 1
+    assert limit not in (1, 2, 4, 8, 16, 32, 64, 128, 256) and exact["trials"] >= 2
+    trials = {m.batch_size: m for m in report.trials}
+    assert trials[limit].status == "ok" and trials[above].status == "oom"  # both measured, neither implied
+    usable = 0.9 * report.budget_bytes
+    best = trials[exact["max_batch_size_within_headroom"]]
+    assert best.fits(usable) and best.samples_per_s is not None  # timed: the recommendation weighs it
+    assert not trials[best.batch_size + 1].fits(usable)
+    assert report.recommendation.samples_per_s >= best.samples_per_s
+    # The trials past the space's sizes are the report's, not the study's: the store holds the grid's
+    import optuna
+
+    stored = optuna.load_study(study_name=report.search["study"], storage=report.search["storage"]).trials
+    assert {t.params["batch_size"] for t in stored} <= {1, 2, 4, 8, 16, 32, 64, 128, 256}
+    # Without --exact-limit, the grid's limits as they were; the dry run predicts the same exact limit
+    plain = autotune.tune("autotune.examples:TinyGPT", strategy="grid", probe=False, results_dir=str(tmp_path), **space)
+    assert "exact_limit" not in plain.search and plain.limits[0]["max_batch_size"] in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    dry = autotune.tune("autotune.examples:TinyGPT", dry_run=True, results_dir=str(tmp_path), **space)
+    assert (dry.limits[0]["max_batch_size"], dry.limits[0]["min_oom_batch_size"]) == (limit, above)

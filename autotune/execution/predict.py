@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            UnsupportedOperatorException)
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autotune._log import logger
 from autotune.errors import UsageError
 from autotune.execution.trial import _measurement, _Run, run_trial
 from autotune.execution.work import outcome
@@ -42,7 +43,7 @@ _CANNOT_FAKE = (DataDependentOutputException, DynamicOutputShapeException, Unsup
 
 
 _FLOAT_STATS = (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
-                torch.ops.aten._native_batch_norm_legit_no_training.default)
+                torch.ops.aten._native_batch_norm_legit_no_training.default, torch.ops.aten.native_layer_norm.default)
 
 
 class Unpredictable(Exception):
@@ -63,8 +64,9 @@ class _AsTheKernelsDo(TorchDispatchMode):
     """Where a fake kernel's outputs differ from the real kernel's, the real kernel's (found by comparing the tensor
     meter's counts on real and fake tensors over the bundled models and the zoo).
 
-    ``native_batch_norm`` on half-precision input (BatchNorm under autocast) saves its batch mean and inverse standard
-    deviation in float32 on the CPU and on CUDA; its fake kernel makes them in the input's dtype.
+    ``native_batch_norm`` and ``native_layer_norm`` on half-precision input (BatchNorm under autocast, a LayerNorm
+    outside it) save their mean and inverse standard deviation in float32 on the CPU and on CUDA; their fake kernels
+    make them in the input's dtype.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -152,7 +154,8 @@ class Predictor:
     A model needs real values where fake tensors raise :class:`Unpredictable`, or where a prediction fails and the
     same trial run for real does not (a fake kernel stricter than the CPU's, a library hook that moves storages).
     Measuring for real costs the model's memory: where its training state is more than half of what this machine
-    has available (``real_limit_bytes``), the dry run stops with one line that names the op instead.
+    has available (``real_limit_bytes``), the dry run stops with one line that names the op instead, and a
+    prediction that failed is kept as failed, unconfirmed (a search's plan check drops a plan that fails), and said.
     """
 
     def __init__(self, workload: Workload, *, device: torch.device, budget_bytes: int | None, settings: TrialSettings,
@@ -173,7 +176,10 @@ class Predictor:
             return self._measured(config)
         if predicted.status != "failed":
             return predicted
-        self._affordable(predicted.error)
+        if self._cannot_measure(predicted.error) is not None:  # unconfirmed: the failure stands, as a search's would
+            self._say(f"{config.plan}'s prediction failed ({predicted.error}) and could not be checked by a real trial "
+                      f"here: a failing plan is dropped by the search's plan check")
+            return predicted
         measured = self._measured(config)
         if measured.status == "failed":
             return measured  # the model's own failure, fake or real
@@ -181,21 +187,28 @@ class Predictor:
         return measured
 
     def _cannot_predict(self, why: str) -> None:
-        self._affordable(why)
+        cannot = self._cannot_measure(why)
+        if cannot is not None:
+            raise UsageError(cannot)
         self.why = why
-        self.notices.append(f"{self.model_name} cannot run under fake tensors ({why}): its dry run measured each "
-                            f"configuration for real on the CPU instead (memory_source tensor: metered, not timed, as "
-                            f"a memory trial)")
+        self._say(f"{self.model_name} cannot run under fake tensors ({why}): its dry run measured each configuration "
+                  f"for real on the CPU instead (memory_source tensor: metered, not timed, as a memory trial)")
 
-    def _affordable(self, why: str) -> None:
-        """Raise :class:`UsageError` where this model cannot be measured for real here."""
+    def _cannot_measure(self, why: str) -> str | None:
+        """Why this model cannot be measured for real here instead (one line), or None where it can."""
         if self.device.type != "cpu":
-            raise UsageError(f"{self.model_name} cannot run under fake tensors ({why}), and a dry run for "
-                             f"{self.device.type} cannot measure it on the CPU instead: run it without --dry-run")
+            return (f"{self.model_name} cannot run under fake tensors ({why}), and a dry run for {self.device.type} "
+                    f"cannot measure it on the CPU instead: run it without --dry-run")
         if self.real_limit_bytes is not None and 2 * self.state_bytes > self.real_limit_bytes:
-            raise UsageError(f"{self.model_name} cannot run under fake tensors ({why}), and its training state "
-                             f"({format_bytes(self.state_bytes)}) is too large to measure on this machine's CPU instead "
-                             f"({format_bytes(self.real_limit_bytes)} available): run the search on its device")
+            return (f"{self.model_name} cannot run under fake tensors ({why}), and its training state "
+                    f"({format_bytes(self.state_bytes)}) is too large to measure on this machine's CPU instead "
+                    f"({format_bytes(self.real_limit_bytes)} available): run the search on its device")
+        return None
+
+    def _say(self, notice: str) -> None:
+        if notice not in self.notices:
+            self.notices.append(notice)
+            logger.warning(notice)
 
     def _measured(self, config: Config) -> Measurement:
         meter = TensorMeter(self.device, budget_bytes=self.budget_bytes)
