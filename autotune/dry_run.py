@@ -42,15 +42,15 @@ def batch_multiple(asked: int | None, device_type: str) -> int:
     return asked if asked is not None else (8 if device_type == "cuda" else 1)
 
 
-def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any) -> tuple[SearchResult, dict[str, Any],
-                                                                                       tuple[str, ...]]:
+def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, mode: Any = None
+            ) -> tuple[SearchResult, dict[str, Any], tuple[str, ...]]:
     """Predict every configuration of the space, then bisect each variant's limit to a multiple of
     ``--batch-multiple`` (up to the space's top): the search's result, what the report's ``search`` adds for a dry
-    run, and its notices."""
+    run, and its notices. ``mode``: the fake tensors the workload's models are built in (:func:`fake_buildable`)."""
     multiple = batch_multiple(target.options.batch_multiple, target.device.type)
     predictor = Predictor(study.workload, device=target.device, budget_bytes=target.budget.enforced,
                           settings=target.trial_settings, model_name=facts.model_class,
-                          state_bytes=facts.fixed_bytes, real_limit_bytes=available_ram_bytes())
+                          state_bytes=facts.fixed_bytes, real_limit_bytes=available_ram_bytes(), mode=mode)
     trials: dict[Config, Measurement] = {}
 
     def run(config: Config) -> Measurement:

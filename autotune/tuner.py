@@ -36,7 +36,7 @@ from autotune.preparation import ModelFacts, Study, Target, describe, floor_fact
 from autotune.analysis.pareto import LineRule, bisect_limit, probe_candidates
 from autotune.dry_run import batch_multiple, predict, with_dry_run
 from autotune.plans import ALL, Plan
-from autotune.execution.predict import fake_tensors
+from autotune.execution.predict import fake_buildable, fake_tensors
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
 from autotune.records import Config, Measurement, ProbeResult, completed, usable_bytes
@@ -93,11 +93,15 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
     events = _Events(progress, on_trial, on_probe)
     target = resolve(options, job)
     with target.venue:  # a warm worker stops with the stages
-        with fake_tensors() if options.dry_run else contextlib.nullcontext():  # a dry run's model holds no memory
+        if options.dry_run:  # the model built under fake tensors: it holds no memory
+            mode = fake_tensors()
+            workload, built = fake_buildable(target.workload, mode)
+            target = dataclasses.replace(target, workload=workload, notices=target.notices + ((built,) if built else ()))
+        with mode if options.dry_run else contextlib.nullcontext():
             facts = preflight(target)
         study = plan_study(target, facts)
         if options.dry_run:
-            result, dry, notices = predict(target, facts, study, events)
+            result, dry, notices = predict(target, facts, study, events, mode)
             return _with_floor(with_dry_run(analyse(target, facts, study, result), dry, notices), target, facts)
         result = search(target, facts, study, events)
         report = analyse(target, facts, study, result)

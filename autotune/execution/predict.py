@@ -6,7 +6,9 @@ under autocast and the GradScaler, the user's optimizer with its state primed. I
 where every tensor has its shape, dtype, device and a storage of its own, and none has memory or arithmetic. The
 tensor meter counts those storages with the budget's rules, as it counts real ones: a prediction and a
 measurement share the code that counts and differ only in the tensors they count (PyTorch's MemTracker does the
-same for one configuration). So a model of any size is planned in seconds, on a machine that could not hold it.
+same for one configuration). So a model of any size is planned on a machine that could not hold it: a 1.1B Llama
+shape's configuration in about 2 s on two CPU cores (``results/dry_run-cpu.md``); a small model's prediction costs
+about what its real memory trial does (the dispatch of fake tensors is Python's, op by op).
 
 What no fake tensor can say is time: a prediction has no step time, and a dry run recommends nothing.
 
@@ -18,6 +20,7 @@ run says so; where they cannot run for real here, one line names the op.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -27,15 +30,15 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune._log import logger
-from autotune.errors import UsageError
+from autotune.errors import UsageError, first_line
 from autotune.execution.trial import _measurement, _Run, run_trial
 from autotune.execution.work import outcome
 from autotune.meters import TensorMeter
 from autotune.records import PREDICTED, Config, Measurement, TrialSettings
-from autotune.training.workload import Workload
+from autotune.training.workload import Workload, _copy_model
 from autotune.units import format_bytes
 
-__all__ = ["fake_tensors", "predict_trial", "Unpredictable", "Predictor"]
+__all__ = ["fake_tensors", "fake_buildable", "predict_trial", "Unpredictable", "Predictor"]
 
 # What fake tensors raise where a value decides what comes next: a shape (nonzero, unique, boolean masks), a
 # Python number (.item(), a branch on a tensor), or an op without a fake kernel
@@ -58,6 +61,40 @@ def fake_tensors() -> FakeTensorMode:
     """The fake tensors a prediction runs under. Real tensors met inside (a dataset's items, a model's constants) are
     taken as fake ones of the same shape."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_buildable(workload: Workload, mode: FakeTensorMode) -> tuple[Workload, str | None]:
+    """The workload whose models a dry run builds under ``mode``: as it is where its build runs under fake tensors;
+    else (a build that reads a value: timm computes its drop-path rates with ``.item()``) a workload whose every
+    build copies one model built for real on the CPU, its weights' memory for a moment, and turned into fake tensors.
+    Returns it and, in the second case, what to say. A build that fails for real too raises as a search's would."""
+    try:
+        with mode:
+            workload.build_model(seed=0)
+        return workload, None
+    except Exception as exc:  # noqa: BLE001 - whatever the fake build met, a real build says whether it is the model's
+        why = f"{type(exc).__name__}: {first_line(exc)}"
+    template = _fakeified(workload.build_model(seed=0), mode)
+    built = dataclasses.replace(workload, model_factory=functools.partial(_copy_model, template))
+    return built, (f"{workload.name} cannot be built under fake tensors ({why}): it was built once for real on the "
+                   f"CPU, its weights made fake tensors, and each prediction starts from a copy of it")
+
+
+def _fakeified(model: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
+    """``model`` with every parameter and buffer replaced by a fake tensor of ``mode`` (tied parameters stay tied); the
+    real ones are let go."""
+    fakes: dict[int, torch.Tensor] = {}
+    with mode:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        if id(t) not in fakes:
+                            fake = mode.from_tensor(t.detach())
+                            fakes[id(t)] = (torch.nn.Parameter(fake, t.requires_grad)
+                                            if isinstance(t, torch.nn.Parameter) else fake)
+                        table[name] = fakes[id(t)]
+    return model
 
 
 class _AsTheKernelsDo(TorchDispatchMode):
@@ -110,19 +147,21 @@ class _Predicted(_Run):
 
 
 def predict_trial(workload: Workload, config: Config, *, device: torch.device | str = "cpu",
-                  budget_bytes: int | None = None, settings: TrialSettings = TrialSettings()) -> Measurement:
+                  budget_bytes: int | None = None, settings: TrialSettings = TrialSettings(),
+                  mode: FakeTensorMode | None = None) -> Measurement:
     """Predict the peak memory of a memory trial of ``config`` (:func:`autotune.execution.trial.run_trial` with
     ``timed=False``) under ``budget_bytes``, without running it: status ``ok`` or ``oom`` (or ``failed``, the model's
     own error), ``memory_source`` :data:`PREDICTED`, no step time.
 
     Raises :class:`Unpredictable` where the model cannot run under fake tensors, and bad input as a trial does.
+    ``mode``: the fake tensors to run under (those of a model :func:`fake_buildable` made), else new ones.
     """
     device = torch.device(device)
     started = time.monotonic()
     run = _Predicted(workload.unwarmed(), config, device, settings)
     status, error, handle = "ok", None, None
     try:
-        with fake_tensors(), _AsTheKernelsDo(), TensorMeter(device, budget_bytes=budget_bytes).measure() as handle:
+        with mode or fake_tensors(), _AsTheKernelsDo(), TensorMeter(device, budget_bytes=budget_bytes).measure() as handle:
             run.build()
             run.step(run.batch)  # the optimizer's state primed: one step holds all a step holds
             if run.unprimed is not None:
@@ -159,8 +198,10 @@ class Predictor:
     """
 
     def __init__(self, workload: Workload, *, device: torch.device, budget_bytes: int | None, settings: TrialSettings,
-                 model_name: str, state_bytes: int, real_limit_bytes: int | None) -> None:
+                 model_name: str, state_bytes: int, real_limit_bytes: int | None,
+                 mode: FakeTensorMode | None = None) -> None:
         self.workload, self.device, self.budget_bytes, self.settings = workload, device, budget_bytes, settings
+        self.mode = mode  # the fake tensors of the workload's models (fake_buildable), if it has its own
         self.model_name, self.state_bytes, self.real_limit_bytes = model_name, state_bytes, real_limit_bytes
         self.why: str | None = None  # why the model cannot be predicted, once found
         self.notices: list[str] = []
@@ -170,7 +211,7 @@ class Predictor:
             return self._measured(config)
         try:
             predicted = predict_trial(self.workload, config, device=self.device, budget_bytes=self.budget_bytes,
-                                      settings=self.settings)
+                                      settings=self.settings, mode=self.mode)
         except Unpredictable as exc:
             self._cannot_predict(str(exc))
             return self._measured(config)

@@ -87,6 +87,9 @@ def distributed_job(options: dict[str, Any]) -> Iterator[None]:
 def recommendation_of(report: Report) -> tuple[Any, int]:
     """The recommended trial and its accumulation steps; :class:`NothingFits` (the trainer left as it was) if none."""
     best = report.recommendation
+    if report.dry_run:
+        raise UsageError("a dry run recommends nothing to write back (it predicts memory, not time): tune the trainer "
+                         "without dry_run; its report is the one that predicts (autotune.tune(..., dry_run=True))")
     if best is None:
         raise NothingFits(f"{nothing_fits_hint(report)}; the trainer is unchanged", report)
     steps = int((report.accumulation or {}).get("accumulation_steps") or 1)

@@ -99,6 +99,9 @@ class _Recommended:
 
 def _recommendation_fields(recommendation: Any) -> _Recommended:
     """Read a Report, a Measurement or the JSON dict of either."""
+    if isinstance(recommendation, Report) and recommendation.dry_run or isinstance(recommendation, dict) and (
+            recommendation.get("search") or {}).get("dry_run"):
+        raise UsageError("a dry run's report has no recommendation (it predicts memory, not time): apply a search's")
     if isinstance(recommendation, Report):
         rec = recommendation.recommendation
         if rec is None:

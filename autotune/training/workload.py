@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake  # private, and in every torch autotune supports
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
@@ -341,7 +342,8 @@ def _copy_model(template: nn.Module) -> nn.Module:
         for t in (*template.parameters(), *template.buffers()):
             if id(t) not in memo:
                 fresh = torch.empty_like(t).copy_(t)
-                memo[id(t)] = type(t)(fresh, t.requires_grad) if isinstance(t, nn.Parameter) else fresh
+                kind = nn.Parameter if is_fake(t) else type(t)  # a fake parameter's type is FakeTensor (a dry run's)
+                memo[id(t)] = kind(fresh, t.requires_grad) if isinstance(t, nn.Parameter) else fresh
     return copy.deepcopy(template, memo)
 
 
