@@ -281,6 +281,27 @@ def test_a_model_that_cannot_be_built_under_fake_tensors_is_built_once_for_real_
     assert report.workload["parameter_count"] == 8 * 8 * 3 + 8 * 3 + 8  # the tied weight once
 
 
+class ReadsValuesBuildingAndStepping(ReadsAValueWhileBuilding):
+    """Reads a value while building and selects by value in its forward pass: measured for real, built for real."""
+
+    def forward(self, x):
+        return super().forward(x[x[:, 0] > -10])  # aten.nonzero
+
+
+def test_a_model_that_reads_values_building_and_stepping_is_measured_with_real_builds():
+    mode = fake_tensors()
+    workload, said = fake_buildable(_workload(ReadsValuesBuildingAndStepping), mode)
+    assert said is not None
+    predictor = Predictor(workload, device=torch.device("cpu"), budget_bytes=None, settings=TrialSettings(),
+                          model_name="ReadsValuesBuildingAndStepping", state_bytes=0, real_limit_bytes=None, mode=mode)
+    got = predictor(Config("fp32", "0", 4))
+    measured = run_trial(_workload(ReadsValuesBuildingAndStepping), Config("fp32", "0", 4), device="cpu",
+                         meter=TensorMeter("cpu"), timed=False)
+    assert got.memory_source == "tensor" and got.status == measured.status == "ok"
+    assert got.peak_bytes == measured.peak_bytes
+    assert got.loss_first == measured.loss_first is not None  # a real loss: real weights, not fake copies of them
+
+
 def test_a_model_larger_than_this_machine_is_planned_without_its_memory(tmp_path):
     """A model of 2 GiB of weights (8 GiB to train with AdamW) planned in a child process that stays small."""
     done = _cli(tmp_path, "--model", "tests.test_dry_run:huge", "--device", "cpu", "--budget", "64GiB", "--precisions",

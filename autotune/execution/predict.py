@@ -20,7 +20,6 @@ run says so; where they cannot run for real here, one line names the op.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any
 
@@ -75,9 +74,20 @@ def fake_buildable(workload: Workload, mode: FakeTensorMode) -> tuple[Workload, 
     except Exception as exc:  # noqa: BLE001 - whatever the fake build met, a real build says whether it is the model's
         why = f"{type(exc).__name__}: {first_line(exc)}"
     template = _fakeified(workload.build_model(seed=0), mode)
-    built = dataclasses.replace(workload, model_factory=functools.partial(_copy_model, template))
+    built = dataclasses.replace(workload, model_factory=_FakeCopies(template, workload.model_factory))
     return built, (f"{workload.name} cannot be built under fake tensors ({why}): it was built once for real on the "
                    f"CPU, its weights made fake tensors, and each prediction starts from a copy of it")
+
+
+class _FakeCopies:
+    """A model factory that copies a fake template; ``real`` is the factory it stands in for (a model that also needs
+    real values in its steps is measured with real builds of it)."""
+
+    def __init__(self, template: torch.nn.Module, real: Any) -> None:
+        self.template, self.real = template, real
+
+    def __call__(self) -> torch.nn.Module:
+        return _copy_model(self.template)
 
 
 def _fakeified(model: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
@@ -252,5 +262,8 @@ class Predictor:
             logger.warning(notice)
 
     def _measured(self, config: Config) -> Measurement:
+        workload = self.workload
+        if isinstance(workload.model_factory, _FakeCopies):  # measured for real: real builds, not fake copies
+            workload = dataclasses.replace(workload, model_factory=workload.model_factory.real)
         meter = TensorMeter(self.device, budget_bytes=self.budget_bytes)
-        return run_trial(self.workload, config, device=self.device, meter=meter, settings=self.settings, timed=False)
+        return run_trial(workload, config, device=self.device, meter=meter, settings=self.settings, timed=False)
