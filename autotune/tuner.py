@@ -42,6 +42,7 @@ from autotune.execution.trial import TrialWork
 from autotune.records import Config, Measurement, ProbeResult, completed, usable_bytes
 from autotune.report import Report
 from autotune.search.loop import SearchInterrupted, SearchResult, run_search
+from autotune.search.predicted import Seeding, seed
 from autotune.search.strategies import make_strategy
 from autotune.training.workload import Workload, parse_model_kwargs
 
@@ -127,25 +128,44 @@ def _with_floor(report: Report, target: Target, facts: ModelFacts) -> Report:
 
 
 def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -> SearchResult:
-    """Stage 4: the strategy's trials in the study (partial when interrupted: the report is still made)."""
+    """Stage 4: the strategy's trials in the study (partial when interrupted: the report is still made); ``auto`` on
+    the tensor meter starts from the space predicted under fake tensors (:mod:`autotune.search.predicted`)."""
     options = target.options
+    seeding = _seeding(target, study, facts)
     strategy = make_strategy(options.strategy, headroom=target.budget.headroom, budgets=target.budget.all,
                              fixed_bytes_hint=facts.fixed_bytes, n_trials=options.n_trials,
                              line_rule=LineRule.of(facts.fixed_bytes, facts.optimizer_state_bytes is not None,
-                                                   (target.data_profile or {}).get("shapes_vary", False)))
+                                                   (target.data_profile or {}).get("shapes_vary", False)),
+                             **({"predictions": seeding.predictions} if seeding else {}))
     space = study.space
     planned = {"grid": len(space), "optuna": min(len(space), options.n_trials or max(1, len(space) // 4))}.get(strategy.name)
     events.call("search_started", space_size=len(space), planned=planned, strategy=strategy.name,
                 budget_bytes=target.budget.bytes)
     try:
-        return run_search(study.workload, space, strategy, venue=target.venue, enforced_bytes=target.budget.enforced,
-                          settings=target.trial_settings, study_name=study.name, storage=study.storage,
-                          workload_key=study.workload_key, on_trial=events.trial_done,
-                          on_trial_start=events.trial_started)
+        result = run_search(study.workload, space, strategy, venue=target.venue, enforced_bytes=target.budget.enforced,
+                            settings=target.trial_settings, study_name=study.name, storage=study.storage,
+                            workload_key=study.workload_key, on_trial=events.trial_done,
+                            on_trial_start=events.trial_started)
     except SearchInterrupted as exc:
-        return exc.result
+        result = exc.result
     finally:
         events.call("search_done")
+    if seeding is None:
+        return result
+    return dataclasses.replace(result, predictions=tuple(seeding.predictions.values()), seeding=seeding.describe(),
+                               wall_s=result.wall_s + seeding.seconds, notices=seeding.notices)
+
+
+def _seeding(target: Target, study: Study, facts: ModelFacts) -> Seeding | None:
+    """The space predicted for ``auto`` where a measured trial can confirm a prediction to the byte: on the tensor
+    meter, in one process's training (not under --parallel); None elsewhere. On CUDA the caching allocator adds what
+    a prediction of the tensors does not know exactly, so a search there measures each side itself."""
+    if target.options.strategy != "auto" or target.backend.meter_name != "TensorMeter" or target.job is not None:
+        return None
+    budget = target.budget
+    return seed(study.workload, study.space, device=target.device, budget_bytes=budget.enforced,
+                limits=tuple(dict.fromkeys((budget.bytes, usable_bytes(budget.bytes, budget.headroom)))),
+                settings=target.trial_settings, fixed_bytes=facts.fixed_bytes)
 
 
 # -- stage 5: the report -----------------------------------------------------------------------------------------
@@ -177,7 +197,7 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "n_run": result.n_run, "n_reused": result.n_reused, "wall_s": round(result.wall_s, 3),
             "study": result.study_name, "storage": result.storage, "space": study.space.to_dict(),
             "warmup_steps": options.warmup_steps, "measure_steps": options.measure_steps,
-            "settle_steps": options.settle_steps,
+            "settle_steps": options.settle_steps, "predictions": result.seeding,
             "trial_timeout_s": options.trial_timeout, "memory_meter": target.backend.meter_name,
             "isolation": target.isolation, **target.venue.describe(), "partial": result.partial,
             # configurations by what their trials measured; those timed after a memory trial of their own
@@ -191,7 +211,8 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
                if any(Plan(s).offload_mode != "none" for s in study.space.segments) else {}),
         },
         trials=result.measurements,
-        notices=target.notices + study.notices,
+        predictions=result.predictions,
+        notices=target.notices + study.notices + result.notices,
         plan_checks=study.checks,
         data=target.data_profile,
         guard=options.guard,

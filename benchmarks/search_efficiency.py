@@ -183,7 +183,25 @@ def oracle(report) -> dict:
             "limits_equal_grid": found == exact}
 
 
-def replay(report) -> list[Measurement]:
+def grid_predictions(report, grid) -> dict:
+    """The predictions a search would start from, taken from the grid's trials: on the tensor meter a prediction
+    equals the measurement to the byte (``results/dry_run-cpu.md``), so the replay bisects each variant as the
+    tuner's prediction stage does, on the grid's peaks, without their times."""
+    import dataclasses
+
+    from autotune.records import PREDICTED
+    from autotune.search.predicted import predict_space
+    from autotune.records import usable_bytes
+
+    def predict(config):
+        return dataclasses.replace(grid[config], timed=False, samples_per_s=None, step_s=None, step_times_s=(),
+                                   step_s_spread=None, memory_source=PREDICTED)
+
+    limits = (report.budget_bytes, usable_bytes(report.budget_bytes, report.headroom))
+    return predict_space(SearchSpace(**report.search["space"]), predict, limits, fixed_bytes=report.workload.get("fixed_bytes"))
+
+
+def replay(report, predicted: bool = False) -> list[Measurement]:
     """``auto``'s trials replayed on a grid report's own: each proposal answered by the grid's trial of it.
 
     Peaks are the same in every run of a configuration (the claims benchmark checks it byte for
@@ -198,8 +216,9 @@ def replay(report) -> list[Measurement]:
 
     grid = {m.config: m for m in report.trials}
     space = SearchSpace(**report.search["space"])
+    predictions = grid_predictions(report, grid) if predicted else None
     strategy = AutoStrategy(headroom=report.headroom, fixed_bytes_hint=report.workload.get("fixed_bytes"),
-                            line_rule=report.line_rule)
+                            line_rule=report.line_rule, predictions=predictions)
     measured: dict[Config, Measurement] = {}
     order: list[Measurement] = []
     while (proposal := strategy.propose(space, measured, report.budget_bytes)) is not None:
@@ -216,13 +235,15 @@ def replay(report) -> list[Measurement]:
     return order
 
 
-def replay_summary(report) -> dict:
+def replay_summary(report, predicted: bool = False) -> dict:
     """Replayed auto against the oracle and the grid: trials, their ratio, whether every limit is the grid's."""
-    trials = replay(report)
+    trials = replay(report, predicted)
     space = report.search["space"]
+    grid = {m.config: m for m in report.trials}
     found = {(r["precision"], r["segments"]): r["max_batch_size"] if r.get("bracketed") else None
              for r in batch_limits(trials, report.budget_bytes, batch_sizes=space["batch_sizes"], plans=space["segments"],
-                                   blocks=space.get("blocks"), line_rule=report.line_rule)}
+                                   blocks=space.get("blocks"), line_rule=report.line_rule,
+                                   predictions=grid_predictions(report, grid) if predicted else None)}
     exact = {(r["precision"], r["segments"]): r["max_batch_size"] for r in report.limits}
     floor = oracle(report)
     chosen = recommend(list({m.config: m for m in trials}.values()), report.budget_bytes, report.headroom)
@@ -501,7 +522,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.replay:
         for name in (n for n in args.models.split(",") if n):
-            print(name, replay_summary(autotune.load(os.path.join(args.out, f"grid-{name}-{torch.device(args.device).type}.json"))))
+            grid = autotune.load(os.path.join(args.out, f"grid-{name}-{torch.device(args.device).type}.json"))
+            print(name, replay_summary(grid))
+            print(name, "seeded by predictions:", replay_summary(grid, predicted=True))
         return
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"search_efficiency-{torch.device(args.device).type}")

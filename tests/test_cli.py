@@ -49,8 +49,12 @@ def test_nothing_fits_exits_3_and_still_writes_json(tmp_path):
                  "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(out), *QUICK])
     assert code == 3
     data = json.loads(out.read_text())
-    # batch 2 runs out of memory; batch 1 runs but peaks above the budget less its headroom
-    assert data["recommendation"] is None and {t["status"] for t in data["trials"]} == {"ok", "oom"}
+    # batch 1 runs but peaks above the budget less its headroom; batch 2 is predicted out of memory, which the
+    # trial of batch 1, equal to its prediction, confirms (the search does not run it)
+    assert data["recommendation"] is None and [t["status"] for t in data["trials"]] == ["ok"]
+    (row,) = data["limits"]
+    assert (row["max_batch_size"], row["min_oom_batch_size"], row["min_oom_rule"]) == (1, 2, "prediction")
+    assert [(p["batch_size"], p["status"]) for p in data["predictions"]] == [(1, "ok"), (2, "oom")]
 
 
 def test_nothing_fits_message_says_what_to_try(tmp_path, capsys):

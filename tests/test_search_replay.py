@@ -40,3 +40,14 @@ def test_the_replay_answers_each_proposal_with_the_grids_trial():
         assert m.peak_bytes == grid[m.config].peak_bytes and m.status == grid[m.config].status
         assert m.samples_per_s in (None, grid[m.config].samples_per_s)  # a memory trial has no time
     assert any(not m.timed for m in trials) and any(m.timed for m in trials)
+
+
+@pytest.mark.parametrize("model", ["TinyGPT", "ResNetish"])
+def test_auto_seeded_by_predictions_needs_no_more_trials_than_the_oracle(model):
+    """Issue 35's goal: started from the predicted space (on the tensor meter, the grid's own peaks: a prediction equals
+    the measurement to the byte), auto finds every limit in at most the oracle's trials: each largest fit measured,
+    each failing side implied by a confirmed prediction."""
+    report = autotune.load(os.path.join(ROOT, "results", f"grid-{model}-cpu.json"))
+    plain, seeded = search_efficiency.replay_summary(report), search_efficiency.replay_summary(report, predicted=True)
+    assert seeded["limits_equal_grid"]
+    assert seeded["trials"] <= seeded["oracle"] and seeded["trials"] < plain["trials"]

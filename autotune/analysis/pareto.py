@@ -16,7 +16,14 @@ if TYPE_CHECKING:
     from autotune.analysis.memory_model import MemoryModel
 
 __all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "bracket", "implied_failures", "LineRule",
-           "line_failures", "probe_candidates", "choose", "bisect_limit"]
+           "line_failures", "PREDICTION_TOLERANCE", "confirmed", "prediction_failures", "probe_candidates", "choose",
+           "bisect_limit"]
+
+# How far a measured peak may lie from its prediction for the prediction to stand for the variant's other sizes, and
+# how far clear of a limit a predicted peak must be to imply that its size does not fit. On the tensor meter a
+# prediction counts the same storages as the measurement (results/dry_run-cpu.md: 64 of 64 to the byte); 1% leaves
+# room for what a fake kernel may make in another dtype (the norm statistics autotune corrects) on a model not yet seen.
+PREDICTION_TOLERANCE = 0.01
 
 
 def feasible(measurements: Iterable[Measurement], budget_bytes: int | None) -> list[Measurement]:
@@ -172,15 +179,62 @@ def line_failures(measurements: Iterable[Measurement], limit: float | None, batc
     return implied
 
 
+def confirmed(measurements: Iterable[Measurement], predictions: Mapping[Config, Measurement],
+              tolerance: float = PREDICTION_TOLERANCE) -> dict[tuple[str, str], Config]:
+    """The variants whose predictions stand: {variant: the measured trial that confirms them}.
+
+    A variant's predictions stand where it has a measured trial that ran to the end and whose peak lies within
+    ``tolerance`` of its own prediction, and no measured trial that ran to the end and does not (a model whose memory
+    fake tensors miss: the variant is then searched on measurements alone)."""
+    agree: dict[tuple[str, str], Config] = {}
+    refuted: set[tuple[str, str]] = set()
+    for m in measurements:
+        p = predictions.get(m.config)
+        if m.status != "ok" or not m.peak_bytes or p is None or p.status not in ("ok", "oom") or not p.peak_bytes:
+            continue
+        if p.status == "ok" and abs(m.peak_bytes - p.peak_bytes) <= tolerance * p.peak_bytes:
+            agree.setdefault(m.config.variant, m.config)
+        else:
+            refuted.add(m.config.variant)
+    return {v: c for v, c in agree.items() if v not in refuted}
+
+
+def prediction_failures(measurements: Iterable[Measurement], limit: float | None,
+                        predictions: Mapping[Config, Measurement] | None,
+                        tolerance: float = PREDICTION_TOLERANCE) -> dict[Config, tuple[int, Config]]:
+    """Configurations not measured that a confirmed prediction (:func:`confirmed`) says do not fit ``limit``:
+    {config: (predicted peak bytes, the trial that confirmed its variant's predictions)}.
+
+    Only sizes above the variant's largest fitting trial, predicted out of memory or over ``limit`` by more than
+    ``tolerance`` (a peak predicted that close to the limit is measured)."""
+    if not predictions or limit is None:
+        return {}
+    measurements = list(measurements)
+    measured = {m.config for m in measurements}
+    standing = confirmed(measurements, predictions, tolerance)
+    implied: dict[Config, tuple[int, Config]] = {}
+    for config, p in predictions.items():
+        if config.variant not in standing or config in measured or not p.peak_bytes:
+            continue
+        above = max((m.batch_size for m in measurements if m.config.variant == config.variant and m.fits(limit)),
+                    default=0)
+        if config.batch_size > above and (p.status == "oom" or p.peak_bytes > (1 + tolerance) * limit):
+            implied[config] = (p.peak_bytes, standing[config.variant])
+    return implied
+
+
 def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, *,
                  batch_sizes: Sequence[int] | None = None, model: "MemoryModel | None" = None,
-                 plans: Iterable[str] = (), blocks: int | None = None, line_rule: LineRule | None = None) -> list[dict]:
+                 plans: Iterable[str] = (), blocks: int | None = None, line_rule: LineRule | None = None,
+                 predictions: Mapping[Config, Measurement] | None = None) -> list[dict]:
     """Per variant (precision, plan): the largest feasible batch size and the smallest infeasible one.
 
     The infeasible one is measured, or implied: by a measured failure of a plan that needs no
     more memory (``plans`` and ``blocks`` given; ``min_oom_implied_by`` names that trial,
     ``min_oom_rule`` is ``nested-plan``), or by the variant's memory line (``line_rule`` and
-    ``batch_sizes`` given; ``min_oom_rule`` ``memory-line``, with ``min_oom_predicted_bytes``).
+    ``batch_sizes`` given; ``min_oom_rule`` ``memory-line``, with ``min_oom_predicted_bytes``), or by the search's
+    predictions where a measured trial confirmed its variant's (``predictions``; ``min_oom_rule`` ``prediction``,
+    ``min_oom_implied_by`` the confirming trial, with ``min_oom_predicted_bytes``: :func:`prediction_failures`).
     With the space's ``batch_sizes``, each row also says whether the two are neighbours there
     (``bracketed``: the limit is exact), and with a fitted ``model`` it adds the model's
     ``predicted_max_batch_size`` for rows that are not.
@@ -194,6 +248,9 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
     for config, predicted in line.items():
         by_variant.setdefault(config.variant, {})[config.batch_size] = {
             "min_oom_implied_by": "memory line", "min_oom_rule": line_rule.name, "min_oom_predicted_bytes": predicted}
+    for config, (predicted, source) in prediction_failures(measurements, budget_bytes, predictions).items():
+        by_variant.setdefault(config.variant, {})[config.batch_size] = {
+            "min_oom_implied_by": str(source), "min_oom_rule": "prediction", "min_oom_predicted_bytes": predicted}
     for config, source in implied_failures(measurements, budget_bytes, plans, blocks).items():  # a measured trial first
         by_variant.setdefault(config.variant, {})[config.batch_size] = {
             "min_oom_implied_by": str(source), "min_oom_rule": "nested-plan"}

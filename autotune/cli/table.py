@@ -99,6 +99,13 @@ def _limit_lines(report: Any) -> list[str]:
                      f"own): " + ", ".join(
                          f"{row['precision']}/{row['segments']} at {row['min_oom_batch_size']} "
                          f"({format_bytes(row['min_oom_predicted_bytes'])})" for row in by_line))
+    by_prediction = [row for row in limits if row.get("min_oom_rule") == "prediction"]
+    if by_prediction:
+        lines.append(f"{len(by_prediction)} end where the search's prediction (under fake tensors, before it measured) "
+                     f"says the next size does not fit, confirmed by a trial of the plan equal to its prediction within "
+                     f"1% (no trial of its own): " + ", ".join(
+                         f"{row['precision']}/{row['segments']} at {row['min_oom_batch_size']} "
+                         f"({format_bytes(row['min_oom_predicted_bytes'])} predicted)" for row in by_prediction))
     if report.data:
         d = report.data
         read = "every item" if d["method"] == "exhaustive" else (

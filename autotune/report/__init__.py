@@ -69,6 +69,7 @@ class Report:
     plan_checks: tuple[PlanCheck, ...] = ()  # each plan's step compared with the plan-free step, before the search
     data: dict[str, Any] | None = None  # with --data: the item sizes, how they were found, which batches were used
     distributed: dict[str, Any] | None = None  # --parallel: backend, world_size, wrapper, mixed precision, isolation
+    predictions: tuple[Measurement, ...] = ()  # what auto started from: configurations predicted under fake tensors
 
     @property
     def memory_model(self) -> MemoryModel:
@@ -144,7 +145,8 @@ class Report:
     def _limits(self, budget_bytes: int | None, model: MemoryModel | None = None) -> list[dict]:
         space = self.search.get("space") or {}
         rows = batch_limits(self.trials, budget_bytes, batch_sizes=space.get("batch_sizes"), model=model,
-                            plans=space.get("segments", ()), blocks=space.get("blocks"), line_rule=self.line_rule)
+                            plans=space.get("segments", ()), blocks=space.get("blocks"), line_rule=self.line_rule,
+                            predictions={m.config: m for m in self.predictions})
         if self.dry_run:  # bisected: exact where the next multiple of --batch-multiple was predicted not to fit
             step = self.search["batch_multiple"]
             for row in rows:
@@ -162,6 +164,7 @@ class Report:
             "headroom": self.headroom,
             "search": self.search,
             "trials": [self._trial_dict(m) for m in self.trials],
+            "predictions": [m.to_dict() for m in self.predictions],
             "limits": self.limits,
             "pareto": [self._trial_dict(m) for m in self.pareto],
             "recommendation": self._trial_dict(recommendation) if recommendation else None,
@@ -217,6 +220,7 @@ class Report:
             headroom=data["headroom"],
             search=data["search"],
             trials=tuple(Measurement.from_dict(t) for t in data["trials"]),
+            predictions=tuple(Measurement.from_dict(t) for t in data.get("predictions", ())),
             notices=tuple(data.get("notices", ())),
             guard=GuardRails.from_dict(data.get("guard")),
             probe=None if data.get("probe") is None else tuple(ProbeResult.from_dict(r) for r in data["probe"]["candidates"]),

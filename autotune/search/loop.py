@@ -53,6 +53,9 @@ class SearchResult:
     study_name: str
     storage: str
     partial: bool = False  # True when the search was interrupted before its strategy was done
+    predictions: tuple[Measurement, ...] = ()  # what the search started from (autotune.search.predicted)
+    seeding: dict | None = None  # how they were made (the report's search.predictions)
+    notices: tuple[str, ...] = ()
 
 
 class SearchInterrupted(AutotuneError):

@@ -158,11 +158,21 @@ def prime(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], Excepti
     being made (the caller then warms up until the optimizer holds state).
     """
     ballast: list[torch.Tensor] = []
+    # A twin's state depends on its parameter's kind, shape, layout, dtype and device and on its group's settings
+    # alone (a twin is a fresh tensor): parameters alike share one twin, their ballast made like its state
+    twins: dict[tuple, list[torch.Tensor]] = {}
     try:
         for group in optimizer.param_groups:
+            settings = repr(sorted((k, v) for k, v in group.items() if k not in ("params", "param_names")))
             for param in group["params"]:
-                if param.requires_grad:
-                    ballast.extend(_twin_state(optimizer, param, group))
+                if not param.requires_grad:
+                    continue
+                key = (type(param), tuple(param.shape), param.stride(), param.dtype, param.device, settings)
+                if key in twins:
+                    ballast.extend(torch.empty_like(t) for t in twins[key])
+                else:
+                    twins[key] = _twin_state(optimizer, param, group)
+                    ballast.extend(twins[key])
     except Exception as exc:  # noqa: BLE001 - a class that cannot be rebuilt for one parameter: said, not fatal
         if is_oom(exc):
             raise

@@ -12,7 +12,7 @@ Optuna trial, so every strategy gets storage, resume and the trial record for fr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from autotune.errors import UsageError
 from autotune.search.strategies.auto import AutoStrategy
@@ -22,6 +22,7 @@ from autotune.search.strategies.sampler import OptunaStrategy
 
 if TYPE_CHECKING:
     from autotune.analysis.pareto import LineRule
+    from autotune.records import Config, Measurement
 
 __all__ = ["Strategy", "Proposal", "AutoStrategy", "GridStrategy", "OptunaStrategy", "STRATEGIES", "make_strategy"]
 
@@ -30,7 +31,8 @@ STRATEGIES = {"auto": AutoStrategy, "grid": GridStrategy, "optuna": OptunaStrate
 
 def make_strategy(name: str, *, headroom: float = 0.1, budgets: tuple[int, ...] = (),
                   fixed_bytes_hint: float | None = None, n_trials: int | None = None,
-                  line_rule: "LineRule | None" = None) -> Strategy:
+                  line_rule: "LineRule | None" = None, predictions: "Mapping[Config, Measurement] | None" = None
+                  ) -> Strategy:
     """Return a new strategy called ``name`` (see ``STRATEGIES``) with the options it takes."""
     if name not in STRATEGIES:
         raise UsageError(f"unknown --strategy {name!r}: choose from {', '.join(STRATEGIES)}")
@@ -38,7 +40,8 @@ def make_strategy(name: str, *, headroom: float = 0.1, budgets: tuple[int, ...] 
         raise UsageError(f"--n-trials is the trial budget of --strategy optuna; {name} decides its own trials")
     options: dict[str, Any] = {}
     if name == "auto":
-        options = {"headroom": headroom, "budgets": budgets, "fixed_bytes_hint": fixed_bytes_hint, "line_rule": line_rule}
+        options = {"headroom": headroom, "budgets": budgets, "fixed_bytes_hint": fixed_bytes_hint, "line_rule": line_rule,
+                   "predictions": predictions}
     elif name == "optuna":
         if n_trials is not None and n_trials < 1:
             raise UsageError(f"--n-trials {n_trials} must be at least 1")

@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from autotune.analysis.memory_model import MemoryModel, fit_line
-from autotune.analysis.pareto import LineRule, bracket, implied_failures, line_failures
+from autotune.analysis.pareto import LineRule, bracket, confirmed, implied_failures, line_failures, prediction_failures
 from autotune.plans import Plan
 from autotune.records import Config, Measurement, usable_bytes
 from autotune.search.space import SearchSpace
@@ -138,8 +138,10 @@ class _View:
     """What the measurements say, as the phases read it: the memory model, each variant's trials, implied failures."""
 
     def __init__(self, space: SearchSpace, measured: Mapping[Config, Measurement], fixed_bytes_hint: float | None,
-                 pending: frozenset[Config], line_rule: LineRule | None = None) -> None:
+                 pending: frozenset[Config], line_rule: LineRule | None = None,
+                 predictions: Mapping[Config, Measurement] | None = None) -> None:
         self.space, self.measured, self.pending, self.line_rule = space, measured, pending, line_rule
+        self.predictions, self.fixed_bytes_hint = predictions or {}, fixed_bytes_hint
         self.sizes = sorted(space.batch_sizes)
         self.ordered = space.ordered_plans()  # least recompute first
         # Bracketed from the most recompute down: a plan's failure implies the failures of the plans that
@@ -152,20 +154,66 @@ class _View:
         for c, m in measured.items():
             self.by_variant.setdefault(c.variant, {})[c.batch_size] = m
         self._implied: dict[float | None, dict[Config, object]] = {}
+        # Variants whose predictions a measured trial contradicted: searched on measurements alone
+        self.refuted = {c.variant for c, m in measured.items() if c in self.predictions and m.status == "ok"
+                        and m.peak_bytes and c.variant not in confirmed([m], self.predictions)}
 
     def outcomes(self, variant: tuple[str, str], limit: float | None) -> dict[int, bool]:
-        """Batch size -> fits ``limit``: measured, or implied not to by a plan that needs no more memory or by the
-        variant's memory line (:class:`~autotune.analysis.pareto.LineRule`)."""
+        """Batch size -> fits ``limit``: measured, or implied not to by a plan that needs no more memory, by the
+        variant's memory line (:class:`~autotune.analysis.pareto.LineRule`) or by its confirmed predictions."""
         if limit not in self._implied:
             self._implied[limit] = {
                 **line_failures(self.measured.values(), limit, self.sizes, self.line_rule),
+                **prediction_failures(self.measured.values(), limit, self.predictions),
                 **implied_failures(self.measured.values(), limit, self.space.segments, self.space.blocks)}
         known = {c.batch_size: False for c in self._implied[limit] if c.variant == variant}
         known.update({b: m.fits(limit) for b, m in self.by_variant.get(variant, {}).items()})
         return known
 
     def predicted(self, variant: tuple[str, str]) -> dict[int, float] | None:
+        """Batch size -> the peak bytes expected: the search's prediction of the size (a size above the variant's
+        first predicted failure: none fits), or, without predictions or where a measurement refuted them, the
+        memory model's line; None where neither knows anything."""
+        if self.by_prediction(variant):
+            guesses = {b: self.guess(variant, b) for b in self.sizes}
+            if all(g is not None for g in guesses.values()):
+                return guesses
         return None if variant not in self.model.lines else {b: self.model.predict(variant, b) for b in self.sizes}
+
+    def by_prediction(self, variant: tuple[str, str]) -> bool:
+        """Whether ``variant``'s expected peaks are its predictions."""
+        return variant not in self.refuted and any(
+            Config(*variant, b) in self.predictions and self.predictions[Config(*variant, b)].status in ("ok", "oom")
+            for b in self.sizes)
+
+    def guess(self, variant: tuple[str, str], b: int) -> float | None:
+        """The peak bytes expected at ``b``: predicted (infinite where predicted out of memory, or above a size
+        predicted so), else the memory model's line."""
+        if not self.by_prediction(variant):
+            return self.model.predict(variant, b)
+        points: dict[int, float] = {}
+        for size in self.sizes:
+            p = self.predictions.get(Config(*variant, size))
+            if p is None or p.status not in ("ok", "oom"):  # a prediction that failed says nothing of memory
+                continue
+            if p.status == "oom" or not p.peak_bytes:
+                return float("inf") if size <= b else self._between(points, b, variant)
+            points[size] = float(p.peak_bytes)
+        return self._between(points, b, variant)
+
+    def _between(self, points: dict[int, float], b: int, variant: tuple[str, str]) -> float | None:
+        """At a size not predicted: the line through the variant's predicted peaks (the memory model's with fewer
+        than two). A guess that picks the next trial; only a prediction of the size itself implies anything."""
+        if b in points:
+            return points[b]
+        if len(points) >= 2:
+            a, c = fit_line(points)
+            return a + c * b
+        if len(points) == 1:  # through the fixed part (the state), where it is known and below the point
+            (b0, y0), = points.items()
+            a = self.fixed_bytes_hint if self.fixed_bytes_hint is not None and self.fixed_bytes_hint < y0 else 0.0
+            return a + (y0 - a) * b / b0
+        return self.model.predict(variant, b)
 
     def speed_bound(self, config: Config) -> float | None:
         """The most samples/s ``config`` can reach, by the time model (:func:`step_time_bound`), or None."""
@@ -211,7 +259,7 @@ class _View:
                 if b in known:
                     fits = known[b]
                 else:  # not measured: not if a smaller size of the plan failed the limit, else as predicted
-                    guess = self.model.predict((precision, s), b)
+                    guess = self.guess((precision, s), b)
                     fits = (guess is not None and (limit is None or guess <= limit)
                             and all(ok for size, ok in known.items() if size < b))
                 if fits:
@@ -226,15 +274,16 @@ class AutoStrategy(Strategy):
     name = "auto"
 
     def __init__(self, *, headroom: float = 0.1, budgets: Iterable[int] = (), fixed_bytes_hint: float | None = None,
-                 line_rule: LineRule | None = None) -> None:
+                 line_rule: LineRule | None = None, predictions: Mapping[Config, Measurement] | None = None) -> None:
         self.headroom = headroom
         self.budgets = tuple(sorted(set(budgets)))
         self.fixed_bytes_hint = fixed_bytes_hint
         self.line_rule = line_rule  # where the memory line may imply a failing side (the tuner's, from measured state)
+        self.predictions = dict(predictions or {})  # the space predicted before the search (tensor meter only)
 
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], enforced_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
-        view = _View(space, measured, self.fixed_bytes_hint, pending, self.line_rule)
+        view = _View(space, measured, self.fixed_bytes_hint, pending, self.line_rule, self.predictions)
         for phase in (self._bracket, self._other_budgets, self._throughput, self._near_ties):
             proposal = phase(view, enforced_bytes)
             if proposal is _WAIT:
@@ -255,9 +304,9 @@ class AutoStrategy(Strategy):
             own = view.by_variant.get(variant, {})
             # The search's first plan begins at the largest size: every trial so far is its own, one of them there
             top_first = len(own) == len(view.measured) and (not own or view.sizes[-1] in own)
+            margin = view.line_rule.margin if view.line_rule and not view.by_prediction(variant) else 1.0
             b = next_in_bracket(view.sizes, view.outcomes(variant, enforced_bytes), view.predicted(variant),
-                                enforced_bytes, len(own), margin=view.line_rule.margin if view.line_rule else 1.0,
-                                top_first=top_first)
+                                enforced_bytes, len(own), margin=margin, top_first=top_first)
             if b is None:
                 continue
             if variant in view.busy:

@@ -1,0 +1,131 @@
+"""The space predicted before a search: each variant's limit found under fake tensors, so trials confirm it.
+
+On the tensor meter a prediction (:mod:`autotune.execution.predict`) counts what a memory trial of the same
+configuration counts, to the byte on every model checked so far (``results/dry_run-cpu.md``). Before the search
+measures anything, :func:`predict_space` finds each variant's limit over the space's batch sizes with a few
+predictions. ``auto`` then starts each variant's bracket at its predicted limit, and once a measured trial of the
+variant agrees with its prediction (within :data:`~autotune.analysis.pareto.PREDICTION_TOLERANCE`), the predictions
+stand for the variant's failing side: "implied by prediction" in the limits
+(:func:`~autotune.analysis.pareto.prediction_failures`). A largest fitting batch is always a measured trial.
+
+Where the model cannot run under fake tensors, the search goes on without predictions, and says so.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+from autotune._log import logger
+from autotune.analysis.memory_model import fit_line
+from autotune.analysis.pareto import bracket
+from autotune.errors import first_line
+from autotune.records import Config, Measurement, TrialSettings
+from autotune.search.space import SearchSpace
+
+if TYPE_CHECKING:
+    import torch
+
+    from autotune.training.workload import Workload
+
+__all__ = ["predict_space", "seed", "Seeding", "SEED_SECONDS"]
+
+# A search waits this long at most for its predictions: they save trials, and must not cost more than they save
+SEED_SECONDS = 60.0
+
+
+def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], limits: tuple[float, ...],
+                  deadline: float | None = None, fixed_bytes: float | None = None) -> dict[Config, Measurement]:
+    """Each variant's boundary under every one of ``limits``, found over the space's sizes with ``predict`` (memory
+    grows with the batch: above a size that does not fit, none does). Stops early, with what it has, past
+    ``deadline`` (``time.monotonic()``).
+
+    A boundary costs two or three predictions where the variant's peaks lie on a line (:func:`_next_size`):
+    the middle size, then the largest size its line says fits, then the size above; where the line misleads, the
+    bracket narrows all the same. ``fixed_bytes`` (the state: weights, gradients, optimizer state) anchors a line
+    drawn through one point.
+    """
+    sizes = sorted(space.batch_sizes)
+    predictions: dict[Config, Measurement] = {}
+    for variant in space.variants():
+        for limit in limits:
+            while True:
+                own = {c.batch_size: m for c, m in predictions.items() if c.variant == variant}
+                b = _next_size(sizes, own, limit, fixed_bytes)
+                if b is None:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    return predictions
+                predictions[Config(*variant, b)] = predict(Config(*variant, b))
+    return predictions
+
+
+def _next_size(sizes: list[int], own: dict[int, Measurement], limit: float, fixed_bytes: float | None) -> int | None:
+    """The next size to predict to close one variant's bracket under ``limit``, or None when it is closed (or a
+    prediction failed: the model's own error says nothing of memory)."""
+    if any(m.status not in ("ok", "oom") for m in own.values()):
+        return None
+    lo, hi = bracket(sizes, {b: m.fits(limit) for b, m in own.items()})
+    if hi - lo <= 1:
+        return None
+    open_ = range(lo + 1, hi)
+    points = {b: float(m.peak_bytes) for b, m in own.items() if m.status == "ok" and m.peak_bytes}
+    if not points or len(own) >= 3:  # nothing to draw a line through yet, or a line that did not close it
+        return sizes[(lo + hi) // 2]
+    if len(points) >= 2:
+        a, c = fit_line(points)
+    elif fixed_bytes is not None:
+        (b0, y0), = points.items()
+        a, c = fixed_bytes, (y0 - fixed_bytes) / b0
+    else:
+        return sizes[(lo + hi) // 2]
+    fitting = [i for i in open_ if a + c * sizes[i] <= limit]
+    return sizes[fitting[-1] if fitting else open_[0]]
+
+
+class Seeding:
+    """What the search started from: ``predictions`` (``{config: predicted trial}``, empty where none could be made),
+    in how many seconds, and why there are none (``why``) or fewer than asked (``stopped``)."""
+
+    def __init__(self, predictions: dict[Config, Measurement], seconds: float, why: str | None = None,
+                 stopped: bool = False) -> None:
+        self.predictions, self.seconds, self.why, self.stopped = predictions, seconds, why, stopped
+
+    def describe(self) -> dict:
+        """The report's ``search.predictions``."""
+        return {"configurations": len(self.predictions), "wall_s": round(self.seconds, 3), "unavailable": self.why,
+                "stopped_at_time_limit": self.stopped}
+
+    @property
+    def notices(self) -> tuple[str, ...]:
+        if self.why is not None:
+            return (f"the search was not seeded by predictions ({self.why}): each limit was bracketed by measurement "
+                    f"alone",)
+        return ()
+
+
+def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", budget_bytes: int | None,
+         limits: tuple[float, ...], settings: TrialSettings, fixed_bytes: float | None = None,
+         seconds: float = SEED_SECONDS) -> Seeding:
+    """Predict each variant's boundaries (:func:`predict_space`) under fake tensors; nothing where the model cannot
+    run under them (said in :attr:`Seeding.why`), and whatever was predicted within ``seconds``."""
+    from autotune.execution.predict import Unpredictable, fake_buildable, fake_tensors, predict_trial
+
+    started = time.monotonic()
+    try:
+        mode = fake_tensors()
+        fake, _ = fake_buildable(workload, mode)
+
+        def predict(config: Config) -> Measurement:
+            return predict_trial(fake, config, device=device, budget_bytes=budget_bytes, settings=settings, mode=mode)
+
+        predictions = predict_space(space, predict, limits, deadline=started + seconds, fixed_bytes=fixed_bytes)
+    except Unpredictable as exc:
+        return Seeding({}, time.monotonic() - started, f"the model cannot run under fake tensors: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a prediction only saves trials: the search goes on without it
+        return Seeding({}, time.monotonic() - started, f"{type(exc).__name__}: {first_line(exc)}")
+    took = time.monotonic() - started
+    stopped = took > seconds
+    logger.info("predicted %d configurations in %.1f s%s", len(predictions), took,
+                " (stopped at the time limit)" if stopped else "")
+    return Seeding(predictions, took, stopped=stopped)

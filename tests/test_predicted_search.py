@@ -1,0 +1,139 @@
+"""``auto`` started from the space predicted under fake tensors (:mod:`autotune.search.predicted`).
+
+The rules first, on synthetic peaks (:mod:`tests.test_strategies`' curves): a prediction stands for a variant only
+once a measured trial of it agrees within 1%; it implies failing sides, never a fitting one; a prediction that a
+measurement contradicts is dropped for its variant. Then a real search on a bundled model, whose predictions the
+tensor meter confirms to the byte.
+"""
+
+import dataclasses
+
+import pytest
+
+import autotune
+from autotune.analysis.pareto import PREDICTION_TOLERANCE, batch_limits, confirmed, prediction_failures
+from autotune.records import PREDICTED, Config, Measurement
+from autotune.search.predicted import predict_space
+from autotune.search.strategies import AutoStrategy, GridStrategy
+
+from tests.test_strategies import BUDGET, MiB, SPACE, grid_limits, limits, linear, measure, noisy, run
+
+
+def predicted(curve, budget=BUDGET):
+    """A predictor that answers as ``measure(curve)`` does, labelled predicted and untimed, counting its calls."""
+    trial = measure(curve, budget)
+
+    def predict(config):
+        predict.calls += 1
+        return dataclasses.replace(trial(config), step_s=None, samples_per_s=None, timed=False,
+                                   memory_source=PREDICTED)
+
+    predict.calls = 0
+    return predict
+
+
+def test_predict_space_finds_each_variants_boundary_in_two_or_three_predictions_on_a_line():
+    predict = predicted(linear)
+    predictions = predict_space(SPACE, predict, (BUDGET,), fixed_bytes=8 * MiB)
+    assert predict.calls == len(predictions) <= 3 * len(SPACE.variants())
+    for variant in SPACE.variants():  # each boundary closed: its largest fit and the size above (where there is one)
+        fits = [b for b in SPACE.batch_sizes if linear(Config(*variant, b)) <= BUDGET]
+        assert predictions[Config(*variant, fits[-1])].status == "ok"
+        if fits[-1] != max(SPACE.batch_sizes):
+            above = min(b for b in SPACE.batch_sizes if b > fits[-1])
+            assert predictions[Config(*variant, above)].status == "oom"
+
+
+def test_predict_space_closes_brackets_off_the_line_too_and_stops_at_its_deadline():
+    predictions = predict_space(SPACE, predicted(noisy), (BUDGET, 0.9 * BUDGET))  # no fixed part: bisection first
+    for variant in SPACE.variants():
+        for limit in (BUDGET, 0.9 * BUDGET):
+            fits = [b for b in SPACE.batch_sizes if noisy(Config(*variant, b)) <= limit]
+            assert fits and Config(*variant, fits[-1]) in predictions
+    assert predict_space(SPACE, predicted(linear), (BUDGET,), deadline=0.0) == {}
+
+
+def test_a_failed_prediction_ends_its_variants_bracket():
+    def failing(config):
+        return Measurement(config, "failed", error="RuntimeError: the model's own", memory_source=PREDICTED)
+
+    assert len(predict_space(SPACE, failing, (BUDGET,))) == len(SPACE.variants())  # one each, then nothing more
+
+
+def _ok(config, peak):
+    return Measurement(config, "ok", peak_bytes=peak, step_s=1.0, samples_per_s=float(config.batch_size))
+
+
+def test_a_prediction_stands_only_where_a_measured_trial_agrees_within_one_percent():
+    a, b, c = Config("fp32", "0", 8), Config("fp32", "0", 16), Config("fp32", "0", 32)
+    predictions = {a: _ok(a, 100 * MiB), b: _ok(b, 200 * MiB),
+                   c: Measurement(c, "oom", peak_bytes=BUDGET + 1, memory_source=PREDICTED)}
+    assert prediction_failures([], BUDGET, predictions) == {}  # nothing measured: nothing stands
+    agree = _ok(b, int(200 * MiB * (1 + PREDICTION_TOLERANCE / 2)))
+    assert confirmed([agree], predictions) == {("fp32", "0"): b}
+    assert prediction_failures([agree], BUDGET, predictions) == {c: (BUDGET + 1, b)}
+    disagree = _ok(a, int(100 * MiB * (1 + 2 * PREDICTION_TOLERANCE)))
+    assert confirmed([agree, disagree], predictions) == {}  # one contradiction: the variant's predictions fall
+    assert prediction_failures([agree, disagree], BUDGET, predictions) == {}
+
+
+def test_a_peak_predicted_within_the_tolerance_of_the_limit_is_measured_not_implied():
+    a, b = Config("fp32", "0", 8), Config("fp32", "0", 16)
+    near = int(BUDGET * (1 + PREDICTION_TOLERANCE / 2))
+    predictions = {a: _ok(a, 100 * MiB), b: _ok(b, near)}
+    assert prediction_failures([_ok(a, 100 * MiB)], BUDGET, predictions) == {}
+
+
+@pytest.mark.parametrize("curve", [linear, noisy])
+def test_auto_seeded_by_exact_predictions_finds_the_grids_limits_in_fewer_trials(curve):
+    trial = measure(curve)
+    predictions = predict_space(SPACE, predicted(curve), (BUDGET, 0.9 * BUDGET), fixed_bytes=8 * MiB)
+    unseeded = run(AutoStrategy(), trial)
+    seeded = run(AutoStrategy(predictions=predictions), trial)
+    rows = batch_limits(seeded.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.segments,
+                        blocks=SPACE.blocks, predictions=predictions)
+    found = {(r["precision"], r["segments"]): (r["max_batch_size"], r["bracketed"]) for r in rows}
+    assert found == grid_limits(trial)
+    assert seeded.trials < unseeded.trials
+    for r in rows:  # every largest fit measured; failing sides implied by prediction where one stands
+        assert Config(r["precision"], r["segments"], r["max_batch_size"]) in seeded
+        if r.get("min_oom_rule") == "prediction":
+            assert Config(r["precision"], r["segments"], r["min_oom_batch_size"]) not in seeded
+
+
+def test_predictions_a_measurement_contradicts_are_dropped_and_the_limits_stay_the_grids():
+    trial = measure(linear)
+    wrong = predict_space(SPACE, predicted(lambda c: 0.5 * linear(c)), (BUDGET,), fixed_bytes=4 * MiB)  # half the truth
+    seeded = run(AutoStrategy(predictions=wrong), trial)
+    rows = batch_limits(seeded.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.segments,
+                        blocks=SPACE.blocks, predictions=wrong)
+    assert {(r["precision"], r["segments"]): (r["max_batch_size"], r["bracketed"]) for r in rows} == grid_limits(trial)
+    assert not any(r.get("min_oom_rule") == "prediction" for r in rows)
+    assert limits(seeded) == grid_limits(trial)  # and without the predictions, the measurements alone say the same
+
+
+def test_a_real_search_starts_from_predictions_that_its_trials_confirm_to_the_byte(tmp_path):
+    report = autotune.tune("autotune.examples:TinyGPT", device="cpu", budget="256MiB", precisions="fp32",
+                           segments="0,all", batch_sizes="4..64", probe=False, isolation="none",
+                           storage=f"sqlite:///{tmp_path}/s.db", study="s", measure_steps=2, warmup_steps=1)
+    seeding = report.search["predictions"]
+    assert seeding["configurations"] == len(report.predictions) > 0 and seeding["unavailable"] is None
+    predictions = {m.config: m for m in report.predictions}
+    assert all(m.predicted and m.step_s is None for m in report.predictions)
+    both = [m for m in report.trials if m.config in predictions]
+    assert both and all(m.peak_bytes == predictions[m.config].peak_bytes for m in both if m.status == "ok")
+    rows = report.limits
+    assert any(r.get("min_oom_rule") == "prediction" for r in rows)
+    for r in rows:
+        assert Config(r["precision"], r["segments"], r["max_batch_size"]) in {m.config for m in report.trials}
+    again = autotune.Report.from_dict(report.to_dict())  # the predictions travel with the report, and so do its limits
+    assert again.predictions == report.predictions and again.limits == rows
+
+
+def test_a_search_whose_model_cannot_run_under_fake_tensors_goes_on_without_predictions_and_says_so(tmp_path):
+    report = autotune.tune("tests.test_dry_run:Masked", device="cpu", budget="256MiB", precisions="fp32",
+                           segments="0", batch_sizes="2,4", probe=False, isolation="none",
+                           storage=f"sqlite:///{tmp_path}/s.db", study="s", measure_steps=2, warmup_steps=1)
+    assert report.predictions == () and report.search["predictions"]["unavailable"]
+    assert any("not seeded by predictions" in n for n in report.notices)
+    assert report.recommendation is not None
