@@ -7,12 +7,19 @@ tests/test_device.py) is checked here on the real thing: the budget set only ins
 region, per-step allocated peaks, an OOM's held and needed bytes, the NVML device found by UUID,
 bf16 offered only with hardware support, a device-side assert recorded as ``crashed``, activation
 offload's device and host peaks, copy rate and step time against the same plans without it.
+
+Section 6 checks the model of the caching allocator (autotune/meters/caching_allocator.py): raw allocation
+patterns replayed against the real allocator in a fresh process (exact), then every configuration the sections
+above measured, predicted under fake tensors with a traced tensor meter and replayed, against its measured
+allocated (within 1%), reserved (within 5%) and NVML figures (printed; the context is calibrated here).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -21,14 +28,38 @@ import torch
 import autotune
 from autotune.device import backend_for
 from autotune.execution.spawn import Spawned
+from autotune.meters import TensorMeter
+from autotune.meters.caching_allocator import (CUDA_CONTEXT_BYTES, AllocatorSettings, cublas_workspace_bytes,
+                                               nvml_bytes, replay, workspace_trace)
 from autotune.meters.cuda import CudaMeter, nvml_handle
-from autotune.records import Config, TrialSettings
+from autotune.records import Config, Measurement, TrialSettings
 from autotune.execution.trial import TrialWork, run_trial
 from autotune.units import format_bytes
 from autotune.training.workload import Workload
 
-GiB = 2**30
+GiB, MiB, KiB = 2**30, 2**20, 2**10
 failures: list[str] = []
+ALLOCATED_TOLERANCE, RESERVED_TOLERANCE = 0.01, 0.05  # predicted vs measured, relative to the measured figure
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A configuration a section measured, to predict in section 6."""
+
+    label: str
+    workload: Workload
+    settings: TrialSettings
+    budget_bytes: int | None  # the budget it ran under (set_per_process_memory_fraction)
+    measurement: Measurement
+    metered_steps: int  # the steps its metered region ran: warm-up, plus the timed steps of a timed trial
+
+
+measured: list[Measured] = []
+
+
+def remember(label: str, workload: Workload, settings: TrialSettings, budget_bytes: int | None, m: Measurement) -> None:
+    """Keep a measured trial for section 6's prediction (CUDA meters its warm-up and timed steps in one region)."""
+    measured.append(Measured(label, workload, settings, budget_bytes, m, settings.warmup_steps + len(m.step_times_s)))
 
 
 def check(ok: bool, what: str) -> None:
@@ -98,6 +129,8 @@ def main() -> int:
           "a memory trial (the search's bracket) is metered and not timed")
     check(memory.peak_allocated_bytes == ok.peak_allocated_bytes,
           "its warm-up steps reach the timed trial's allocated peak (CUDA meters the warm-up, then times)")
+    remember("2. fp32 0 b8, timed", workload, settings, budget, ok)
+    remember("2. fp32 0 b8, memory trial", workload, settings, budget, memory)
 
     print("3. A device-side assert in a worker is a crashed trial; the next trial runs")
     crash_w = Workload.from_specs("tests.models:DeviceAssert")
@@ -121,8 +154,11 @@ def main() -> int:
           "one warm worker served all three (the OOM left it at its baseline)")
     check([m.peak_allocated_bytes for m in warm_runs] == [m.peak_allocated_bytes for m in fresh_runs],
           "a warm worker's allocated peaks equal fresh workers' (cuBLAS workspaces counted in both)")
+    for w, m in zip(works, fresh_runs):
+        remember(f"3b. {w.config}, fresh worker", workload, settings, budget, m)
 
     offload_checks(dev, names)
+    prediction_checks(dev)
 
     print("4. A small tune: isolated trials (the CUDA default), then the probe on token_dataset")
     start = time.monotonic()
@@ -180,6 +216,8 @@ def offload_checks(dev: torch.device, names: list[str]) -> None:
     for plan, m in runs.items():
         print(f"  {precision} {plan:12s} batch 16: {m.status}, allocated peak {format_bytes(m.peak_allocated_bytes)}, "
               f"host peak {format_bytes(m.host_peak_bytes) if m.host_peak_bytes else '-'}, step {m.step_s or 0:.4f} s")
+    for plan, m in runs.items():
+        remember(f"5. {precision} {plan} b16", workload, settings, None, m)
     for plan in ("0", "4", "all"):
         plain, off = runs[plan], runs[plan + "+offload"]
         if plain.status != "ok" or off.status != "ok":
@@ -199,5 +237,165 @@ def offload_checks(dev: torch.device, names: list[str]) -> None:
     check(all(c.ok for c in checks), "every offloaded plan trains the model the plan-free step trains, on CUDA")
 
 
+# -- 6. the caching allocator's model -------------------------------------------------------------------------
+
+
+def events(*steps: tuple[str, int]) -> list[tuple[int, int]]:
+    """A trace from ``("+", nbytes)`` (an allocation under the next key) and ``("-", k)`` (the k-th one's free)."""
+    trace: list[tuple[int, int]] = []
+    sizes: list[int] = []
+    for kind, amount in steps:
+        if kind == "+":
+            sizes.append(amount)
+            trace.append((amount, len(sizes)))
+        else:
+            trace.append((-sizes[amount - 1], amount))
+    return trace
+
+
+def allocator_patterns() -> list[tuple[str, list[tuple[int, int]], int | None, bool]]:
+    """Raw allocation patterns, one rule each: (name, trace, capacity in bytes or None, expandable segments).
+    Capacities sit 1 MiB above the figure the rule turns on: a memory fraction is a float of the device's bytes."""
+    M = MiB
+    return [
+        ("100 B: one 2 MiB segment", events(("+", 100)), None, False),
+        ("2 x 600 KiB share a segment", events(("+", 600 * KiB), ("+", 600 * KiB)), None, False),
+        ("2 x 3 MiB from one 20 MiB segment", events(("+", 3 * M), ("+", 3 * M)), None, False),
+        ("25 MiB: 26 MiB", events(("+", 25 * M)), None, False),
+        ("16.5 MiB after 3 MiB: not split", events(("+", 3 * M), ("+", 16 * M + 512 * KiB)), None, False),
+        ("freed neighbours merge", events(("+", 3 * M), ("+", 3 * M), ("-", 1), ("-", 2), ("+", 15 * M)), None, False),
+        ("best fit", events(("+", 12 * M), ("+", 16 * M), ("-", 1), ("-", 2), ("+", 11 * M), ("+", 15 * M)), None,
+         False),
+        ("fragmentation", events(("+", 12 * M), ("+", 12 * M), ("-", 1), ("-", 2), ("+", 14 * M)), None, False),
+        ("cache given back, retried", events(("+", 12 * M), ("-", 1), ("+", 30 * M)), 41 * M, False),
+        ("a split segment kept", events(("+", 3 * M), ("+", 18 * M), ("-", 2), ("+", 20 * M)), 41 * M, False),
+        ("out of memory", events(("+", 12 * M), ("+", 30 * M)), 41 * M, False),
+        ("expandable: 2 x 25 MiB", events(("+", 25 * M), ("+", 25 * M)), None, True),
+        ("expandable: freed pages merge", events(("+", 12 * M), ("+", 12 * M), ("+", 12 * M), ("-", 1), ("-", 2),
+                                                 ("+", 24 * M)), None, True),
+        ("expandable: unmapped, retried", events(("+", 30 * M), ("-", 1), ("+", 50 * M)), 61 * M, True),
+    ]
+
+
+def run_allocator_patterns() -> int:
+    """In a fresh process (``--allocator-patterns``): run each pattern on the real allocator, one JSON line each."""
+    dev = torch.device("cuda", 0)
+    total = torch.cuda.mem_get_info(dev)[1]
+    for name, trace, capacity, expandable in allocator_patterns():
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{expandable}")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        torch.cuda.set_per_process_memory_fraction(capacity / total if capacity else 1.0, dev)
+        retries = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
+        live, oom = {}, False
+        try:
+            for nbytes, key in trace:
+                if nbytes > 0:
+                    live[key] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                else:
+                    del live[key]
+        except torch.OutOfMemoryError:
+            oom = True
+        stats = torch.cuda.memory_stats(dev)
+        print(json.dumps({"name": name, "allocated": torch.cuda.max_memory_allocated(dev), "oom": oom,
+                          "reserved": torch.cuda.max_memory_reserved(dev),
+                          "retries": stats.get("num_alloc_retries", 0) - retries}), flush=True)
+        live.clear()
+    torch.cuda.set_per_process_memory_fraction(1.0, dev)
+    return 0
+
+
+def predict_traced(workload: Workload, config: Config, device: torch.device, settings: TrialSettings,
+                   steps: int) -> tuple[tuple[int, int], ...]:
+    """The allocation trace of a trial run under fake tensors, stepped ``steps`` times: predict_trial's run
+    (autotune/execution/predict.py) mirrored until predict_trial takes a meter (``meter=TensorMeter(trace=True)``)."""
+    from autotune.execution import predict
+
+    run = predict._Predicted(workload.unwarmed(), config, device, settings)
+    meter = TensorMeter(device, trace=True)
+    try:
+        with predict.fake_tensors(), predict._AsTheKernelsDo(), meter.measure():
+            run.build()
+            for _ in range(steps):
+                run.step(run.batch)
+            if run.unprimed is not None:
+                run.make_state()
+    except Exception as exc:  # noqa: BLE001 - the model's own failure: its trace so far still says something
+        print(f"  (the prediction of {config} failed: {type(exc).__name__}: {exc})")
+    finally:
+        run.release()
+    return meter.last_trace or ()
+
+
+def context_bytes(dev: torch.device) -> int:
+    """NVML's device-used less what the allocator reserved, now: the CUDA context and kernels loaded so far, and
+    other processes; the assumed default where NVML cannot be read."""
+    handle = nvml_handle(dev)
+    if handle is None:
+        return CUDA_CONTEXT_BYTES
+    import pynvml
+
+    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used) - torch.cuda.memory_reserved(dev)
+
+
+def relative(predicted: int, actual: int | None) -> float:
+    return float("inf") if not actual else (predicted - actual) / actual
+
+
+def prediction_checks(dev: torch.device) -> None:
+    """6. The caching allocator's model: raw patterns exactly, then each measured configuration within tolerance."""
+    print("6a. The allocator's rules: raw allocation patterns on the real allocator (a fresh process) vs the model")
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--allocator-patterns"], capture_output=True,
+                         text=True, timeout=300)
+    real = {r["name"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+    check(out.returncode == 0 and len(real) == len(allocator_patterns()), f"the patterns ran ({out.stderr[-300:]})")
+    for name, trace, capacity, expandable in allocator_patterns():
+        r = replay(trace, settings=AllocatorSettings(expandable_segments=expandable), capacity_bytes=capacity)
+        got = real.get(name, {})
+        model = {"allocated": r.peak_allocated_bytes, "reserved": r.peak_reserved_bytes, "retries": r.retries,
+                 "oom": r.oom}
+        print(f"  {name}: model {model}, real { {k: got.get(k) for k in model} }")
+        check(all(got.get(k) == v for k, v in model.items()), f"6a. {name}: the model's figures are the allocator's")
+
+    props = torch.cuda.get_device_properties(dev)
+    workspace = cublas_workspace_bytes(props.major, props.minor)
+    prelude = workspace_trace(workspace, threads=2)  # the step's thread and autograd's device thread
+    context = context_bytes(dev)
+    held = torch.cuda.memory_allocated(dev)
+    print(f"6b. Predicted (fake tensors, traced, replayed) vs measured. Held now {format_bytes(held)}"
+          f" (modelled: 2 cuBLAS workspaces of {format_bytes(workspace)}); NVML less reserved now "
+          f"{format_bytes(context)} (assumed default {format_bytes(CUDA_CONTEXT_BYTES)})")
+    before = len(failures)
+    for item in measured:
+        predict_checks(item, dev, prelude, context)
+    print(f"  {len(failures) - before} prediction check(s) failed of {len(measured)} configurations")
+
+
+def predict_checks(item: Measured, dev: torch.device, prelude: list[tuple[int, int]], context: int) -> None:
+    """Predict one measured configuration and compare: outcome, allocated, reserved (counted), NVML (printed)."""
+    m = item.measurement
+    start = time.monotonic()
+    trace = predict_traced(item.workload, m.config, dev, item.settings, item.metered_steps)
+    r = replay(prelude + list(trace), capacity_bytes=item.budget_bytes)
+    took = time.monotonic() - start
+    if r.oom or m.status == "oom":
+        print(f"  {item.label}: predicted {'oom' if r.oom else 'ok'}, measured {m.status} ({took:.1f} s)")
+        check(r.oom == (m.status == "oom"), f"{item.label}: the predicted outcome is the measured one")
+        return
+    if m.status != "ok":
+        print(f"  {item.label}: measured {m.status}: nothing to compare")
+        return
+    nvml = nvml_bytes(r.peak_reserved_bytes, context_bytes=context)
+    a = relative(r.peak_allocated_bytes, m.peak_allocated_bytes)
+    res = relative(r.peak_reserved_bytes, m.peak_reserved_bytes)
+    n = relative(nvml, m.peak_nvml_bytes)
+    print(f"  {item.label} ({item.metered_steps} steps, {took:.1f} s): allocated {format_bytes(r.peak_allocated_bytes)}"
+          f" vs {format_bytes(m.peak_allocated_bytes)} ({a:+.2%}), reserved {format_bytes(r.peak_reserved_bytes)} vs "
+          f"{format_bytes(m.peak_reserved_bytes)} ({res:+.2%}), NVML {format_bytes(nvml)} vs "
+          f"{format_bytes(m.peak_nvml_bytes)} ({n:+.2%}{'' if abs(n) <= RESERVED_TOLERANCE else ', outside 5%'})")
+    check(abs(a) <= ALLOCATED_TOLERANCE, f"{item.label}: predicted allocated within 1% of max_memory_allocated")
+    check(abs(res) <= RESERVED_TOLERANCE, f"{item.label}: predicted reserved within 5% of max_memory_reserved")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_allocator_patterns() if sys.argv[1:] == ["--allocator-patterns"] else main())

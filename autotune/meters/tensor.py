@@ -6,6 +6,11 @@ weak-reference finaliser when the storage is freed, so the live total follows pa
 gradients, optimizer state, activations and recomputed activations as they come and go.
 Allocations inside a kernel (workspaces) and allocator caching are invisible to it, and every op
 pays a Python call, which is why trials time their steps outside this meter.
+
+Asked to (``TensorMeter(trace=True)``), the meter also keeps the region's allocation trace: one event
+``(+nbytes, key)`` as each storage is counted and ``(-nbytes, key)`` as it is uncounted (freed, resized,
+moved off the device), in order, each counted storage under a key of its own. Replayed by a model of an
+allocator (:mod:`autotune.meters.caching_allocator`), it says what that allocator would have reserved.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ __all__ = ["TensorMeter", "leave_device", "enter_device", "passing_peak", "plain
 
 
 class _Tracker(TorchDispatchMode):
-    def __init__(self, device_type: str, budget_bytes: int | None, deadline: float | None) -> None:
+    def __init__(self, device_type: str, budget_bytes: int | None, deadline: float | None, *,
+                 trace: bool = False) -> None:
         super().__init__()
         self.device_type = device_type
         self.budget_bytes = budget_bytes
@@ -40,6 +46,8 @@ class _Tracker(TorchDispatchMode):
         self.refused_bytes = 0  # the largest total an allocation asked for and was refused
         self.refused_held_bytes = 0  # what was live when that allocation was refused
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (nbytes, finaliser)
+        self.trace: list[tuple[int, int]] | None = [] if trace else None  # (+/-nbytes, key), in order
+        self._keys = 0  # keys handed to traced storages so far
 
     def track(self, tensors: Iterable[object]) -> None:
         """Count the storages of ``tensors`` (non-tensors are ignored); raise past the budget.
@@ -49,6 +57,7 @@ class _Tracker(TorchDispatchMode):
         allocation is held to the budget again.
         """
         added = []
+        mark = len(self.trace) if self.trace is not None else 0
         for t in plain_tensors(tensors):
             if t.device.type != self.device_type or t.is_sparse or t.is_meta:
                 continue
@@ -58,17 +67,20 @@ class _Tracker(TorchDispatchMode):
             if known is not None:
                 if known[0] == nbytes:
                     continue
-                known[1].detach()  # resized in place: recount at its new size
+                self._unfollow(known[1])  # resized in place: recount at its new size
                 self.live_bytes -= known[0]
-            self._storages[storage] = (nbytes, weakref.finalize(storage, self._free, nbytes))
+            self._storages[storage] = (nbytes, self._follow(storage, nbytes))
             self.live_bytes += nbytes
             added.append(storage)
         if added and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
             tried = self.live_bytes
+            refused = set()
             for storage in added:
                 size, finaliser = self._storages.pop(storage)
-                finaliser.detach()
+                refused.add(_key_of(finaliser.detach()))
                 self.live_bytes -= size
+            if self.trace is not None:  # what the budget refused was never allocated
+                self.trace[mark:] = [event for event in self.trace[mark:] if event[1] not in refused]
             self._refuse(nbytes, tried)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
@@ -85,9 +97,28 @@ class _Tracker(TorchDispatchMode):
         if self.budget_bytes is not None and tried > self.budget_bytes:
             self._refuse(nbytes, tried)
         self.peak_bytes = max(self.peak_bytes, tried)
+        if self.trace is not None:
+            self._keys += 1
+            self.trace += [(nbytes, self._keys), (-nbytes, self._keys)]
 
-    def _free(self, nbytes: int) -> None:
+    def _follow(self, storage: torch.UntypedStorage, nbytes: int) -> weakref.finalize:
+        """The finaliser that uncounts ``storage`` when it is freed; traced, its allocation's event too."""
+        if self.trace is None:
+            return weakref.finalize(storage, self._free, nbytes)
+        self._keys += 1
+        self.trace.append((nbytes, self._keys))
+        return weakref.finalize(storage, self._free, nbytes, self._keys)
+
+    def _unfollow(self, finaliser: weakref.finalize) -> None:
+        """Stop following a storage's count (the caller uncounts it); traced, its free's event."""
+        args = finaliser.detach()
+        if self.trace is not None and args is not None:
+            self.trace.append((-args[2][0], _key_of(args)))
+
+    def _free(self, nbytes: int, key: int | None = None) -> None:
         self.live_bytes -= nbytes
+        if key is not None and self.trace is not None:
+            self.trace.append((-nbytes, key))
 
     def resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Resize a counted storage in place and count it at its new size (FSDP frees each gathered block's
@@ -100,8 +131,8 @@ class _Tracker(TorchDispatchMode):
         if nbytes > known[0] and self.budget_bytes is not None and tried > self.budget_bytes:
             self._refuse(nbytes - known[0], tried)
         _RESIZE(storage, nbytes)
-        known[1].detach()
-        self._storages[storage] = (nbytes, weakref.finalize(storage, self._free, nbytes))
+        self._unfollow(known[1])
+        self._storages[storage] = (nbytes, self._follow(storage, nbytes))
         self.live_bytes = tried
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
@@ -112,7 +143,7 @@ class _Tracker(TorchDispatchMode):
             if t.device.type == self.device_type and not t.is_meta:
                 known = self._storages.pop(t.untyped_storage(), None)
                 if known is not None:
-                    known[1].detach()
+                    self._unfollow(known[1])
                     self.live_bytes -= known[0]
                     freed += known[0]
         return freed
@@ -129,6 +160,11 @@ class _Tracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.track(tree_leaves(out))
         return out
+
+
+def _key_of(detached: tuple | None) -> int | None:
+    """The trace key among what ``weakref.finalize.detach()`` returned (``None``: untraced, or already run)."""
+    return detached[2][1] if detached is not None and len(detached[2]) > 1 else None
 
 
 _RESIZE = torch.UntypedStorage.resize_  # the method itself; while a meter measures, the class answers with _resize
@@ -204,18 +240,25 @@ class TensorMeter(Meter):
 
     Tensors that exist before the region (a model built outside it) are counted when passed to
     :meth:`Measuring.track`; tensors created inside the region are counted automatically.
+
+    ``trace=True`` keeps each region's allocation trace (see the module's docstring): on the handle
+    (``handle.trace``) and, for code that makes the meter but not the region, as :attr:`last_trace`.
+    Without it nothing is recorded and counting costs what it did.
     """
 
     slows_steps = True
 
-    def __init__(self, device: str | torch.device = "cpu", *, budget_bytes: int | None = None) -> None:
+    def __init__(self, device: str | torch.device = "cpu", *, budget_bytes: int | None = None,
+                 trace: bool = False) -> None:
         super().__init__(budget_bytes=budget_bytes)
         self.device_type = torch.device(device).type
+        self.tracing = trace
+        self.last_trace: tuple[tuple[int, int], ...] | None = None  # the latest region's, with trace=True
 
     @contextlib.contextmanager
     def measure(self, *, deadline: float | None = None) -> Iterator["_TensorMeasuring"]:
         """Track tensors created in the block; ``deadline`` (``time.monotonic()``) stops it."""
-        tracker = _Tracker(self.device_type, self.budget_bytes, deadline)
+        tracker = _Tracker(self.device_type, self.budget_bytes, deadline, trace=self.tracing)
         handle = _TensorMeasuring(tracker)
         raised: BaseException | None = None
         try:
@@ -227,6 +270,7 @@ class TensorMeter(Meter):
         finally:
             handle.reading = _reading(tracker, handle, raised)
             tracker.release()
+            self.last_trace = handle.trace
 
 
 def _reading(tracker: _Tracker, handle: "_TensorMeasuring", raised: BaseException | None) -> MemoryReading:
@@ -268,3 +312,10 @@ class _TensorMeasuring(Measuring):
     def live_bytes(self) -> int:
         """Tracked bytes alive right now."""
         return self._tracker.live_bytes
+
+    @property
+    def trace(self) -> tuple[tuple[int, int], ...] | None:
+        """The allocation trace so far: ``(+nbytes, key)`` as a storage is counted, ``(-nbytes, key)`` as it is
+        uncounted, in order (``None`` unless the meter was made with ``trace=True``). Storages still alive when
+        the region ended have no free event."""
+        return None if self._tracker.trace is None else tuple(self._tracker.trace)
