@@ -164,7 +164,7 @@ def _seeding(target: Target, study: Study, facts: ModelFacts) -> Seeding | None:
         return None
     budget = target.budget
     return seed(study.workload, study.space, device=target.device, budget_bytes=budget.enforced,
-                limits=tuple(dict.fromkeys((budget.bytes, usable_bytes(budget.bytes, budget.headroom)))),
+                limits=(budget.bytes,),
                 settings=target.trial_settings, fixed_bytes=facts.fixed_bytes)
 
 

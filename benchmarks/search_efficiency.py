@@ -191,13 +191,12 @@ def grid_predictions(report, grid) -> dict:
 
     from autotune.records import PREDICTED
     from autotune.search.predicted import predict_space
-    from autotune.records import usable_bytes
 
     def predict(config):
         return dataclasses.replace(grid[config], timed=False, samples_per_s=None, step_s=None, step_times_s=(),
                                    step_s_spread=None, memory_source=PREDICTED)
 
-    limits = (report.budget_bytes, usable_bytes(report.budget_bytes, report.headroom))
+    limits = (report.budget_bytes,)  # as the tuner's prediction stage: the budget's boundaries
     return predict_space(SearchSpace(**report.search["space"]), predict, limits, fixed_bytes=report.workload.get("fixed_bytes"))
 
 
