@@ -12,10 +12,15 @@ the tensor meter with the budget's rules. Nothing is written to the trial store 
 measurement a later search may reuse), and the report's default name ends in ``-dry-run``. A dry run says nothing
 of time, so it recommends nothing: its answer is the limits, the state and the predicted peaks; it exits 0 where
 some configuration is predicted to fit the budget less its headroom, and 3 where none is.
+
+With ``--parallel ddp|fsdp --world-size N`` (no torchrun) each trial is one rank's part of an N-rank job: this
+process joins PyTorch's fake process group as rank 0 for the predictions (:mod:`autotune.execution.one_rank`), the
+trial trains under the job's wrapper, and the report's ``distributed`` says it is a prediction of one rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
@@ -47,10 +52,43 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
     """Predict every configuration of the space, then bisect each variant's limit to a multiple of
     ``--batch-multiple`` (up to the space's top): the search's result, what the report's ``search`` adds for a dry
     run, and its notices. ``mode``: the fake tensors the workload's models are built in (:func:`fake_buildable`)."""
-    multiple = batch_multiple(target.options.batch_multiple, target.device.type)
-    predictor = Predictor(study.workload, device=target.device, budget_bytes=target.budget.enforced,
-                          settings=target.trial_settings, model_name=facts.model_class,
-                          state_bytes=facts.fixed_bytes, real_limit_bytes=available_ram_bytes(), mode=mode)
+    options = target.options
+    multiple = batch_multiple(options.batch_multiple, target.device.type)
+    with _ranks(options, target.device) as ranks:
+        predictor = Predictor(study.workload, device=target.device, budget_bytes=target.budget.enforced,
+                              settings=target.trial_settings, model_name=facts.model_class,
+                              state_bytes=facts.fixed_bytes, real_limit_bytes=available_ram_bytes(), mode=mode,
+                              ranks=ranks)
+        result = _predicted(predictor, target, study, events, multiple)
+    measured = predictor.why is not None
+    search = {"strategy": "dry-run", "dry_run": True, "batch_multiple": multiple, "storage": None,
+              "memory_meter": "tensor, under fake tensors (predicted)" if not measured else
+              "tensor (measured on the CPU: the model cannot run under fake tensors)"}
+    if ranks is not None:  # the report's distributed, not its search (with_dry_run)
+        search["distributed"] = ranks.describe()
+    return result, search, (DRY_RUN_NOTICE, *_rank_notice(ranks), *predictor.notices)
+
+
+def _ranks(options: Any, device: Any) -> Any:
+    """With ``--world-size``: this process as rank 0 of the job on the fake process group; else nothing."""
+    if options.world_size is None:
+        return contextlib.nullcontext()
+    from autotune.execution.one_rank import one_rank
+
+    return one_rank(options.parallel, options.world_size, device)
+
+
+def _rank_notice(ranks: Any) -> tuple[str, ...]:
+    if ranks is None:
+        return ()
+    job = ranks.job
+    return (f"one rank of a --parallel {job.wrapper} job of {job.world_size} ranks predicted in this process, on "
+            f"PyTorch's fake process group (no job ran): its peaks are one rank's, its batch sizes per rank; what a "
+            f"backend allocates inside a collective is not counted, here or on a real rank",)
+
+
+def _predicted(predictor: Predictor, target: "Target", study: "Study", events: Any, multiple: int) -> SearchResult:
+    """Every configuration of the space predicted, each variant's limit bisected; the search's result."""
     trials: dict[Config, Measurement] = {}
 
     def run(config: Config) -> Measurement:
@@ -74,13 +112,8 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
         events.call("search_done")
     order = {variant: i for i, variant in enumerate(space.variants())}  # the space's order, the bisection's within
     ordered = sorted(trials.values(), key=lambda m: (order[m.config.variant], m.batch_size))
-    result = SearchResult(tuple(ordered), n_run=len(trials), n_reused=0, wall_s=time.monotonic() - started,
-                          study_name=study.name, storage=None)
-    measured = predictor.why is not None
-    search = {"strategy": "dry-run", "dry_run": True, "batch_multiple": multiple, "storage": None,
-              "memory_meter": "tensor, under fake tensors (predicted)" if not measured else
-              "tensor (measured on the CPU: the model cannot run under fake tensors)"}
-    return result, search, (DRY_RUN_NOTICE, *predictor.notices)
+    return SearchResult(tuple(ordered), n_run=len(trials), n_reused=0, wall_s=time.monotonic() - started,
+                        study_name=study.name, storage=None)
 
 
 def _exact_limit(fits: Any, sizes: list[int], multiple: int) -> None:
@@ -98,5 +131,9 @@ def _exact_limit(fits: Any, sizes: list[int], multiple: int) -> None:
 
 
 def with_dry_run(report: Any, search: dict[str, Any], notices: tuple[str, ...]) -> Any:
-    """The report of a dry run: its search says so, with the notices first."""
-    return dataclasses.replace(report, search={**report.search, **search}, notices=notices + report.notices)
+    """The report of a dry run: its search says so, with the notices first; with ``--world-size``, its
+    ``distributed`` says which job's rank was predicted."""
+    search = dict(search)
+    distributed = search.pop("distributed", None) or report.distributed
+    return dataclasses.replace(report, search={**report.search, **search}, notices=notices + report.notices,
+                               distributed=distributed)

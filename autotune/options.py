@@ -145,6 +145,10 @@ class Options:
         "no memory, no arithmetic), counted by the tensor meter with the budget's rules; seconds for a model of any "
         "size, no step times, no recommendation; each variant's limit found exactly (--batch-multiple)",
         group=TRIALS, switch=True)
+    world_size: int | None = option(
+        None, "with --dry-run and --parallel ddp|fsdp (no torchrun): predict one rank of a job of N ranks in this "
+        "process, on PyTorch's fake process group", group=TRIALS, metavar="N", type=int,
+        default_text="none: --parallel runs under torchrun")
     batch_multiple: int | None = option(
         None, "exact limits are found in steps of N: the largest multiple of N that fits, and the next one (a dry run "
         "bisects up to the top of --batch-sizes)", group=TRIALS, metavar="N", type=int,
@@ -221,11 +225,25 @@ class Options:
             raise UsageError(f"--trials-per-worker {self.trials_per_worker} must be at least 1 (1: a fresh worker per trial)")
         if self.batch_multiple is not None and self.batch_multiple < 1:
             raise UsageError(f"--batch-multiple {self.batch_multiple} must be at least 1 (limits are found in steps of it)")
-        if self.dry_run and self.parallel != "none":
-            raise UsageError(f"--dry-run predicts one process's training: run it without --parallel {self.parallel} "
-                             f"(and without torchrun)")
+        self._check_world_size()
         if self.target_batch_size is not None and self.target_batch_size < 1:
             raise UsageError(f"--target-batch-size {self.target_batch_size} must be at least 1")
+
+    def _check_world_size(self) -> None:
+        """``--world-size N`` predicts one rank of a ``--parallel`` job (``--dry-run``); a dry run of ``--parallel``
+        needs it (no torchrun: the ranks are predicted, not started)."""
+        n = self.world_size
+        if n is not None and n < 1:
+            raise UsageError(f"--world-size {n} must be at least 1: the number of ranks of the job to predict")
+        if n is not None and self.parallel == "none":
+            raise UsageError(f"--world-size {n} predicts one rank of a distributed job: add --parallel fsdp (or ddp) "
+                             f"and --dry-run")
+        if n is not None and not self.dry_run:
+            raise UsageError(f"--world-size {n} is for --dry-run: a job that trains has torchrun's world size "
+                             f"(torchrun --nproc-per-node {n} ... --parallel {self.parallel})")
+        if self.dry_run and self.parallel != "none" and n is None:
+            raise UsageError(f"--dry-run --parallel {self.parallel} predicts one rank of a job: say how many ranks "
+                             f"with --world-size N (and run it without torchrun)")
 
     @property
     def guard(self) -> GuardRails:

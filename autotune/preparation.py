@@ -215,12 +215,14 @@ def _check_state_fits(facts: ModelFacts, optimizer: str, target: Target, floor: 
     """Raise :class:`StateDoesNotFit` when the training state alone exceeds the usable budget (no trial could fit),
     with the levers that would fit: FSDP ranks, the state offloaded to host memory, an optimizer with less state.
     ``floor()`` measures the smallest plan's activations at batch 1 (only then: it costs forward passes)."""
-    budget = target.budget
+    budget, options = target.budget, target.options
+    # FSDP2 shards the state over its ranks: a torchrun job's, or those a dry run predicts (--world-size); DDP does not
+    shards = (target.job.world_size if target.job else options.world_size or 1) if options.parallel == "fsdp" else 1
     if budget.bytes is None:
         return
-    if facts.fixed_bytes < usable_bytes(budget.bytes, budget.headroom):
+    if facts.fixed_bytes / shards < usable_bytes(budget.bytes, budget.headroom):
         return
-    if any("state" in mode for mode in target.options.offload or ()):
+    if any("state" in mode for mode in options.offload or ()):
         return  # the state is searched in host memory (+state plans): the device holds none of it
     guessed = facts.optimizer_state_bytes is None  # an optimizer that could not be primed: AdamW's moments guessed
     parts = facts.state()
@@ -230,7 +232,7 @@ def _check_state_fits(facts: ModelFacts, optimizer: str, target: Target, floor: 
     except Exception as exc:  # noqa: BLE001 - the levers are still named, with the activations unmeasured
         measured = f"{type(exc).__name__}: {first_line(exc)}"
     raise StateDoesNotFit(state_levers(parts, name, guessed, budget.bytes, budget.headroom, available_ram_bytes(),
-                                       measured), parts, measured if isinstance(measured, Floor) else None)
+                                       measured, shards=shards), parts, measured if isinstance(measured, Floor) else None)
 
 
 def _floor_of(workload: Workload, chain: Chain | None, precisions: Sequence[str], fp32_modules: Sequence[str],
@@ -340,14 +342,14 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
     # Workers on several GPUs of one kind share a study: the key names the kind of device, not its index.
     # A distributed job's trials are another job's: the wrapper and world size are part of what they measure.
     job = target.job
+    ranks = f"{job.wrapper}{job.world_size}" if job else (  # a dry run's --world-size: the job it predicts
+        f"{options.parallel}{options.world_size}" if options.world_size else None)
     parallel = {"parallel": f"{job.wrapper}x{job.world_size}"} if job else {}
     workload_key = fingerprint(model=workload.name, **described, device=target.backend.kind, **parallel)
     plain = not (kwargs or options.data or options.loss) and default_training
     options_key = None if plain else fingerprint(**described)
     name = options.study or default_study_name(workload.name, target.device.type, options_key) + (
-        "-dry-run" if options.dry_run else "")  # its report beside the search's, not over it
-    if job and not options.study:
-        name = f"{name}-{job.wrapper}{job.world_size}"
+        f"-{ranks}" if ranks else "") + ("-dry-run" if options.dry_run else "")  # beside the search's, not over it
     storage = options.storage or default_storage(name, options.results_dir)
     notices: list[str] = []
     plans = with_offload(_plans(options.segments, facts.chain, facts.model_class, notices),

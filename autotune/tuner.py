@@ -77,7 +77,7 @@ def run(options: Options, *, progress: Any = None, on_trial: Callable[[Measureme
     rank trains each trial (:mod:`autotune.execution.ranks`); every rank returns rank 0's report, or
     raises what rank 0 raised.
     """
-    if options.parallel != "none":
+    if options.parallel != "none" and not options.dry_run:  # a dry run predicts one rank here (--world-size)
         from autotune.execution.job import join
         from autotune.execution.ranks import follow, lead, own_spec
 
@@ -152,7 +152,9 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
         events.call("search_done")
     if seeding is None:
         return result
-    return dataclasses.replace(result, predictions=tuple(seeding.predictions.values()), seeding=seeding.describe(),
+    order = {variant: i for i, variant in enumerate(space.variants())}
+    predictions = tuple(sorted(seeding.predictions.values(), key=lambda m: (order[m.config.variant], m.batch_size)))
+    return dataclasses.replace(result, predictions=predictions, seeding=seeding.describe(),
                                wall_s=result.wall_s + seeding.seconds, notices=seeding.notices)
 
 

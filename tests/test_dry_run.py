@@ -240,7 +240,7 @@ def test_the_cli_dry_run_predicts_labels_and_stores_nothing(tmp_path):
 
 @pytest.mark.parametrize("args,says", [
     (["--batch-multiple", "0"], "--batch-multiple 0 must be at least 1"),
-    (["--parallel", "ddp"], "--dry-run predicts one process's training"),
+    (["--parallel", "ddp"], "say how many ranks with --world-size N"),
     (["--model", "tests.models:RaisesInInit"], "--model"),
 ])
 def test_bad_input_to_a_dry_run_is_one_line_and_exit_2(tmp_path, args, says):

@@ -78,7 +78,9 @@ def _limit_lines(report: Any) -> list[str]:
     lines = []
     if report.distributed:
         d = report.distributed
-        lines.append(f"distributed: {d['wrapper']}, world size {d['world_size']} ({d['backend']}); batch sizes and "
+        lines.append(f"distributed: {d['wrapper']}, world size {d['world_size']}, rank 0 predicted on a fake process "
+                     f"group (no job ran); batch sizes and peaks are per rank" if d.get("predicted") else
+                     f"distributed: {d['wrapper']}, world size {d['world_size']} ({d['backend']}); batch sizes and "
                      f"peaks are per rank (the largest rank's), samples/s are the whole job's")
     limits = report.limits
     exact = " (predicted; the next size, in brackets, does not fit)" if report.dry_run else ""
@@ -99,6 +101,14 @@ def _limit_lines(report: Any) -> list[str]:
                      f"own): " + ", ".join(
                          f"{row['precision']}/{row['segments']} at {row['min_oom_batch_size']} "
                          f"({format_bytes(row['min_oom_predicted_bytes'])})" for row in by_line))
+    fit_by_prediction = [row for row in limits if row.get("max_rule") == "prediction"]
+    if fit_by_prediction:
+        lines.append(f"{len(fit_by_prediction)} largest fits are the search's predictions (under fake tensors), clear "
+                     f"of the budget by 1% or more and confirmed by a trial of the plan equal to its prediction within "
+                     f"1% (no trial of their own): " + ", ".join(
+                         f"{row['precision']}/{row['segments']} at {row['max_batch_size']} "
+                         f"({format_bytes(row['max_predicted_bytes'])} predicted, by {row['max_implied_by']})"
+                         for row in fit_by_prediction))
     by_prediction = [row for row in limits if row.get("min_oom_rule") == "prediction"]
     if by_prediction:
         lines.append(f"{len(by_prediction)} end where the search's prediction (under fake tensors, before it measured) "

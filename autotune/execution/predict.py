@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
@@ -36,6 +36,10 @@ from autotune.meters import TensorMeter
 from autotune.records import PREDICTED, Config, Measurement, TrialSettings
 from autotune.training.workload import Workload, _copy_model
 from autotune.units import format_bytes
+
+if TYPE_CHECKING:
+    from autotune.execution.one_rank import OneRank
+    from autotune.execution.wrapping import Wrapping
 
 __all__ = ["fake_tensors", "fake_buildable", "predict_trial", "Unpredictable", "Predictor"]
 
@@ -158,17 +162,18 @@ class _Predicted(_Run):
 
 def predict_trial(workload: Workload, config: Config, *, device: torch.device | str = "cpu",
                   budget_bytes: int | None = None, settings: TrialSettings = TrialSettings(),
-                  mode: FakeTensorMode | None = None) -> Measurement:
+                  mode: FakeTensorMode | None = None, parallel: "Wrapping | None" = None) -> Measurement:
     """Predict the peak memory of a memory trial of ``config`` (:func:`autotune.execution.trial.run_trial` with
     ``timed=False``) under ``budget_bytes``, without running it: status ``ok`` or ``oom`` (or ``failed``, the model's
     own error), ``memory_source`` :data:`PREDICTED`, no step time.
 
     Raises :class:`Unpredictable` where the model cannot run under fake tensors, and bad input as a trial does.
     ``mode``: the fake tensors to run under (those of a model :func:`fake_buildable` made), else new ones.
+    ``parallel``: one rank's part of a distributed trial, on a fake process group (:mod:`autotune.execution.one_rank`).
     """
     device = torch.device(device)
     started = time.monotonic()
-    run = _Predicted(workload.unwarmed(), config, device, settings)
+    run = _Predicted(workload.unwarmed(), config, device, settings, parallel)
     status, error, handle = "ok", None, None
     try:
         with mode or fake_tensors(), _AsTheKernelsDo(), TensorMeter(device, budget_bytes=budget_bytes).measure() as handle:
@@ -205,13 +210,17 @@ class Predictor:
     Measuring for real costs the model's memory: where its training state is more than half of what this machine
     has available (``real_limit_bytes``), the dry run stops with one line that names the op instead, and a
     prediction that failed is kept as failed, unconfirmed (a search's plan check drops a plan that fails), and said.
+
+    ``ranks`` (``--world-size``): each trial is rank 0's part of a distributed trial on a fake process group; a model
+    that needs real values is then not measured instead (its collectives would move nothing).
     """
 
     def __init__(self, workload: Workload, *, device: torch.device, budget_bytes: int | None, settings: TrialSettings,
                  model_name: str, state_bytes: int, real_limit_bytes: int | None,
-                 mode: FakeTensorMode | None = None) -> None:
+                 mode: FakeTensorMode | None = None, ranks: "OneRank | None" = None) -> None:
         self.workload, self.device, self.budget_bytes, self.settings = workload, device, budget_bytes, settings
         self.mode = mode  # the fake tensors of the workload's models (fake_buildable), if it has its own
+        self.ranks = ranks
         self.model_name, self.state_bytes, self.real_limit_bytes = model_name, state_bytes, real_limit_bytes
         self.why: str | None = None  # why the model cannot be predicted, once found
         self.notices: list[str] = []
@@ -221,7 +230,8 @@ class Predictor:
             return self._measured(config)
         try:
             predicted = predict_trial(self.workload, config, device=self.device, budget_bytes=self.budget_bytes,
-                                      settings=self.settings, mode=self.mode)
+                                      settings=self.settings, mode=self.mode,
+                                      parallel=self.ranks.wrapping() if self.ranks is not None else None)
         except Unpredictable as exc:
             self._cannot_predict(str(exc))
             return self._measured(config)
@@ -247,6 +257,12 @@ class Predictor:
 
     def _cannot_measure(self, why: str) -> str | None:
         """Why this model cannot be measured for real here instead (one line), or None where it can."""
+        if self.ranks is not None:
+            job = self.ranks.job
+            return (f"{self.model_name} cannot run under fake tensors ({why}), and one rank of a --parallel "
+                    f"{job.wrapper} job cannot be measured for real in this process instead (the fake process "
+                    f"group's collectives move nothing): run the job under torchrun --nproc-per-node "
+                    f"{job.world_size} without --dry-run")
         if self.device.type != "cpu":
             return (f"{self.model_name} cannot run under fake tensors ({why}), and a dry run for {self.device.type} "
                     f"cannot measure it on the CPU instead: run it without --dry-run")

@@ -37,25 +37,32 @@ class Wrapping:
             raise UsageError(f"a plan with +state keeps FSDP2's sharded state in host memory: it needs --parallel fsdp, "
                              f"not {self.job.wrapper}")
         if self.job.wrapper == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            return DistributedDataParallel(model, device_ids=ids, process_group=self.group)
-        from torch.distributed.device_mesh import DeviceMesh
-
+            return self._ddp(model)
         try:
             from torch.distributed.fsdp import fully_shard
         except ImportError:  # torch < 2.6
             from torch.distributed._composable.fsdp import fully_shard
-        # A mesh named for this trial: meshes of equal ranks and names are equal, and DTensor's caches (the
-        # sharding plans of clip_grad_norm_, of the GradScaler's unscale_) would hand a later trial the group
-        # of an earlier one, destroyed by then ("Could not resolve the process group registered under ...").
-        mesh = DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=(f"trial{self.job.trials}",))
+        mesh = self._mesh()
         policy = {"offload_policy": offload_policy(self.device)} if offload_state else {}
         for path in blocks:
             fully_shard(model.get_submodule(path), mesh=mesh, **policy)
         fully_shard(model, mesh=mesh, **policy)
         return model
+
+    def _ddp(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, process_group=self.group)
+
+    def _mesh(self) -> Any:
+        """The trial's one-dimensional device mesh over its group."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        # A mesh named for this trial: meshes of equal ranks and names are equal, and DTensor's caches (the
+        # sharding plans of clip_grad_norm_, of the GradScaler's unscale_) would hand a later trial the group
+        # of an earlier one, destroyed by then ("Could not resolve the process group registered under ...").
+        return DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=(f"trial{self.job.trials}",))
 
     def slowest(self, seconds: float, late: bool) -> tuple[float, bool]:
         """The slowest rank's time of this step, and whether any rank would run past its time limit next."""

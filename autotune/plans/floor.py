@@ -116,8 +116,9 @@ def measure_floor(model: nn.Module, chain: Chain | None, run: Callable[[], Any])
 
 
 def state_levers(parts: dict[str, int], optimizer: str, guessed: bool, budget_bytes: int, headroom: float,
-                 host_bytes: int | None, floor: Floor | str | None = None) -> str:
+                 host_bytes: int | None, floor: Floor | str | None = None, *, shards: int = 1) -> str:
     """One line: the state by part, against the budget, and what would fit (autotune.preparation's state check).
+    ``shards``: the FSDP ranks the state is already sharded over (each holds 1/shards of it).
 
     With ``floor`` measured, sharding needs room on each rank for its share of the state, the largest block's
     weights (gathered whole while it computes) and batch 1's activations; unmeasured (a string: why), it leaves
@@ -136,10 +137,13 @@ def state_levers(parts: dict[str, int], optimizer: str, guessed: bool, budget_by
     else:
         room = 0.75 * usable
         step = f" (activations not measured: {floor})" if isinstance(floor, str) else ""
+    sharded = (f", {about}{format_bytes(total / shards)} on each of {shards} ranks sharded by FSDP2" if shards > 1
+               else "")
     head = (f"nothing fits: training {'the' if not guessed else 'this'} model needs {about}{format_bytes(total)} "
             f"before any activation (weights {format_bytes(parts['weights'])}, gradients "
-            f"{format_bytes(parts['gradients'])}, {optimizer} state {about}{format_bytes(parts['optimizer_state'])}), more "
-            f"than --budget {format_bytes(budget_bytes)} less {headroom:.0%} headroom ({format_bytes(usable)}){step}")
+            f"{format_bytes(parts['gradients'])}, {optimizer} state {about}{format_bytes(parts['optimizer_state'])})"
+            f"{sharded}, more than --budget {format_bytes(budget_bytes)} less {headroom:.0%} headroom "
+            f"({format_bytes(usable)}){step}")
     if room <= 0:
         return (f"{head}; even without any state, batch 1's activations and one block's weights exceed the budget: "
                 f"no sharding or state offload fits it; raise --budget")
@@ -149,7 +153,8 @@ def state_levers(parts: dict[str, int], optimizer: str, guessed: bool, budget_by
     device = (f": {format_bytes(measured.activations + measured.block_weights)} at batch 1" if measured else "")
     return (f"{head}; it would fit sharded over {ranks} ranks (--parallel fsdp under torchrun --nproc-per-node "
             f"{ranks}: {format_bytes(total / ranks)} of state on each, {format_bytes(usable - total / ranks)} left for "
-            f"the gathered block and activations), or with the state in host memory (--parallel fsdp --offload state, "
+            f"the gathered block and activations; predict one rank first with --dry-run --parallel fsdp --world-size "
+            f"{ranks}), or with the state in host memory (--parallel fsdp --offload state, "
             f"FSDP2's CPUOffloadPolicy, on one rank too: {format_bytes(total)} of host memory{host}; the device keeps the activations and the weights of "
             f"the block being computed{device}){_smaller_state(parts, usable)}")
 

@@ -275,7 +275,13 @@ def nothing_fits_hint(report: "Report") -> str:
         tries.append("--offload none,activations (what the plans keep for the backward pass held in host memory)")
     state = report.workload.get("fixed_bytes")
     hosted = any(Plan(s).state for s in space["segments"])  # plans +state: the state was already off the device
-    if state and report.budget_bytes and state > 0.5 * usable_bytes(report.budget_bytes, report.headroom):
+    sharded = (report.distributed or {}).get("wrapper") == "fsdp"
+    if state and report.budget_bytes and sharded:  # a rank's share already: more ranks, or the state in host memory
+        n = report.distributed["world_size"]
+        tries.append(f"sharding the training state ({format_bytes(state)} of weights, gradients and optimizer state) "
+                     f"over more than {n} ranks" + (" (--world-size in a dry run)" if report.dry_run else "") + (
+                         "" if hosted else ", or holding it in host memory with --offload none,state"))
+    elif state and report.budget_bytes and state > 0.5 * usable_bytes(report.budget_bytes, report.headroom):
         tries.append(f"sharding the training state ({format_bytes(state)} of weights, gradients and optimizer state, "
                      f"over half the budget) with --parallel fsdp under torchrun" + (
                          "" if hosted else ", or holding it in host memory there with --offload none,state"))
@@ -284,9 +290,11 @@ def nothing_fits_hint(report: "Report") -> str:
              if smallest else "")
     floor = report.workload.get("floor")
     if floor and state:
+        share = state / report.distributed["world_size"] if sharded else state  # a rank's share of the state
         least += (f"; at batch 1 with every block recomputed a step needs about "
-                  f"{format_bytes(state + floor['activations'])} ({format_bytes(state)} of weights, gradients and "
-                  f"optimizer state, {format_bytes(floor['activations'])} of activations, measured at "
+                  f"{format_bytes(share + floor['activations'])} ({format_bytes(share)} of weights, gradients and "
+                  f"optimizer state{' on each rank' if sharded else ''}, {format_bytes(floor['activations'])} of "
+                  f"activations, measured at "
                   f"{floor['precision']}" + (f"; with the state in host memory the activations and the gathered "
                                              f"block's weights, {format_bytes(floor['activations'] + floor['block_weights'])}"
                                              if hosted and "block_weights" in floor else "") + ")")

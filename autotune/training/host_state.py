@@ -94,12 +94,13 @@ def wrap_bytes(model: nn.Module, blocks: Iterable[str], world_size: int) -> int:
 
 
 def _host_storage_bytes(tensors: Iterable[Any]) -> int:
-    """The bytes of the distinct CPU storages of ``tensors`` (a DTensor's: its local shard's; non-tensors skipped)."""
+    """The bytes of the distinct CPU storages of ``tensors`` (a DTensor's: its local shard's; non-tensors skipped),
+    told apart by their StorageImpl, which views share (a dry run's fake tensors have no data pointer)."""
     storages = {}
     for t in plain_tensors(tensors):
         if t.device.type == "cpu":
             storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())
 
 
