@@ -13,7 +13,8 @@
    state per parameter and a limit per plan.
 4. **A 2-layer slice of the same widths** (256 tokens, bf16, plans 0, all and sac-linear) trained for real beside
    its prediction.
-5. **A 7B shape planned for 80 GiB**: the state-does-not-fit answer (exit 3) without building the model.
+5. **A 7B shape planned for 80 GiB**: the state-does-not-fit answer (exit 3) without building the model, and the
+   rank count it suggests checked by predicting one rank of an FSDP job of 2 (``--world-size 2``).
 
 Writes ``results/dry_run-cpu.json`` and ``.md`` (docs/dry-run.md includes the table). ``--quick`` skips 3-5.
 """
@@ -144,6 +145,21 @@ def seven_b(out_dir: str) -> dict:
                  "--precisions", "bf16", "--dry-run"], os.path.join(out_dir, ".tmp", "7b-dry-run.json"))
 
 
+def seven_b_sharded(out_dir: str) -> dict:
+    """The rank count the 7B answer suggests, checked: one rank of an FSDP job of 2 predicted on a fake process group."""
+    out = os.path.join(out_dir, ".tmp", "7b-fsdp2-dry-run.json")
+    run = _cli(["--model", LLAMA, "--model-kwargs", json.dumps(SEVEN_B), "--device", "cpu", "--budget", "80GiB",
+                "--precisions", "bf16", "--dry-run", "--parallel", "fsdp", "--world-size", "2"], out)
+    with open(out) as f:
+        report = json.load(f)
+    usable = report["budget_bytes"] * (1 - report["headroom"])
+    run.update(predictions=len(report["trials"]),
+               limits={r["segments"]: [r["max_batch_size"], r["min_oom_batch_size"]] for r in report["limits"]},
+               fits_within_headroom=sorted({t["segments"] for t in report["trials"]
+                                            if t["status"] == "ok" and t["peak_bytes"] <= usable}))
+    return run
+
+
 def markdown(data: dict) -> str:
     rows = data["plan_kinds"]
     exact = sum(r["measured_peak_bytes"] == r["predicted_peak_bytes"] for r in rows)
@@ -188,6 +204,15 @@ def markdown(data: dict) -> str:
         sb = data["seven_b"]
         lines += ["", f"**A 7B shape planned for 80 GiB** (`{sb['command']}`): exit {sb['exit']} in {sb['wall_s']} s, "
                       f"the process at {format_bytes(sb['max_rss_bytes'])}:", "", f"> {sb['said']}"]
+        if "seven_b_sharded" in data:
+            sh = data["seven_b_sharded"]
+            lines += ["", f"**Its rank count checked** (`{sh['command']}`: one rank of 2 predicted on a fake process "
+                          f"group): exit {sh['exit']} in {sh['wall_s']} s, {sh['predictions']} predictions, the process "
+                          f"at {format_bytes(sh['max_rss_bytes'])}. Plans with a configuration predicted within the "
+                          f"budget less headroom: {', '.join(sh['fits_within_headroom']) or 'none'}. Limits per rank "
+                          f"(largest batch that fits, the next one): " + ", ".join(
+                              f"{p}: {v[0] if v[0] is not None else 'none'} ({v[1]})" for p, v in sh["limits"].items())
+                      + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -205,7 +230,8 @@ def main() -> None:
             "environment": {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__},
             "plan_kinds": plan_kinds(), "exact_limits": exact_limits()}
     if not args.quick:
-        data.update(llama=llama(args.out), slice=llama_slice(), seven_b=seven_b(args.out))
+        data.update(llama=llama(args.out), slice=llama_slice(), seven_b=seven_b(args.out),
+                    seven_b_sharded=seven_b_sharded(args.out))
     with open(os.path.join(args.out, "dry_run-cpu.json"), "w") as f:
         json.dump(data, f, indent=2)
         f.write("\n")

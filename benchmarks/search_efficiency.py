@@ -449,6 +449,11 @@ def default_run(args, folder):
                       for p in report.probe or ()]}
 
 
+def _by_prediction(model, rule: str) -> int:
+    """How many of auto's limits have a side implied by a confirmed prediction (``min_oom_rule`` or ``max_rule``)."""
+    return sum(r.get(rule) == "prediction" for r in model.get("auto_limits", ()))
+
+
 def markdown(data) -> str:
     env = data["environment"]
     lines = [f"# Search efficiency ({env['device_name']}, torch {env['torch_version']}, {env.get('torch_threads', '')} threads)",
@@ -469,8 +474,11 @@ def markdown(data) -> str:
             lines += ["", f"auto: {auto['memory_trials']} of its {auto['trials']} trials were memory trials (metered, not "
                       f"timed), {auto['timed_after_memory_trial']} of them timed later; {auto['timed_again']} near ties "
                       f"timed again; {auto['failures_implied']} limits' failing side implied by a plan that needs no "
-                      f"more memory and {auto.get('failures_implied_by_line', 0)} by the plan's own memory line. "
-                      f"Wall time {auto['seconds'] / grid['seconds']:.0%} of the grid's."]
+                      f"more memory, {auto.get('failures_implied_by_line', 0)} by the plan's own memory line and "
+                      f"{_by_prediction(model, 'min_oom_rule')} by its prediction; "
+                      f"{_by_prediction(model, 'max_rule')} largest fits implied by the plan's prediction (each "
+                      f"plan's predictions confirmed by a trial of it within 1%). Wall time "
+                      f"{auto['seconds'] / grid['seconds']:.0%} of the grid's, its predictions' seconds included."]
         floor = next((r for r in model["methods"] if r["method"] == "oracle"), None)
         if auto and floor:
             lines += ["", f"oracle: the fewest trials that know every limit (computed from the grid's trials: each plan's "

@@ -1,8 +1,8 @@
 """``auto`` started from the space predicted under fake tensors (:mod:`autotune.search.predicted`).
 
 The rules first, on synthetic peaks (:mod:`tests.test_strategies`' curves): a prediction stands for a variant only
-once a measured trial of it agrees within 1%; it implies failing sides, never a fitting one; a prediction that a
-measurement contradicts is dropped for its variant. Then a real search on a bundled model, whose predictions the
+once a measured trial of it agrees within 1%; it then implies the variant's sizes clear of the limit by more than 1%
+(fitting or not); a prediction that a measurement contradicts is dropped for its variant. Then a real search on a bundled model, whose predictions the
 tensor meter confirms to the byte.
 """
 
@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 
 import autotune
-from autotune.analysis.pareto import PREDICTION_TOLERANCE, batch_limits, confirmed, prediction_failures
+from autotune.analysis.pareto import (PREDICTION_TOLERANCE, batch_limits, confirmed, prediction_failures,
+                                      prediction_fits)
 from autotune.records import PREDICTED, Config, Measurement
 from autotune.search.predicted import predict_space
 from autotune.search.strategies import AutoStrategy, GridStrategy
@@ -78,10 +79,14 @@ def test_a_prediction_stands_only_where_a_measured_trial_agrees_within_one_perce
 
 
 def test_a_peak_predicted_within_the_tolerance_of_the_limit_is_measured_not_implied():
-    a, b = Config("fp32", "0", 8), Config("fp32", "0", 16)
-    near = int(BUDGET * (1 + PREDICTION_TOLERANCE / 2))
-    predictions = {a: _ok(a, 100 * MiB), b: _ok(b, near)}
-    assert prediction_failures([_ok(a, 100 * MiB)], BUDGET, predictions) == {}
+    a, b, c = Config("fp32", "0", 8), Config("fp32", "0", 16), Config("fp32", "0", 32)
+    for near in (int(BUDGET * (1 + PREDICTION_TOLERANCE / 2)), int(BUDGET * (1 - PREDICTION_TOLERANCE / 2))):
+        predictions = {a: _ok(a, 100 * MiB), b: _ok(b, near)}
+        assert prediction_failures([_ok(a, 100 * MiB)], BUDGET, predictions) == {}
+        assert prediction_fits([_ok(a, 100 * MiB)], BUDGET, predictions) == {}
+    clear = {a: _ok(a, 100 * MiB), b: _ok(b, 200 * MiB), c: _ok(c, int(BUDGET * (1 - 2 * PREDICTION_TOLERANCE)))}
+    assert prediction_fits([_ok(a, 100 * MiB)], BUDGET, clear) == {b: (200 * MiB, a), c: (clear[c].peak_bytes, a)}
+    assert prediction_fits([], BUDGET, clear) == {}  # unconfirmed: nothing implied
 
 
 @pytest.mark.parametrize("curve", [linear, noisy])
@@ -95,10 +100,21 @@ def test_auto_seeded_by_exact_predictions_finds_the_grids_limits_in_fewer_trials
     found = {(r["precision"], r["segments"]): (r["max_batch_size"], r["bracketed"]) for r in rows}
     assert found == grid_limits(trial)
     assert seeded.trials < unseeded.trials
-    for r in rows:  # every largest fit measured; failing sides implied by prediction where one stands
-        assert Config(r["precision"], r["segments"], r["max_batch_size"]) in seeded
+    _limits_measured_or_confirmed(rows, seeded)
+    assert any(r.get("max_rule") == "prediction" for r in rows)
+
+
+def _limits_measured_or_confirmed(rows, measured):
+    """Every largest fit measured, or implied by a prediction its plan's measured trial confirmed; every failing side
+    implied by a prediction has no trial of its own."""
+    for r in rows:
+        largest = Config(r["precision"], r["segments"], r["max_batch_size"])
+        if r.get("max_rule") == "prediction":
+            assert largest not in measured and r["max_implied_by"] in {str(c) for c in measured}
+        else:
+            assert largest in measured
         if r.get("min_oom_rule") == "prediction":
-            assert Config(r["precision"], r["segments"], r["min_oom_batch_size"]) not in seeded
+            assert Config(r["precision"], r["segments"], r["min_oom_batch_size"]) not in measured
 
 
 def test_predictions_a_measurement_contradicts_are_dropped_and_the_limits_stay_the_grids():
@@ -124,8 +140,7 @@ def test_a_real_search_starts_from_predictions_that_its_trials_confirm_to_the_by
     assert both and all(m.peak_bytes == predictions[m.config].peak_bytes for m in both if m.status == "ok")
     rows = report.limits
     assert any(r.get("min_oom_rule") == "prediction" for r in rows)
-    for r in rows:
-        assert Config(r["precision"], r["segments"], r["max_batch_size"]) in {m.config for m in report.trials}
+    _limits_measured_or_confirmed(rows, {m.config: m for m in report.trials})
     again = autotune.Report.from_dict(report.to_dict())  # the predictions travel with the report, and so do its limits
     assert again.predictions == report.predictions and again.limits == rows
 

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from autotune.analysis.memory_model import MemoryModel
 
 __all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "bracket", "implied_failures", "LineRule",
-           "line_failures", "PREDICTION_TOLERANCE", "confirmed", "prediction_failures", "probe_candidates", "choose",
-           "bisect_limit"]
+           "line_failures", "PREDICTION_TOLERANCE", "confirmed", "prediction_failures", "prediction_fits",
+           "probe_candidates", "choose", "bisect_limit"]
 
 # How far a measured peak may lie from its prediction for the prediction to stand for the variant's other sizes, and
 # how far clear of a limit a predicted peak must be to imply that its size does not fit. On the tensor meter a
@@ -94,7 +94,8 @@ def implied_failures(measurements: Iterable[Measurement], limit: float | None, p
 
     A plan that needs no more memory than another (:meth:`autotune.plans.Plan.needs_no_more_memory_than`)
     and ran out of memory at a batch size means the other does not fit there either. Only the
-    failing side of a bracket is ever implied; every largest fitting batch is a measured trial.
+    failing side of a bracket is implied so (a largest fitting batch is measured, or implied by a confirmed
+    prediction: :func:`prediction_fits`).
     """
     measured = {m.config: m for m in measurements}
     implied: dict[Config, Config] = {}
@@ -223,6 +224,21 @@ def prediction_failures(measurements: Iterable[Measurement], limit: float | None
     return implied
 
 
+def prediction_fits(measurements: Iterable[Measurement], limit: float | None,
+                    predictions: Mapping[Config, Measurement] | None,
+                    tolerance: float = PREDICTION_TOLERANCE) -> dict[Config, tuple[int, Config]]:
+    """Configurations not measured that a confirmed prediction (:func:`confirmed`) says fit ``limit``, clear of it by
+    more than ``tolerance``: {config: (predicted peak bytes, the trial that confirmed its variant's predictions)}."""
+    if not predictions:
+        return {}
+    measurements = list(measurements)
+    measured = {m.config for m in measurements}
+    standing = confirmed(measurements, predictions, tolerance)
+    return {c: (p.peak_bytes, standing[c.variant]) for c, p in predictions.items()
+            if c.variant in standing and c not in measured and p.status == "ok" and p.peak_bytes
+            and (limit is None or p.peak_bytes <= (1 - tolerance) * limit)}
+
+
 def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, *,
                  batch_sizes: Sequence[int] | None = None, model: "MemoryModel | None" = None,
                  plans: Iterable[str] = (), blocks: int | None = None, line_rule: LineRule | None = None,
@@ -243,20 +259,14 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
     variants: dict[tuple[str, str], list[Measurement]] = {}
     for m in measurements:
         variants.setdefault(m.config.variant, []).append(m)
-    by_variant: dict[tuple[str, str], dict[int, dict]] = {}
-    line = line_failures(measurements, budget_bytes, batch_sizes or (), line_rule)
-    for config, predicted in line.items():
-        by_variant.setdefault(config.variant, {})[config.batch_size] = {
-            "min_oom_implied_by": "memory line", "min_oom_rule": line_rule.name, "min_oom_predicted_bytes": predicted}
-    for config, (predicted, source) in prediction_failures(measurements, budget_bytes, predictions).items():
-        by_variant.setdefault(config.variant, {})[config.batch_size] = {
-            "min_oom_implied_by": str(source), "min_oom_rule": "prediction", "min_oom_predicted_bytes": predicted}
-    for config, source in implied_failures(measurements, budget_bytes, plans, blocks).items():  # a measured trial first
-        by_variant.setdefault(config.variant, {})[config.batch_size] = {
-            "min_oom_implied_by": str(source), "min_oom_rule": "nested-plan"}
+    by_variant = _implied_failing_sides(measurements, budget_bytes, batch_sizes, plans, blocks, line_rule, predictions)
+    fits_implied: dict[tuple[str, str], dict[int, tuple[int, Config]]] = {}
+    for config, implied in prediction_fits(measurements, budget_bytes, predictions).items():
+        fits_implied.setdefault(config.variant, {})[config.batch_size] = implied
     rows = []
     for (precision, segments), trials in variants.items():  # in the order the trials came
-        fitting = [m.batch_size for m in trials if m.fits(budget_bytes)]
+        own_fits = fits_implied.get((precision, segments), {})
+        fitting = [m.batch_size for m in trials if m.fits(budget_bytes)] + list(own_fits)
         too_big: dict[int, dict | None] = {m.batch_size: None for m in trials if _too_big(m, budget_bytes)}
         above = max(fitting, default=0)
         for b, source in by_variant.get((precision, segments), {}).items():
@@ -271,9 +281,12 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
         }
         if smallest is not None and too_big[smallest] is not None:
             row.update(too_big[smallest])
+        if row["max_batch_size"] in own_fits:  # no trial of its own: the confirmed prediction says it fits
+            predicted, source = own_fits[row["max_batch_size"]]
+            row.update(max_implied_by=str(source), max_rule="prediction", max_predicted_bytes=predicted)
         if batch_sizes is not None:
             sizes = sorted(batch_sizes)
-            outcomes = {b: False for b in too_big if b in sizes}
+            outcomes = {b: False for b in too_big if b in sizes} | {b: True for b in own_fits if b in sizes}
             outcomes.update({m.batch_size: m.fits(budget_bytes) for m in trials if m.batch_size in sizes})
             lo, hi = bracket(sizes, outcomes)
             row["bracketed"] = hi == lo + 1
@@ -282,6 +295,25 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
                 row["predicted_max_batch_size"] = open_[-1] if open_ else row["max_batch_size"]
         rows.append(row)
     return rows
+
+
+def _implied_failing_sides(measurements: list[Measurement], budget_bytes: int | None, batch_sizes: Sequence[int] | None,
+                           plans: Iterable[str], blocks: int | None, line_rule: LineRule | None,
+                           predictions: Mapping[Config, Measurement] | None) -> dict[tuple[str, str], dict[int, dict]]:
+    """{variant: {batch size: how its failure is implied}}: by the memory line, by a confirmed prediction, or by a
+    measured failure of a plan that needs no more memory (the last said wins: a measured trial first)."""
+    by_variant: dict[tuple[str, str], dict[int, dict]] = {}
+    line = line_failures(measurements, budget_bytes, batch_sizes or (), line_rule)
+    for config, predicted in line.items():
+        by_variant.setdefault(config.variant, {})[config.batch_size] = {
+            "min_oom_implied_by": "memory line", "min_oom_rule": line_rule.name, "min_oom_predicted_bytes": predicted}
+    for config, (predicted, source) in prediction_failures(measurements, budget_bytes, predictions).items():
+        by_variant.setdefault(config.variant, {})[config.batch_size] = {
+            "min_oom_implied_by": str(source), "min_oom_rule": "prediction", "min_oom_predicted_bytes": predicted}
+    for config, source in implied_failures(measurements, budget_bytes, plans, blocks).items():
+        by_variant.setdefault(config.variant, {})[config.batch_size] = {
+            "min_oom_implied_by": str(source), "min_oom_rule": "nested-plan"}
+    return by_variant
 
 
 def bisect_limit(fits: Callable[[int], bool], lo: int, hi: int, multiple: int = 1) -> tuple[int, int]:

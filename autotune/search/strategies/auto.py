@@ -46,7 +46,8 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from autotune.analysis.memory_model import MemoryModel, fit_line
-from autotune.analysis.pareto import LineRule, bracket, confirmed, implied_failures, line_failures, prediction_failures
+from autotune.analysis.pareto import (LineRule, bracket, confirmed, implied_failures, line_failures, prediction_failures,
+                                      prediction_fits)
 from autotune.plans import Plan
 from autotune.records import Config, Measurement, usable_bytes
 from autotune.search.space import SearchSpace
@@ -153,20 +154,25 @@ class _View:
         self.by_variant: dict[tuple[str, str], dict[int, Measurement]] = {}
         for c, m in measured.items():
             self.by_variant.setdefault(c.variant, {})[c.batch_size] = m
-        self._implied: dict[float | None, dict[Config, object]] = {}
+        self._implied: dict[float | None, tuple[dict[Config, object], dict[Config, object]]] = {}
+        self.standing = confirmed(measured.values(), self.predictions)  # variants whose predictions a trial confirmed
         # Variants whose predictions a measured trial contradicted: searched on measurements alone
         self.refuted = {c.variant for c, m in measured.items() if c in self.predictions and m.status == "ok"
                         and m.peak_bytes and c.variant not in confirmed([m], self.predictions)}
 
     def outcomes(self, variant: tuple[str, str], limit: float | None) -> dict[int, bool]:
         """Batch size -> fits ``limit``: measured, or implied not to by a plan that needs no more memory, by the
-        variant's memory line (:class:`~autotune.analysis.pareto.LineRule`) or by its confirmed predictions."""
+        variant's memory line (:class:`~autotune.analysis.pareto.LineRule`) or by its confirmed predictions, or
+        implied to by its confirmed predictions (clear of ``limit``)."""
         if limit not in self._implied:
-            self._implied[limit] = {
+            self._implied[limit] = ({
                 **line_failures(self.measured.values(), limit, self.sizes, self.line_rule),
                 **prediction_failures(self.measured.values(), limit, self.predictions),
-                **implied_failures(self.measured.values(), limit, self.space.segments, self.space.blocks)}
-        known = {c.batch_size: False for c in self._implied[limit] if c.variant == variant}
+                **implied_failures(self.measured.values(), limit, self.space.segments, self.space.blocks)},
+                prediction_fits(self.measured.values(), limit, self.predictions))
+        fails, fits = self._implied[limit]
+        known = {c.batch_size: False for c in fails if c.variant == variant}
+        known.update({c.batch_size: True for c in fits if c.variant == variant})
         known.update({b: m.fits(limit) for b, m in self.by_variant.get(variant, {}).items()})
         return known
 
@@ -307,6 +313,7 @@ class AutoStrategy(Strategy):
             margin = view.line_rule.margin if view.line_rule and not view.by_prediction(variant) else 1.0
             b = next_in_bracket(view.sizes, view.outcomes(variant, enforced_bytes), view.predicted(variant),
                                 enforced_bytes, len(own), margin=margin, top_first=top_first)
+            b = self._confirming_size(view, variant, own) or b
             if b is None:
                 continue
             if variant in view.busy:
@@ -320,6 +327,20 @@ class AutoStrategy(Strategy):
                 for limit in self._limits(enforced_bytes) for envelope in view.envelopes(config.precision, limit))
             return Proposal(config, timed=wanted)
         return _WAIT if waiting else None
+
+    @staticmethod
+    def _confirming_size(view: _View, variant: tuple[str, str], own: Mapping[int, Measurement]) -> int | None:
+        """Where a plan with recompute checks its predictions: the space's middle size, cheap to measure and large
+        enough that activations weigh in the comparison; once a trial there agrees, the predictions close the plan's
+        bracket (:func:`~autotune.analysis.pareto.prediction_fits`). None where the plan has no predictions, has them
+        confirmed or contradicted already, is the plan without recompute (its bracket begins at its predicted limit,
+        where the climb starts), or is predicted not to fit there."""
+        middle = view.sizes[len(view.sizes) // 2]
+        p = view.predictions.get(Config(*variant, middle))
+        if (not view.by_prediction(variant) or variant in view.standing or variant[1] == view.ordered[0] or own
+                or p is None or p.status != "ok"):
+            return None
+        return middle
 
     def _other_budgets(self, view: _View, enforced_bytes: int | None) -> Proposal | None:
         """2. Smaller budgets: a memory trial only where neither the measurements nor the model settle a boundary."""
