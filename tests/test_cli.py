@@ -270,10 +270,16 @@ def test_show_of_a_report_where_nothing_fits_still_plots_and_exits_3(tmp_path, c
 @pytest.mark.parametrize("signame,code,swallowed_type,said", [("SIGTERM", 143, "Terminated", "stopped by SIGTERM"),
                                                               ("SIGINT", 130, "KeyboardInterrupt", "interrupted")])
 def test_a_signal_whose_exception_a_finalizer_swallowed_still_stops_the_search_at_the_next_trial(
-        tmp_path, monkeypatch, capsys, signame, code, swallowed_type, said):
+        tmp_path, monkeypatch, capsys, request, signame, code, swallowed_type, said):
     # Python runs a signal's handler wherever the main thread is, a finalizer included, and drops an exception
     # raised there ("Exception ignored in ..."): as SQLAlchemy's weakref callbacks did once in CI
     import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started as a background job, where bash ignores SIGINT and the CLI rightly leaves it ignored: this test is of
+        # a foreground start's handler, so the process starts as one would
+        request.addfinalizer(lambda old=signal.signal(signal.SIGINT, signal.default_int_handler): signal.signal(
+            signal.SIGINT, old))
 
     from autotune.cli.progress import Progress
 
