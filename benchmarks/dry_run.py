@@ -190,8 +190,7 @@ def markdown(data: dict) -> str:
                       f"the process peaked at {format_bytes(ll['max_rss_bytes'])}; the state is "
                       f"{format_bytes(ll['state_bytes'])}, {ll['state_bytes_per_parameter']} bytes a parameter "
                       f"(weights, gradients and AdamW's two moments, fp32). Limits (largest batch that fits, the next "
-                      f"one): " + ", ".join(f"{p}: {v[0] if v[0] is not None else 'none'} ({v[1]})"
-                                            for p, v in ll["limits"].items()) + "."]
+                      f"one): " + _limits_text(ll["limits"]) + "."]
         if ll["failed"]:
             lines += ["", f"Plans {', '.join(sorted(ll['failed']))} failed their prediction "
                           f"(`{next(iter(ll['failed'].values()))}`); the same step fails for real on the slice below, "
@@ -210,10 +209,14 @@ def markdown(data: dict) -> str:
                           f"group): exit {sh['exit']} in {sh['wall_s']} s, {sh['predictions']} predictions, the process "
                           f"at {format_bytes(sh['max_rss_bytes'])}. Plans with a configuration predicted within the "
                           f"budget less headroom: {', '.join(sh['fits_within_headroom']) or 'none'}. Limits per rank "
-                          f"(largest batch that fits, the next one): " + ", ".join(
-                              f"{p}: {v[0] if v[0] is not None else 'none'} ({v[1]})" for p, v in sh["limits"].items())
+                          f"(largest batch that fits, the next one): " + _limits_text(sh["limits"])
                       + "."]
     return "\n".join(lines) + "\n"
+
+
+def _limits_text(limits: dict) -> str:
+    """``plan: largest batch that fits (the next one)``, for each plan of a dry run's report."""
+    return ", ".join(f"{p}: {v[0] if v[0] is not None else 'none'} ({v[1]})" for p, v in limits.items())
 
 
 def _median(values: list[float]) -> float:

@@ -200,14 +200,15 @@ def grid_predictions(report, grid) -> dict:
     return predict_space(SearchSpace(**report.search["space"]), predict, limits, fixed_bytes=report.workload.get("fixed_bytes"))
 
 
-def replay(report, predicted: bool = False) -> list[Measurement]:
+def replay(report, predictions: dict | None = None) -> list[Measurement]:
     """``auto``'s trials replayed on a grid report's own: each proposal answered by the grid's trial of it.
 
     Peaks are the same in every run of a configuration (the claims benchmark checks it byte for
     byte), so the bracket replays exactly; step times are the grid's single run's, so the climb and
     the near ties follow one run's noise. A memory trial gets the grid's peaks without its times; a
     near tie timed again keeps its times and counts a second timing. Returns the trials in order
-    (a configuration timed again appears twice). Seconds: none, this takes well under one.
+    (a configuration timed again appears twice). Seconds: none, this takes well under one. ``predictions``
+    (:func:`grid_predictions`): what the search starts from, as the tuner's prediction stage gives it.
     """
     import dataclasses
 
@@ -215,7 +216,6 @@ def replay(report, predicted: bool = False) -> list[Measurement]:
 
     grid = {m.config: m for m in report.trials}
     space = SearchSpace(**report.search["space"])
-    predictions = grid_predictions(report, grid) if predicted else None
     strategy = AutoStrategy(headroom=report.headroom, fixed_bytes_hint=report.workload.get("fixed_bytes"),
                             line_rule=report.line_rule, predictions=predictions)
     measured: dict[Config, Measurement] = {}
@@ -236,13 +236,13 @@ def replay(report, predicted: bool = False) -> list[Measurement]:
 
 def replay_summary(report, predicted: bool = False) -> dict:
     """Replayed auto against the oracle and the grid: trials, their ratio, whether every limit is the grid's."""
-    trials = replay(report, predicted)
+    predictions = grid_predictions(report, {m.config: m for m in report.trials}) if predicted else None
+    trials = replay(report, predictions)
     space = report.search["space"]
-    grid = {m.config: m for m in report.trials}
     found = {(r["precision"], r["segments"]): r["max_batch_size"] if r.get("bracketed") else None
              for r in batch_limits(trials, report.budget_bytes, batch_sizes=space["batch_sizes"], plans=space["segments"],
                                    blocks=space.get("blocks"), line_rule=report.line_rule,
-                                   predictions=grid_predictions(report, grid) if predicted else None)}
+                                   predictions=predictions)}
     exact = {(r["precision"], r["segments"]): r["max_batch_size"] for r in report.limits}
     floor = oracle(report)
     chosen = recommend(list({m.config: m for m in trials}.values()), report.budget_bytes, report.headroom)

@@ -89,33 +89,22 @@ def _limit_lines(report: Any) -> list[str]:
         + (f" ({row['min_oom_batch_size']})" if exact and row["min_oom_batch_size"] is not None else "")
         for row in limits
     ))
-    nested = [row for row in limits if row.get("min_oom_rule", "nested-plan") == "nested-plan" and "min_oom_implied_by" in row]
-    if nested:
-        lines.append(f"{len(nested)} of these limits end where a plan that needs no more memory ran out of it at the "
-                     f"next size (no trial of its own): " + ", ".join(
-                         f"{row['precision']}/{row['segments']} by {row['min_oom_implied_by']}" for row in nested))
-    by_line = [row for row in limits if row.get("min_oom_rule") == "memory-line"]
-    if by_line:
-        lines.append(f"{len(by_line)} end where the plan's own memory line (the measured state plus its trials' bytes per "
-                     f"sample) predicts {report.line_rule.margin:g}x the budget or more at the next size (no trial of its "
-                     f"own): " + ", ".join(
-                         f"{row['precision']}/{row['segments']} at {row['min_oom_batch_size']} "
-                         f"({format_bytes(row['min_oom_predicted_bytes'])})" for row in by_line))
-    fit_by_prediction = [row for row in limits if row.get("max_rule") == "prediction"]
-    if fit_by_prediction:
-        lines.append(f"{len(fit_by_prediction)} largest fits are the search's predictions (under fake tensors), clear "
-                     f"of the budget by 1% or more and confirmed by a trial of the plan equal to its prediction within "
-                     f"1% (no trial of their own): " + ", ".join(
-                         f"{row['precision']}/{row['segments']} at {row['max_batch_size']} "
-                         f"({format_bytes(row['max_predicted_bytes'])} predicted, by {row['max_implied_by']})"
-                         for row in fit_by_prediction))
-    by_prediction = [row for row in limits if row.get("min_oom_rule") == "prediction"]
-    if by_prediction:
-        lines.append(f"{len(by_prediction)} end where the search's prediction (under fake tensors, before it measured) "
-                     f"says the next size does not fit, confirmed by a trial of the plan equal to its prediction within "
-                     f"1% (no trial of its own): " + ", ".join(
-                         f"{row['precision']}/{row['segments']} at {row['min_oom_batch_size']} "
-                         f"({format_bytes(row['min_oom_predicted_bytes'])} predicted)" for row in by_prediction))
+    _implied(lines, [r for r in limits if r.get("min_oom_rule", "nested-plan") == "nested-plan" and "min_oom_implied_by" in r],
+             "of these limits end where a plan that needs no more memory ran out of it at the next size (no trial of "
+             "its own)", lambda row: f"by {row['min_oom_implied_by']}")
+    _implied(lines, [r for r in limits if r.get("min_oom_rule") == "memory-line"],
+             f"end where the plan's own memory line (the measured state plus its trials' bytes per sample) predicts "
+             f"{report.line_rule.margin:g}x the budget or more at the next size (no trial of its own)" if report.line_rule
+             else "", lambda row: f"at {row['min_oom_batch_size']} ({format_bytes(row['min_oom_predicted_bytes'])})")
+    _implied(lines, [r for r in limits if r.get("max_rule") == "prediction"],
+             "largest fits are the search's predictions (under fake tensors), clear of the budget by 1% or more and "
+             "confirmed by a trial of the plan equal to its prediction within 1% (no trial of their own)",
+             lambda row: f"at {row['max_batch_size']} ({format_bytes(row['max_predicted_bytes'])} predicted, by "
+                         f"{row['max_implied_by']})")
+    _implied(lines, [r for r in limits if r.get("min_oom_rule") == "prediction"],
+             "end where the search's prediction (under fake tensors, before it measured) says the next size does not "
+             "fit, confirmed by a trial of the plan equal to its prediction within 1% (no trial of its own)",
+             lambda row: f"at {row['min_oom_batch_size']} ({format_bytes(row['min_oom_predicted_bytes'])} predicted)")
     if report.data:
         d = report.data
         read = "every item" if d["method"] == "exhaustive" else (
@@ -124,6 +113,14 @@ def _limit_lines(report: Any) -> list[str]:
                      f"({d['size_unit']}); memory measured on the worst batch of each size, steps timed on random "
                      f"batches")
     return lines
+
+
+def _implied(lines: list[str], rows: list[dict], says: str, each: Any) -> None:
+    """One line for the limits ``rows`` whose side was implied, not measured: how many, ``says`` why, and ``each``
+    row's variant with what ``each`` says of it."""
+    if rows:
+        lines.append(f"{len(rows)} {says}: " + ", ".join(f"{row['precision']}/{row['segments']} {each(row)}"
+                                                         for row in rows))
 
 
 def _probe_lines(report: Any) -> list[str]:
