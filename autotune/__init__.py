@@ -58,7 +58,7 @@ _LAZY = {
     "find_chain": "autotune.plans.checkpointing",
     "apply_plan": "autotune.plans.checkpointing",
     "remove_plan": "autotune.plans.checkpointing",
-    "check_plans": "autotune.plans.check",
+    "check_plans": "autotune.execution.plan_check",
     "BudgetExceededError": "autotune.meters.oom",
 }
 
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from autotune.meters import MemoryReading, Meter, TensorMeter
     from autotune.meters.oom import BudgetExceededError
     from autotune.options import Options
-    from autotune.plans.check import check_plans
+    from autotune.execution.plan_check import check_plans
     from autotune.execution.trial import run_trial
     from autotune.tuner import tune
     from autotune.training.workload import Workload

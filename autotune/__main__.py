@@ -30,7 +30,7 @@ from autotune.cli.parser import (
     options_from,
 )
 from autotune.errors import AutotuneError, UsageError, first_line
-from autotune.report import nothing_fits_hint
+from autotune.cli.advice import nothing_fits
 
 __all__ = ["main", "build_parser", "options_from"]
 
@@ -304,7 +304,7 @@ def _finish(args: argparse.Namespace, report: Any, frameworks: tuple[str, ...], 
         _say("nothing to export: a dry run recommends nothing" if report.dry_run else
              "nothing to export: no configuration fits (see below)")
     if report.nothing_fits:
-        print(nothing_fits_hint(report), file=sys.stderr)
+        print(nothing_fits(report.shortfall()), file=sys.stderr)
         return EXIT_NOTHING_FITS
     return EXIT_OK
 

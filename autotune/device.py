@@ -24,9 +24,11 @@ import torch
 from autotune._log import logger, notice_once
 from autotune.errors import UsageError, first_line
 from autotune.meters import Meter
-from autotune.training.precision import PRECISIONS
+from autotune.vocabulary import HALF, PRECISIONS
 
-__all__ = ["Backend", "CudaBackend", "backend_for", "make_meter", "resolve_device", "ram_bytes", "available_ram_bytes", "slowdown_vs_fp32", "SLOW_FACTOR"]
+__all__ = ["Backend", "CudaBackend", "backend_for", "make_meter", "resolve_device", "ram_bytes", "available_ram_bytes",
+           "slowdown_vs_fp32", "SLOW_FACTOR", "autocast_type", "on_host", "host_memory_apart", "rank_device",
+           "device_ids", "collective_backend", "batch_multiple", "predictable"]
 
 SLOW_FACTOR = 8.0  # a mode whose matmuls run this many times slower than fp32 leaves the defaults
 
@@ -55,7 +57,7 @@ def slowdown_vs_fp32(name: str, device_type: str, n: int = 384) -> float:
 
     For devices whose ops run synchronously (the CPU): CUDA keeps every mode it supports.
     """
-    dtype = PRECISIONS[name].autocast_dtype or torch.float32
+    dtype = getattr(torch, PRECISIONS[name].autocast_dtype or "float32")
 
     def median_s(dt: torch.dtype) -> float:
         a = torch.randn(n, n, device=device_type).to(dt)
@@ -99,6 +101,52 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def autocast_type(device: torch.device) -> str:
+    """The device type ``torch.autocast`` and the GradScaler take for ``device`` (``"cuda"``, ``"cpu"``)."""
+    return device.type
+
+
+def on_host(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives in host memory (the CPU's)."""
+    return tensor.device.type == "cpu"
+
+
+def host_memory_apart(device: torch.device) -> bool:
+    """Whether ``device``'s memory is not the host's (CUDA): offloading to the host frees device memory there, copies
+    cross PCIe, and pinned host memory speeds them up. On the CPU the two are one memory and offload is emulated."""
+    return device.type == "cuda"
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device a torchrun rank trains on: its local GPU on CUDA (``--device cuda`` means each rank's own)."""
+    if device.type != "cuda":
+        return device
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def device_ids(device: torch.device) -> list[int] | None:
+    """DistributedDataParallel's ``device_ids`` for a model on ``device``: its GPU, or None elsewhere."""
+    return [device.index] if device.type == "cuda" else None
+
+
+def collective_backend(device: torch.device) -> str:
+    """The torch.distributed backend of a job on ``device``: NCCL on CUDA, gloo elsewhere."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def batch_multiple(asked: int | None, device: torch.device) -> int:
+    """The step exact limits are found in: ``--batch-multiple``, else 8 on CUDA (tensor cores like multiples of 8)
+    and 1 elsewhere."""
+    return asked if asked is not None else (8 if device.type == "cuda" else 1)
+
+
+def predictable(device: torch.device) -> bool:
+    """Whether a dry run predicts for ``device``: the CPU's rules only so far (CUDA's allocator, autocast lists and
+    attention kernels are not modelled yet)."""
+    return device.type == "cpu"
 
 
 class Backend:
@@ -177,9 +225,9 @@ class Backend:
     def supported_precisions(self) -> list[str]:
         """Return the precision modes the device can train in at all (autocast runs a matmul)."""
         names = ["fp32"]
-        for name in ("fp16", "bf16"):
+        for name in HALF:
             try:
-                with torch.autocast(self.device.type, dtype=PRECISIONS[name].autocast_dtype):
+                with torch.autocast(self.device.type, dtype=getattr(torch, PRECISIONS[name].autocast_dtype)):
                     torch.ones(2, 2, device=self.device) @ torch.ones(2, 2, device=self.device)
             except Exception:  # noqa: BLE001 - any failure means the mode is not available here
                 continue

@@ -26,25 +26,20 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from autotune.analysis.pareto import bisect_limit, bracket
-from autotune.device import available_ram_bytes
+from autotune.device import available_ram_bytes, batch_multiple
 from autotune.execution.predict import Predictor
 from autotune.records import Config, Measurement
 from autotune.search.loop import SearchResult
+from autotune.vocabulary import Status
 
 if TYPE_CHECKING:
     from autotune.preparation import ModelFacts, Study, Target
 
-__all__ = ["predict", "with_dry_run", "DRY_RUN_NOTICE", "batch_multiple"]
+__all__ = ["predict", "with_dry_run", "DRY_RUN_NOTICE"]
 
 DRY_RUN_NOTICE = ("a dry run: every peak is predicted (memory_source predicted: the trial's code under fake tensors, "
                   "counted by the tensor meter), not measured; it has no step times, so it recommends nothing: run "
                   "without --dry-run to measure which configuration is fastest")
-
-
-def batch_multiple(asked: int | None, device_type: str) -> int:
-    """The step exact limits are found in: ``--batch-multiple``, else 8 on CUDA (tensor cores like multiples of 8)
-    and 1 elsewhere."""
-    return asked if asked is not None else (8 if device_type == "cuda" else 1)
 
 
 def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, mode: Any = None
@@ -53,7 +48,7 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
     ``--batch-multiple`` (up to the space's top): the search's result, what the report's ``search`` adds for a dry
     run, and its notices. ``mode``: the fake tensors the workload's models are built in (:func:`fake_buildable`)."""
     options = target.options
-    multiple = batch_multiple(options.batch_multiple, target.device.type)
+    multiple = batch_multiple(options.batch_multiple, target.device)
     with _ranks(options, target.device) as ranks:
         predictor = Predictor(study.workload, device=target.device, budget_bytes=target.budget.enforced,
                               settings=target.trial_settings, model_name=facts.model_class,
@@ -104,7 +99,7 @@ def _predicted(predictor: Predictor, target: "Target", study: "Study", events: A
     try:
         for variant in space.variants():
             for b in sorted(space.batch_sizes):  # memory grows with the batch: above a failure, nothing fits
-                if run(Config(*variant, b)).status != "ok":
+                if run(Config(*variant, b)).status != Status.OK:
                     break
             _exact_limit(lambda b: run(Config(*variant, b)).fits(target.budget.bytes), sorted(space.batch_sizes),
                          multiple)

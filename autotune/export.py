@@ -20,8 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from autotune.errors import UsageError
-from autotune.plans import Plan
-from autotune.records import GROWTH_INTERVAL, INIT_LOSS_SCALE
+from autotune.vocabulary import GROWTH_INTERVAL, INIT_LOSS_SCALE, Plan
 
 if TYPE_CHECKING:
     from autotune.report import Report
@@ -97,7 +96,7 @@ def export(report: Report, framework: str) -> dict[str, Any]:
     accumulation = report.accumulation or {}
     ctx = _Context(
         precision=rec.precision,
-        plan=Plan(rec.segments),
+        plan=rec.config.plan,
         micro=rec.batch_size,
         steps=int(accumulation.get("accumulation_steps") or 1),
         chain=report.workload.get("chain") or {},
@@ -108,7 +107,7 @@ def export(report: Report, framework: str) -> dict[str, Any]:
         world_size=int((report.distributed or {}).get("world_size", 1)),
     )
     data: dict[str, Any] = {"framework": framework, "autotune_recommendation": {
-        "precision": rec.precision, "segments": rec.segments, "batch_size": rec.batch_size}}
+        "precision": rec.precision, "segments": rec.config.plan, "batch_size": rec.batch_size}}
     notes: list[str] = []
     data.update(_BUILDERS[framework](ctx, notes))
     notes += _common_notes(ctx, report, framework)

@@ -14,7 +14,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from autotune.errors import UsageError
-from autotune.plans import Plan, parse_plans
+from autotune.vocabulary import HEADROOM, Offload, parse_offload, parse_plans
 from autotune.records import Budget, GuardRails, ProbeSettings, TrialSettings
 from autotune.search.space import parse_batch_sizes, parse_precisions
 from autotune.search.strategies import make_strategy
@@ -90,7 +90,7 @@ class Options:
     budgets: str | Sequence[str | int] | None = option(
         None, "more budgets, e.g. 8GiB,24GiB,80GiB: a recommendation for each from the same trials (trials run under "
         "the largest)", group=SPACE, metavar="SIZE,SIZE")
-    headroom: float = option(0.1, "share of the budget the recommendation leaves free", group=SPACE, type=float)
+    headroom: float = option(HEADROOM, "share of the budget the recommendation leaves free", group=SPACE, type=float)
     precisions: str | Sequence[str] | None = option(
         None, "comma-separated fp32,fp16,bf16", group=SPACE, default_text="auto: the modes the device runs well")
     segments: str | Sequence[Any] | None = option(
@@ -199,7 +199,7 @@ class Options:
                             ("budgets", tuple(b for b in budgets if b != budget)),
                             ("batch_sizes", _as_tuple(self.batch_sizes, parse_batch_sizes)),
                             ("precisions", _as_tuple(self.precisions, parse_precisions)),
-                            ("segments", _segments(self.segments)), ("offload", _offload(self.offload)),
+                            ("segments", _segments(self.segments)), ("offload", parse_offload(self.offload)),
                             # None: the default, half the host memory available when the search starts (Target)
                             ("host_budget", None if self.host_budget is None else parse_size(self.host_budget))):
             object.__setattr__(self, name, value)
@@ -286,29 +286,10 @@ def _segments(value: str | Sequence | None) -> tuple[str, ...] | None:
     return parse_plans(value if isinstance(value, str) else ",".join(map(str, value)))
 
 
-OFFLOAD_MODES = ("none", "activations", "state", "activations+state")
-
-
-def _offload(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    """``--offload`` as modes (none, activations, state, activations+state), or None for ``auto`` (resolved against the
-    device)."""
-    if value is None or (isinstance(value, str) and value.strip() == "auto"):
-        return None
-    parts = [p.strip().lower() for p in (value.split(",") if isinstance(value, str) else value) if str(p).strip()]
-    parts = ["activations+state" if p == "state+activations" else p for p in parts]
-    for part in parts:
-        if part not in OFFLOAD_MODES:
-            raise UsageError(f"unknown --offload mode {part!r}: write none, activations, state, activations+state "
-                             f"(several with commas: none,activations) or auto")
-    if not parts:
-        raise UsageError(f"--offload {value!r} is empty: write none, activations, state, none,activations or auto")
-    return tuple(dict.fromkeys(parts))
-
-
 def _check_state_offload(options: "Options") -> None:
     """The state in host memory (``--offload state``, a plan ``+state``) is FSDP2's ``CPUOffloadPolicy``: it needs
     ``--parallel fsdp``."""
-    asked = [m for m in options.offload or () if "state" in m] + [p for p in options.segments or () if Plan(p).state]
+    asked = [m for m in options.offload or () if Offload.STATE in m] + [p for p in options.segments or () if p.state]
     if asked and options.parallel != "fsdp":
         raise UsageError(f"--offload state (and plans +state) keep the training state in host memory with FSDP2's "
                          f"CPUOffloadPolicy: run under torchrun with --parallel fsdp (one rank is enough: torchrun "

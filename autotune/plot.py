@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autotune.errors import UsageError
-from autotune.plans import Plan, plan_order
+from autotune.vocabulary import Plan, Status, plan_order
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
 
@@ -66,12 +66,12 @@ def pareto_figure(report: Report) -> Figure:
             sel = [m for m in pts if (m.config in front) == on_front]
             if sel:
                 ax.scatter([m.peak_bytes / scale for m in sel], [m.samples_per_s for m in sel], s=45 if on_front else 30,
-                           marker=_marker(p), c=[colors[m.segments] for m in sel], alpha=alpha, edgecolors=edge,
+                           marker=_marker(p), c=[colors[m.config.plan] for m in sel], alpha=alpha, edgecolors=edge,
                            linewidths=0.8, zorder=3 if on_front else 2, gid=f"{'front' if on_front else 'trials'}:{p}")
     if report.pareto:
         ax.plot([m.peak_bytes / scale for m in report.pareto], [m.samples_per_s for m in report.pareto],
                 drawstyle="steps-post", color="black", linewidth=1.2, zorder=2.5, gid="front")
-    over = [m for m in report.trials if m.peak_bytes and not m.fits(budget) and m.status in ("ok", "oom")]
+    over = [m for m in report.trials if m.peak_bytes and not m.fits(budget) and m.status.measured_memory]
     if over:  # what did not fit: at its peak, on the floor unless it ran (an ok trial over the budget)
         ax.scatter([m.peak_bytes / scale for m in over], [m.samples_per_s or 0.0 for m in over], marker="x", s=40,
                    color="0.45", linewidths=1.2, clip_on=False, zorder=3, gid="did-not-fit")
@@ -92,7 +92,7 @@ def pareto_figure(report: Report) -> Figure:
     ax.grid(True, which="major", alpha=0.3)
     ax.set_title(_title(report, "throughput vs peak memory"))
     if rec is not None and rec.peak_bytes and rec.samples_per_s is not None:  # after the limits: it reads them
-        _annotate(ax, rec.peak_bytes / scale, rec.samples_per_s, f"{rec.precision}, seg {rec.segments}, batch "
+        _annotate(ax, rec.peak_bytes / scale, rec.samples_per_s, f"{rec.precision}, seg {rec.config.plan}, batch "
                   f"{rec.batch_size}\n{rec.samples_per_s:.1f} samples/s, {format_bytes(rec.peak_bytes)}")
     _legend(ax, _style_handles(report, colors)
           + ([Line2D([], [], color="black", marker="o", markeredgecolor="black", markerfacecolor="0.8",
@@ -115,17 +115,17 @@ def memory_figure(report: Report) -> Figure:
     colors = _segment_colors(report)
     model = report.memory_model
     space_sizes = (report.search.get("space") or {}).get("batch_sizes") or []
-    measured = [m for m in report.trials if m.peak_bytes and m.status in ("ok", "oom")]
+    measured = [m for m in report.trials if m.peak_bytes and m.status.measured_memory]
     all_sizes = sorted({m.batch_size for m in measured} | set(space_sizes))
     blocks = (report.search.get("space") or {}).get("blocks")
     rec = report.recommendation
     budget_handles: list[Any] = []
     for ax, p in zip(axes, precisions):
         trials = [m for m in measured if m.precision == p]
-        for s in plan_order({m.segments for m in trials} | {seg for q, seg in model.lines if q == p}, blocks):
+        for s in plan_order({m.config.plan for m in trials} | {seg for q, seg in model.lines if q == p}, blocks):
             kw = dict(marker=_marker(p), color=colors[s], markersize=6, linestyle="none")
-            ok = [m for m in trials if m.segments == s and m.status == "ok"]
-            oom = [m for m in trials if m.segments == s and m.status == "oom"]
+            ok = [m for m in trials if m.config.plan == s and m.status == Status.OK]
+            oom = [m for m in trials if m.config.plan == s and m.status == Status.OOM]
             if ok:
                 ax.plot([m.batch_size for m in ok], [m.peak_bytes / scale for m in ok], gid=f"measured:{p}:{s}", **kw)
             if oom:
@@ -201,7 +201,7 @@ def _segment_colors(report: Report) -> dict[str, Any]:
     from matplotlib import colormaps
 
     space = report.search.get("space") or {}
-    segments = plan_order({*(space.get("segments") or []), *(m.segments for m in report.trials)}, space.get("blocks"))
+    segments = plan_order({*(space.get("segments") or []), *(m.config.plan for m in report.trials)}, space.get("blocks"))
     cmap = colormaps["tab10" if len(segments) <= 10 else "tab20"]
     return {s: cmap(i % cmap.N) for i, s in enumerate(segments)}
 

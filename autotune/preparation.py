@@ -22,11 +22,12 @@ from autotune._log import logger
 from autotune.plans.checkpointing import Chain, find_chain, order_chain
 from autotune.plans.floor import Floor, measure_floor, state_levers
 from autotune.training.data import scan_items, worst_indices
-from autotune.device import Backend, available_ram_bytes, backend_for, resolve_device
+from autotune.device import (Backend, autocast_type, available_ram_bytes, backend_for, host_memory_apart, predictable,
+                             resolve_device)
 from autotune.errors import StateDoesNotFit, UsageError, first_line
 from autotune.options import Options
-from autotune.plans.check import run_checks
-from autotune.plans import ALL, Plan, auto_plans, with_offload
+from autotune.execution.plan_check import run_checks
+from autotune.vocabulary import ALL, Offload, Plan, auto_plans, with_offload
 from autotune.training.optimizer import UNPRIMED_NOTICE, measure_state_bytes
 from autotune.training.precision import PRECISIONS, keep_in_fp32
 from autotune.execution.venue import venue_for
@@ -85,7 +86,7 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
     if job is not None or options.dry_run:
         isolation = "none"  # each rank runs its part of a trial in its own process (options refuse "process"); a
         # dry run's trials hold no memory: nothing to isolate
-    if options.dry_run and backend.device.type != "cpu":
+    if options.dry_run and not predictable(backend.device):
         raise UsageError(f"--dry-run predicts for the CPU's rules only so far (CUDA's allocator, autocast lists and "
                          f"attention kernels are not modelled yet): run it with --device cpu")
     venue = venue_for(isolation, backend.device, job, trials_per_worker=options.trials_per_worker)
@@ -186,7 +187,7 @@ def preflight(target: Target) -> ModelFacts:
     """
     workload, device, batch_size = target.workload, target.device, min(target.options.batch_sizes)
     model = workload.build_model()
-    keep_in_fp32(model, target.options.fp32_modules, device.type)  # --fp32-modules names the model lacks fail here
+    keep_in_fp32(model, target.options.fp32_modules, autocast_type(device))  # --fp32-modules names the model lacks fail here
     params = list(model.parameters())
     facts = ModelFacts(type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() * p.element_size() for p in params), find_chain(model), None,
@@ -222,7 +223,7 @@ def _check_state_fits(facts: ModelFacts, optimizer: str, target: Target, floor: 
         return
     if facts.fixed_bytes / shards < usable_bytes(budget.bytes, budget.headroom):
         return
-    if any("state" in mode for mode in options.offload or ()):
+    if any(Offload.STATE in mode for mode in options.offload or ()):
         return  # the state is searched in host memory (+state plans): the device holds none of it
     guessed = facts.optimizer_state_bytes is None  # an optimizer that could not be primed: AdamW's moments guessed
     parts = facts.state()
@@ -348,7 +349,7 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
     workload_key = fingerprint(model=workload.name, **described, device=target.backend.kind, **parallel)
     plain = not (kwargs or options.data or options.loss) and default_training
     options_key = None if plain else fingerprint(**described)
-    name = options.study or default_study_name(workload.name, target.device.type, options_key) + (
+    name = options.study or default_study_name(workload.name, autocast_type(target.device), options_key) + (
         f"-{ranks}" if ranks else "") + ("-dry-run" if options.dry_run else "")  # beside the search's, not over it
     storage = options.storage or default_storage(name, options.results_dir)
     notices: list[str] = []
@@ -379,21 +380,21 @@ def _plans(segments: tuple[str, ...] | None, chain: Chain | None, model_class: s
     return segments
 
 
-def _offload_modes(modes: tuple[str, ...] | None, device: torch.device, notices: list[str]) -> tuple[str, ...]:
+def _offload_modes(modes: tuple[Offload, ...] | None, device: torch.device, notices: list[str]) -> tuple[Offload, ...]:
     """Resolve ``--offload`` (None: auto) against the device: activations where its memory is not the host's."""
     if modes is None:
-        return ("none", "activations") if device.type == "cuda" else ("none",)
-    if any("activations" in m for m in modes) and device.type == "cpu":
+        return (Offload.NONE, Offload.ACTIVATIONS) if host_memory_apart(device) else (Offload.NONE,)
+    if any(Offload.ACTIVATIONS in m for m in modes) and not host_memory_apart(device):
         notices.append("activation offload on the CPU is emulated (device and host are one memory): offloaded "
                        "trials' host copies are counted apart from the budget, and their step times include a memory "
                        "copy where a GPU transfers over PCIe, so they understate offload's cost")
         logger.warning(notices[-1])
-    if any("state" in m for m in modes):
+    if any(Offload.STATE in m for m in modes):
         notices.append("plans +state keep the training state in host memory (FSDP2's CPUOffloadPolicy) and run the "
                        "optimizer's step on the CPU: its arithmetic is the CPU's, equal to the device's within float "
                        "rounding, not bitwise" + (
                            "; on the CPU it is emulated (the state's bytes counted apart from the budget, no transfers "
-                           "in the step times, which understate its cost)" if device.type == "cpu" else ""))
+                           "in the step times, which understate its cost)" if not host_memory_apart(device) else ""))
         logger.warning(notices[-1])
     return modes
 

@@ -15,17 +15,14 @@ import statistics
 from typing import Any
 
 from autotune.errors import UsageError
-from autotune.plans import Plan
+from autotune.vocabulary import HEADROOM, CheckStatus, Plan, Status
 
 __all__ = [
-    "Budget", "PRECISION_NAMES", "PREDICTED", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
-    "ProbeResult", "PlanCheck", "settled", "timing_fields", "completed", "retimed", "quantile", "usable_bytes", "accumulation_plan",
+    "Budget", "PREDICTED", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
+    "ProbeResult", "PlanCheck", "settled", "timing_fields", "completed", "retimed", "usable_bytes", "accumulation_plan",
 ]
 
-PRECISION_NAMES = ("fp32", "fp16", "bf16")  # the modes of autotune.training.precision
-INIT_LOSS_SCALE = 2.0**16  # fp16's GradScaler starts here (the practitioner's guide): halve on inf/NaN, grow when quiet
 PREDICTED = "predicted"  # a Measurement's memory_source where the trial ran under fake tensors (--dry-run), not for real
-GROWTH_INTERVAL = 2000  # fp16: clean steps before the scale doubles (GradScaler's default, stated for the exports)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -94,7 +91,7 @@ def _tokens(m: "Measurement") -> int | None:
 def completed(memory: "Measurement", timing: "Measurement", memory_trial: int | None) -> "Measurement":
     """A memory trial completed by a later, unmetered timing run of the same configuration: one measurement
     with the memory trial's peaks and the timing run's steps (``memory_from`` names the memory trial)."""
-    if timing.status != "ok":
+    if timing.status is not Status.OK:
         return timing  # the timing run failed (a time-out, an error): that is the configuration's outcome
     peaks = {f: getattr(memory, f) for f in ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
                                              "peak_nvml_bytes", "memory_source")}
@@ -108,7 +105,7 @@ def completed(memory: "Measurement", timing: "Measurement", memory_trial: int | 
 
 def retimed(earlier: "Measurement", later: "Measurement") -> "Measurement":
     """Two timings of one configuration as one measurement: the steps of both, the median over all of them."""
-    if later.status != "ok" or earlier.status != "ok" or not earlier.timed:
+    if later.status is not Status.OK or earlier.status is not Status.OK or not earlier.timed:
         return later
     times = earlier.step_times_s + later.step_times_s
     a, b = _tokens(earlier), _tokens(later)
@@ -121,15 +118,6 @@ def _seconds(a: "Measurement", b: "Measurement") -> dict[str, float | None]:
     """The set-up and step seconds of two runs of one configuration, together (None where neither says)."""
     return {f: None if getattr(a, f) is None and getattr(b, f) is None else (getattr(a, f) or 0.0) + (getattr(b, f) or 0.0)
             for f in ("setup_s", "steps_s")}
-
-
-def quantile(values: list[float] | list[int], q: float) -> Any:
-    """Return the smallest of ``values`` with at least a share ``q`` of them at or below it (None when empty)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = math.ceil(q * len(ordered) - 1e-9)  # 0.07 * 100 is 7.000000000000001 in floating point: still the 7th
-    return ordered[min(len(ordered) - 1, max(0, rank - 1))]
 
 
 def usable_bytes(budget_bytes: int | None, headroom: float) -> float | None:
@@ -147,7 +135,7 @@ class Budget:
 
     bytes: int | None  # the recommendation's budget; None: no limit
     extra: tuple[int, ...] = ()  # more budgets recommended for (--budgets), without the budget itself
-    headroom: float = 0.1  # the share of a budget a recommendation leaves free
+    headroom: float = HEADROOM  # the share of a budget a recommendation leaves free
 
     @property
     def enforced(self) -> int | None:
@@ -196,7 +184,7 @@ class Measurement:
     """What one trial measured. Times in seconds, memory in bytes; ``None`` where not reached."""
 
     config: Config
-    status: str  # ok, oom, timeout, failed, or crashed (its worker process died, or CUDA is unusable)
+    status: Status  # ok, oom, timeout, failed, or crashed (its worker process died, or CUDA is unusable)
     peak_bytes: int | None = None  # compared to the budget: tracked tensors (CPU) or CUDA reserved; for an
     # oom, what the failing step needed at least (oom_needed_bytes) where known, else what it held
     peak_allocated_bytes: int | None = None
@@ -240,6 +228,9 @@ class Measurement:
     def precision(self) -> str:
         return self.config.precision
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", Status(self.status))  # "ok" (the JSON's word) is Status.OK
+
     @property
     def predicted(self) -> bool:
         """Whether the peak was predicted (``--dry-run``: the trial's code under fake tensors), not measured."""
@@ -248,13 +239,13 @@ class Measurement:
     @property
     def memory_only(self) -> bool:
         """A memory trial that fit: its peak is known, its speed is not (a timing may complete it)."""
-        return self.status == "ok" and not self.timed
+        return self.status is Status.OK and not self.timed
 
     @property
     def figures(self) -> str:
         """What the trial measured: ``"memory+time"``, ``"memory"`` (a memory trial), or ``"none"`` (failed)."""
-        if self.status != "ok":
-            return "memory" if self.status == "oom" else "none"
+        if self.status is not Status.OK:
+            return "memory" if self.status is Status.OOM else "none"
         return "memory+time" if self.timed else "memory"
 
     @property
@@ -267,16 +258,17 @@ class Measurement:
 
     def fits(self, limit_bytes: float | None) -> bool:
         """True when the trial ran to the end and its peak stays within ``limit_bytes`` (None: no limit)."""
-        return self.status == "ok" and (limit_bytes is None or (self.peak_bytes or 0) <= limit_bytes)
+        return self.status is Status.OK and (limit_bytes is None or (self.peak_bytes or 0) <= limit_bytes)
 
     @property
     def offload(self) -> str:
         """What the trial's plan kept in host memory: ``"activations"`` (``PLAN+offload``), ``"state"`` (``PLAN+state``),
         ``"activations+state"`` or ``"none"``."""
-        return Plan(self.config.plan).offload_mode
+        return str(self.config.plan.offload_mode)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        data["status"] = self.status.value
         data["figures"] = self.figures
         data["offload"] = self.offload
         data["step_times_s"] = list(self.step_times_s)
@@ -351,8 +343,8 @@ class ProbeResult:
 class PlanCheck:
     """One plan's step compared with the plan-free step: differences are relative to the value's largest magnitude."""
 
-    plan: str
-    status: str  # "exact", "within_noise" (kept), "differs" or "failed" (dropped)
+    plan: Plan
+    status: CheckStatus  # exact, within_noise (kept), differs or failed (dropped)
     batch_size: int
     recomputed_blocks: tuple[str, ...] = ()
     max_rel_diff: float | None = None  # the largest relative difference over the loss, gradients and buffers
@@ -362,15 +354,19 @@ class PlanCheck:
     tolerance: float = 0.0  # what was allowed: NOISE_MULTIPLE x noise (0: bitwise)
     error: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plan", Plan(self.plan))
+        object.__setattr__(self, "status", CheckStatus(self.status))
+
     @property
     def ok(self) -> bool:
-        return self.status in ("exact", "within_noise")
+        return self.status.kept
 
     def describe(self) -> str:
         """One line for the user: what the plan does differently, or that it is exact."""
-        if self.status == "failed":
+        if self.status is CheckStatus.FAILED:
             return f"checkpoint plan {self.plan}: its check step failed ({self.error})"
-        if self.status == "differs":
+        if self.status is CheckStatus.DIFFERS:
             return (f"checkpoint plan {self.plan} trains a different model: {self.worst} differs by "
                     f"{self.max_rel_diff:.3g} (relative; {self.max_abs_diff:.3g} absolute) from the step without a plan, "
                     f"more than the {self.tolerance:.3g} allowed")
@@ -378,6 +374,7 @@ class PlanCheck:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        data["plan"], data["status"] = str(self.plan), self.status.value
         data["recomputed_blocks"] = list(self.recomputed_blocks)
         return data
 

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any, Callable
 from torch import nn
 
 from autotune._log import logger
-from autotune.device import resolve_device
+from autotune.device import batch_multiple, resolve_device
 from autotune.errors import Interrupted, first_line
 from autotune.options import Options
 from autotune.preparation import ModelFacts, Study, Target, describe, floor_facts, plan_study, preflight, resolve
 from autotune.analysis.pareto import LineRule, bisect_limit, probe_candidates
-from autotune.dry_run import batch_multiple, predict, with_dry_run
-from autotune.plans import ALL, Plan
+from autotune.dry_run import predict, with_dry_run
+from autotune.vocabulary import ALL, Plan
 from autotune.execution.predict import fake_buildable, fake_tensors
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
@@ -210,7 +210,7 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "steps_s": round(sum(m.steps_s or 0.0 for m in result.measurements), 3),
             # --offload: what offloading plans (PLAN+offload) could hold in host memory, and how that was set
             **({"host_budget_bytes": target.host_budget_bytes, "host_budget_source": target.host_budget_source}
-               if any(Plan(s).offload_mode != "none" for s in study.space.segments) else {}),
+               if any(Plan(s).offload_mode for s in study.space.plans) else {}),
         },
         trials=result.measurements,
         predictions=result.predictions,
@@ -244,7 +244,7 @@ def exact_limit(report: Report, target: Target, study: Study, events: "_Events")
         return report
     row = next(r for r in report.limits if (r["precision"], r["segments"]) == rec.config.variant)
     lo, hi = row["max_batch_size"], row["min_oom_batch_size"]
-    step = batch_multiple(options.batch_multiple, target.device.type)
+    step = batch_multiple(options.batch_multiple, target.device)
     measured = {m.config: m for m in report.trials}
     if lo is None or hi is None or (hi - lo <= step and Config(*rec.config.variant, hi) in measured):
         return report  # the space's top fits, or the limit is exact and measured already
@@ -276,7 +276,7 @@ def exact_limit(report: Report, target: Target, study: Study, events: "_Events")
         run(best, timed=True, metered=not target.venue.slows_steps)
     kept = {m.config: m for m in report.trials} | {m.config: m for m in added}  # a timing replaces its memory trial
     return dataclasses.replace(report, trials=tuple(kept.values()), search={
-        **report.search, "exact_limit": {"precision": rec.precision, "segments": str(rec.segments), "max_batch_size": limit,
+        **report.search, "exact_limit": {"precision": rec.precision, "segments": str(rec.config.plan), "max_batch_size": limit,
                                          "min_oom_batch_size": above, "max_batch_size_within_headroom": best,
                                          "batch_multiple": step, "trials": len(added)}})
 

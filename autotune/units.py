@@ -1,12 +1,14 @@
-"""Parse and format byte sizes ("24GiB", "512MiB", "1.5GB")."""
+"""Parse and format byte sizes ("24GiB", "512MiB", "1.5GB"), and the quantiles tables quote."""
 
 from __future__ import annotations
 
+import math
 import re
+from typing import Any
 
 from autotune.errors import UsageError
 
-__all__ = ["parse_size", "format_bytes"]
+__all__ = ["parse_size", "format_bytes", "quantile"]
 
 _UNITS = {
     "": 1,
@@ -50,3 +52,12 @@ def format_bytes(n: int | float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def quantile(values: list[float] | list[int], q: float) -> Any:
+    """Return the smallest of ``values`` with at least a share ``q`` of them at or below it (None when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = math.ceil(q * len(ordered) - 1e-9)  # 0.07 * 100 is 7.000000000000001 in floating point: still the 7th
+    return ordered[min(len(ordered) - 1, max(0, rank - 1))]

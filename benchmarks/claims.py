@@ -43,7 +43,7 @@ import torch
 
 import autotune
 from autotune.device import backend_for
-from autotune.plans import plan_order
+from autotune.vocabulary import plan_order
 from autotune.units import format_bytes
 
 
@@ -151,8 +151,8 @@ def selective_rows(spec: str, kwargs: dict | None, precision: str, batch_size: i
     """Every plan of one model side by side: check, peak, activations saved, step time vs none; dominance."""
     from autotune.plans.checkpointing import find_chain
     from autotune.meters import TensorMeter
-    from autotune.plans.check import check_plans
-    from autotune.plans import SELECTIVE, Plan
+    from autotune.execution.plan_check import check_plans
+    from autotune.vocabulary import SELECTIVE, Plan
     from autotune.records import Config, TrialSettings
     from autotune.execution.trial import run_trial
     from autotune.training.workload import Workload

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from autotune.plans import Plan  # noqa: E402
+from autotune.vocabulary import Plan  # noqa: E402
 from autotune.report import Report, load  # noqa: E402
 from autotune.units import format_bytes  # noqa: E402
 
@@ -50,9 +50,9 @@ def plans(report: Report, name: str) -> str:
     blocks = report.search["space"]["blocks"]
     rows = ["| plan | blocks recomputed (of {}) | peak | step | samples/s |".format(blocks),
             "| --- | --- | ---: | ---: | ---: |"]
-    for m in sorted(report.trials, key=lambda m: (len(m.plan.get("recomputed_blocks", ())), m.segments)):
+    for m in sorted(report.trials, key=lambda m: (len(m.plan.get("recomputed_blocks", ())), m.config.plan)):
         recomputed = m.plan.get("recomputed_blocks") or []
-        rows.append(f"| `{m.segments}` | {_ranges(recomputed)} | {format_bytes(m.peak_bytes)} | {m.step_s:.3f} s | "
+        rows.append(f"| `{m.config.plan}` | {_ranges(recomputed)} | {format_bytes(m.peak_bytes)} | {m.step_s:.3f} s | "
                     f"{m.samples_per_s:.1f} |")
     lib = report.library_checkpointing or {}
     if (lib.get("library") or {}).get("status") == "ok":
@@ -75,8 +75,8 @@ def fronts(reports: dict[str, Report]) -> str:
                        key=lambda m: (m.batch_size, -m.samples_per_s))
         for m in timed:
             mark = "recommended" if best is not None and m.config == best.config else ("front" if m.config in front else "")
-            kind = "selective" if Plan(m.segments).selective else "blocks"
-            rows.append(f"| `{m.segments}` | {kind} | {m.batch_size} | {format_bytes(m.peak_bytes)} | "
+            kind = "selective" if Plan(m.config.plan).selective else "blocks"
+            rows.append(f"| `{m.config.plan}` | {kind} | {m.batch_size} | {format_bytes(m.peak_bytes)} | "
                         f"{m.samples_per_s:.1f} | {mark} |")
         budget = format_bytes(report.budget_bytes)
         parts.append(f"### {report.workload['model_class']}\n\n`results/{name}`: {budget}, "
@@ -88,13 +88,13 @@ def fronts(reports: dict[str, Report]) -> str:
 def offload_modes(report: Report, name: str) -> str:
     """Each plan with each offload mode: device peak (and its share of plan 0's without offload), host peak, step time
     against the same plan without offload, the optimizer step's share."""
-    by = {(m.config.precision, m.segments, m.batch_size): m for m in report.trials if m.status == "ok"}
+    by = {(m.config.precision, m.config.plan, m.batch_size): m for m in report.trials if m.status == "ok"}
     none = by.get((report.trials[0].precision, "0", report.trials[0].batch_size))
     rows = ["| plan | offload | device peak | vs `0` | host peak | step vs the plan alone | optimizer step |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for m in sorted(by.values(), key=lambda m: (Plan(m.segments).base, Plan(m.segments).kind)):
-        alone = by.get((m.config.precision, Plan(m.segments).base, m.batch_size))
-        rows.append(f"| `{m.segments}` | {m.offload} | {format_bytes(m.peak_bytes)} | "
+    for m in sorted(by.values(), key=lambda m: (Plan(m.config.plan).base, Plan(m.config.plan).kind)):
+        alone = by.get((m.config.precision, Plan(m.config.plan).base, m.batch_size))
+        rows.append(f"| `{m.config.plan}` | {m.offload} | {format_bytes(m.peak_bytes)} | "
                     f"{m.peak_bytes / none.peak_bytes:.2f} | "
                     f"{format_bytes(m.host_peak_bytes) if m.host_peak_bytes is not None else '-'} | "
                     f"{m.step_s / alone.step_s:.2f}x | "

@@ -228,7 +228,7 @@ def offload_checks(dev: torch.device, names: list[str]) -> None:
               f"peak for {off.step_s / plain.step_s:.2f}x the step time; the host held {format_bytes(off.host_peak_bytes)}")
         check(drop > 0, f"{plan}+offload peaks lower on the device than {plan}")
         check(off.host_peak_bytes >= drop, f"{plan}+offload's host peak covers what left the device")
-    from autotune.plans.check import check_plans
+    from autotune.execution.plan_check import check_plans
 
     workload = workload.with_chain(autotune.find_chain(workload.build_model(seed=0)))
     checks = check_plans(workload, ["0+offload", "4+offload", "all+offload"], batch_size=4, device=dev)

@@ -29,7 +29,7 @@ import torch
 
 from autotune.device import backend_for, make_meter
 from autotune.execution.trial import run_trial
-from autotune.plans.check import check_plans
+from autotune.execution.plan_check import check_plans
 from autotune.plans.checkpointing import find_chain
 from autotune.records import Config, TrialSettings
 from autotune.training.workload import Workload

@@ -54,7 +54,7 @@ import autotune
 from autotune.device import backend_for
 from autotune.meters import TensorMeter
 from autotune.analysis.pareto import LineRule, batch_limits, line_failures, recommend
-from autotune.plans import Plan
+from autotune.vocabulary import Plan
 from autotune.records import Config, Measurement
 from autotune.search.space import SearchSpace
 from autotune.units import format_bytes, parse_size
@@ -197,7 +197,7 @@ def grid_predictions(report, grid) -> dict:
                                    step_s_spread=None, memory_source=PREDICTED)
 
     limits = (report.budget_bytes,)  # as the tuner's prediction stage: the budget's boundaries
-    return predict_space(SearchSpace(**report.search["space"]), predict, limits, fixed_bytes=report.workload.get("fixed_bytes"))
+    return predict_space(SearchSpace.from_dict(report.search["space"]), predict, limits, fixed_bytes=report.workload.get("fixed_bytes"))
 
 
 def replay(report, predictions: dict | None = None) -> list[Measurement]:
@@ -215,7 +215,7 @@ def replay(report, predictions: dict | None = None) -> list[Measurement]:
     from autotune.search.strategies import AutoStrategy
 
     grid = {m.config: m for m in report.trials}
-    space = SearchSpace(**report.search["space"])
+    space = SearchSpace.from_dict(report.search["space"])
     strategy = AutoStrategy(headroom=report.headroom, fixed_bytes_hint=report.workload.get("fixed_bytes"),
                             line_rule=report.line_rule, predictions=predictions)
     measured: dict[Config, Measurement] = {}
@@ -443,7 +443,7 @@ def default_run(args, folder):
     report = autotune.load(out)
     rec = report.recommendation
     return {**result, "trials": report.search["n_run"], "configurations": len(report.trials),
-            "search_wall_s": report.search["wall_s"], "space_size": len(SearchSpace(**report.search["space"])),
+            "search_wall_s": report.search["wall_s"], "space_size": len(SearchSpace.from_dict(report.search["space"])),
             "recommendation": None if rec is None else str(rec.config),
             "probe": [{"config": str(p.config), "accepted": p.accepted, "wall_s": round(p.wall_s, 1)}
                       for p in report.probe or ()]}

@@ -25,7 +25,7 @@ from autotune.examples import TinyGPT
 
 try:
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-except ImportError:  # torch < 2.6, as autotune.execution.wrapping imports it
+except ImportError:  # torch < 2.6, as autotune.training.wrapping imports it
     from torch.distributed._composable.fsdp import CPUOffloadPolicy, fully_shard
 
 

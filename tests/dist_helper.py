@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from autotune.execution import job as distributed
-from autotune.execution.wrapping import Wrapping
+from autotune.training.wrapping import Wrapping
 from autotune.meters import TensorMeter
-from autotune.plans import Plan
+from autotune.vocabulary import Plan
 from autotune.records import Config, TrialSettings
 from autotune.execution.trial import run_trial
 from autotune.training.trainer import Trainer

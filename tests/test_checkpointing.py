@@ -2,12 +2,11 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.plans import Plan
+from autotune.vocabulary import Plan, auto_plans
 from autotune.plans.checkpointing import apply_plan, find_chain, order_chain, remove_plan
 from autotune.errors import AutotuneError, UsageError
 from autotune.examples import ResNetish, TinyGPT
 from autotune.meters import TensorMeter
-from autotune.plans import auto_plans
 from autotune.training.precision import keep_in_fp32
 
 

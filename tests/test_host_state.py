@@ -17,10 +17,10 @@ from autotune.errors import UsageError
 from autotune.examples import TinyGPT
 from autotune.execution.job import Job
 from autotune.execution.trial import run_trial
-from autotune.execution.wrapping import Wrapping
+from autotune.training.wrapping import Wrapping
 from autotune.meters import TensorMeter
 from autotune.options import Options
-from autotune.plans import Plan, with_offload
+from autotune.vocabulary import Offload, Plan, with_offload
 from autotune.plans.checkpointing import find_chain
 from autotune.export import export
 from autotune.records import Config, Measurement, TrialSettings
@@ -94,14 +94,16 @@ def test_a_state_plan_without_fsdp2_is_refused():
         Trainer(_workload(), Config("fp32", "0+state", 2), torch.device("cpu")).build()
     with pytest.raises(UsageError, match="not --parallel none"):
         Options(model="autotune.examples:TinyGPT", offload="none,state")
-    assert Options(model="autotune.examples:TinyGPT", offload="none,state", parallel="fsdp").offload == ("none", "state")
+    assert Options(model="autotune.examples:TinyGPT", offload="none,state", parallel="fsdp").offload == (Offload.NONE, Offload.STATE)
 
 
 def test_plan_names_carry_both_offloads_in_one_order():
     assert Plan("ALL+state+offload") == "all+offload+state" == Plan("all+offload+state")
     plan = Plan("sac-linear+offload+state")
-    assert (plan.base, plan.without_state, plan.kind, plan.offload_mode) == (
-        "sac-linear", "sac-linear+offload", (True, True), "activations+state")
+    assert (plan.base, plan.without_state, plan.offload_mode, str(plan.offload_mode)) == (
+        "sac-linear", "sac-linear+offload", Offload.ACTIVATIONS | Offload.STATE, "activations+state")
+    assert (plan.offload, plan.state, [m.suffix for m in plan.modifiers]) == (True, True, ["+offload", "+state"])
+    assert Offload.parse("state+activations") is Offload.ACTIVATIONS | Offload.STATE
     assert Plan("0+state").label == "no checkpointing, state on the host" and not Plan("0+state").off
     assert with_offload(["0", "all"], ["none", "state", "activations+state"]) == (
         "0", "all", "0+state", "all+state", "0+offload+state", "all+offload+state")

@@ -71,6 +71,90 @@ def test_there_is_no_import_cycle_lazy_or_not():
     assert not cycles, [" -> ".join(c) for c in cycles]
 
 
+# The floors of the house, bottom up. A part (a top-level module or package of autotune) imports parts on its own
+# floor or below, never above: the ground floor holds the words every floor uses and imports no part of ours above it.
+FLOORS = (
+    ("_version", "_log", "errors", "signals", "units", "vocabulary", "thirdparty"),  # the ground floor, no torch
+    ("records", "meters"),  # the values every stage passes on; how memory is measured
+    ("analysis", "device"),  # front, limits and memory lines from records; the device backend
+    ("report", "plans"),  # a search's result and its JSON; checkpoint plans applied to a model
+    ("training",),  # one training step: workload, data, precision, the prepared and wrapped model
+    ("execution",),  # where a piece of work runs: this process, a worker, every rank; trials, probe, plan checks
+    ("search",),  # the trial store, the strategies, the search loop
+    ("options",),  # one tuning run's flags, checked
+    ("preparation", "dry_run"),  # the tuner's first stages; the dry run's predictions
+    ("tuner", "cli", "export", "plot"),  # the pipeline; the command line's words; what a report is turned into
+    ("integrations", "__main__", "examples"),  # the trainers' entry points, the command, the bundled models
+)
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "autotune"
+
+
+def _part_edges() -> dict[tuple[str, str], list[str]]:
+    """(importing part, imported part) -> the module imports that make the edge; the package's own __init__ aside."""
+    modules = _modules()
+    edges: dict[tuple[str, str], list[str]] = {}
+    for name, tree in modules.items():
+        for target in _imports(name, tree, set(modules)):
+            a, b = _part(name), _part(target)
+            if a != b and "autotune" not in (a, b):
+                edges.setdefault((a, b), []).append(f"{name} -> {target}")
+    return edges
+
+
+def test_every_part_stands_on_a_floor_and_imports_none_above_it():
+    floor = {part: i for i, parts in enumerate(FLOORS) for part in parts}
+    parts = {_part(name) for name in _modules()} - {"autotune"}
+    assert parts == set(floor), f"parts without a floor: {sorted(parts - set(floor))}; floors without a part: " \
+                                f"{sorted(set(floor) - parts)}"
+    upward = [f"{a} (floor {floor[a]}) -> {b} (floor {floor[b]}): {how}" for (a, b), how in sorted(_part_edges().items())
+              if floor[b] > floor[a]]
+    assert not upward, upward
+
+
+def test_no_two_parts_import_each_other_lazy_or_not():
+    graph: dict[str, set[str]] = {}
+    for a, b in _part_edges():
+        graph.setdefault(a, set()).add(b)
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph.get(node, ()))
+        return False
+
+    knots = sorted({tuple(sorted((a, b))) for a, b in _part_edges() if reaches(b, a)})
+    assert not knots, [f"{a} <-> {b}" for a, b in knots]
+
+
+def _status_literals(tree: ast.Module) -> list[int]:
+    """Lines comparing a ``status`` with a string literal (``m.status == "ok"``, ``status in ("ok", "oom")``)."""
+    def named_status(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id == "status" or isinstance(node, ast.Attribute) and node.attr == "status"
+
+    def literal(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) or isinstance(
+            node, (ast.Tuple, ast.List, ast.Set)) and any(literal(e) for e in node.elts)
+
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and any(named_status(a) and literal(b) or literal(a) and named_status(b)
+                    for a, b in zip([node.left, *node.comparators], node.comparators))]
+
+
+def test_statuses_are_compared_as_members_of_their_enum_not_as_strings():
+    found = [f"{name}:{line}" for name, tree in _modules().items() for line in _status_literals(tree)]
+    assert not found, found
+    assert _status_literals(ast.parse("ok = m.status == 'ok' or status in ('oom', 'timeout')")) == [1, 1]
+
+
 def test_the_cycle_finder_finds_a_lazy_cycle_and_a_type_checking_one():
     a = ast.parse("def f():\n    from autotune.b import g\n")
     b = ast.parse("import autotune.a\n")
@@ -117,7 +201,7 @@ def test_the_torch_blocker_catches_a_caught_import():
 
 @pytest.mark.parametrize("modules, use", [
     ("autotune.analysis.pareto, autotune.analysis.memory_model, autotune.search.strategies", ""),
-    ("autotune.plans, autotune.cli.parser, autotune.cli.table, autotune.cli.progress, autotune.report.frame",
+    ("autotune.plans, autotune.cli.parser, autotune.report.table, autotune.cli.progress, autotune.report.frame",
      "from autotune.plans import Plan\nassert Plan('every2').blocks(4) == (0, 2)\n"),
     ("autotune.report, autotune.records, autotune.options, autotune.search.store, autotune.plot, autotune.export",
      # reading a measurement back, non-finite losses included

@@ -158,7 +158,7 @@ def test_an_unmeasured_plan_follows_its_precisions_recompute_share_line():
 
 
 def test_the_recompute_share_line_is_drawn_through_block_plans_and_places_selective_plans_by_their_prior():
-    from autotune.plans import SELECTIVE
+    from autotune.vocabulary import SELECTIVE
 
     # A measured selective plan (its share is only a prior) does not bend the block plans' line ...
     trials = (line("fp32", "0", 1000, 100, (1, 2)) + line("fp32", "all", 1000, 20, (1, 2))

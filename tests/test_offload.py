@@ -15,8 +15,8 @@ import autotune
 from autotune.__main__ import main
 from autotune.errors import is_oom
 from autotune.meters import TensorMeter
-from autotune.plans import Plan, plan_order, with_offload
-from autotune.plans.check import check_plans
+from autotune.vocabulary import Plan, plan_order, with_offload
+from autotune.execution.plan_check import check_plans
 from autotune.plans.checkpointing import apply_plan, find_chain, remove_plan
 from autotune.plans.offload import HostBudgetExceededError, offloader_of
 from autotune.training.workload import Workload
@@ -170,7 +170,10 @@ def test_nothing_fits_names_offload_on_cuda_and_sharding_where_the_state_is_most
     import dataclasses
     import os
 
-    from autotune.report import nothing_fits_hint
+    from autotune.cli.advice import nothing_fits
+
+    def nothing_fits_hint(report):
+        return nothing_fits(report.shortfall())
 
     grid = autotune.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
                                       "grid-TinyGPT-cpu.json"))

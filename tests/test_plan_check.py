@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import autotune
-from autotune.plans.check import check_plans, compare_steps
+from autotune.execution.plan_check import check_plans, compare_steps
 from autotune.examples import TinyGPT
 from autotune.training.workload import Workload
 

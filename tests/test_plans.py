@@ -1,7 +1,7 @@
 import pytest
 
 from autotune.errors import UsageError
-from autotune.plans import SELECTIVE, Plan, auto_plans, parse_plans, plan_order
+from autotune.vocabulary import SELECTIVE, Plan, auto_plans, parse_plans, plan_order
 
 
 def test_names():

@@ -95,7 +95,7 @@ def test_auto_seeded_by_exact_predictions_finds_the_grids_limits_in_fewer_trials
     predictions = predict_space(SPACE, predicted(curve), (BUDGET, 0.9 * BUDGET), fixed_bytes=8 * MiB)
     unseeded = run(AutoStrategy(), trial)
     seeded = run(AutoStrategy(predictions=predictions), trial)
-    rows = batch_limits(seeded.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.segments,
+    rows = batch_limits(seeded.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.plans,
                         blocks=SPACE.blocks, predictions=predictions)
     found = {(r["precision"], r["segments"]): (r["max_batch_size"], r["bracketed"]) for r in rows}
     assert found == grid_limits(trial)
@@ -121,7 +121,7 @@ def test_predictions_a_measurement_contradicts_are_dropped_and_the_limits_stay_t
     trial = measure(linear)
     wrong = predict_space(SPACE, predicted(lambda c: 0.5 * linear(c)), (BUDGET,), fixed_bytes=4 * MiB)  # half the truth
     seeded = run(AutoStrategy(predictions=wrong), trial)
-    rows = batch_limits(seeded.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.segments,
+    rows = batch_limits(seeded.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.plans,
                         blocks=SPACE.blocks, predictions=wrong)
     assert {(r["precision"], r["segments"]): (r["max_batch_size"], r["bracketed"]) for r in rows} == grid_limits(trial)
     assert not any(r.get("min_oom_rule") == "prediction" for r in rows)

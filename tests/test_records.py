@@ -15,12 +15,12 @@ from autotune.records import (
     ProbeSettings,
     accumulation_plan,
     completed,
-    quantile,
     retimed,
     settled,
     timing_fields,
     usable_bytes,
 )
+from autotune.units import quantile
 
 # --- Config --------------------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autotune.plans.checkpointing import apply_plan, find_chain, remove_plan
 from autotune.meters import TensorMeter
-from autotune.plans.check import check_plans
-from autotune.plans import SELECTIVE, Plan, auto_plans
+from autotune.execution.plan_check import check_plans
+from autotune.vocabulary import SELECTIVE, Plan, auto_plans
 from autotune.records import Config, TrialSettings
 from autotune.plans.selective import make_policy
 from autotune.execution.trial import run_trial

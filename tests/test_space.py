@@ -2,7 +2,7 @@ import pytest
 
 from autotune.errors import UsageError
 from autotune.records import Config
-from autotune.plans import parse_plans as parse_segments
+from autotune.vocabulary import parse_plans as parse_segments
 from autotune.search.space import SearchSpace, parse_batch_sizes, parse_precisions
 
 

@@ -13,7 +13,7 @@ import pytest
 from autotune.errors import UsageError
 from autotune.analysis.memory_model import MemoryModel
 from autotune.analysis.pareto import LineRule, batch_limits, recommend
-from autotune.plans import Plan
+from autotune.vocabulary import Plan
 from autotune.records import Config, Measurement
 from autotune.search.space import SearchSpace
 from autotune.search.strategies import AutoStrategy, GridStrategy, OptunaStrategy, make_strategy
@@ -80,7 +80,7 @@ def run(strategy, trial, space=SPACE, budget=BUDGET):
 def limits(measured, budget=BUDGET, sizes=SPACE.batch_sizes, space=SPACE, line_rule=None):
     """Each variant's largest fitting batch, and whether the next size up is known not to fit (measured or implied)."""
     return {(r["precision"], r["segments"]): (r["max_batch_size"], r["bracketed"])
-            for r in batch_limits(measured.values(), budget, batch_sizes=sizes, plans=space.segments, blocks=space.blocks,
+            for r in batch_limits(measured.values(), budget, batch_sizes=sizes, plans=space.plans, blocks=space.blocks,
                                   line_rule=line_rule)}
 
 
@@ -112,7 +112,7 @@ def test_auto_finds_every_plans_exact_limit_with_a_fraction_of_the_grid(curve, s
 def test_bracketing_measures_the_largest_fit_and_measures_or_implies_the_next_size():
     auto = run(AutoStrategy(), measure(linear))
     implied = 0
-    for row in batch_limits(auto.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.segments, blocks=BLOCKS):
+    for row in batch_limits(auto.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.plans, blocks=BLOCKS):
         largest, i = row["max_batch_size"], SPACE.batch_sizes.index(row["max_batch_size"])
         assert auto[Config(row["precision"], row["segments"], largest)].status == "ok"
         if i + 1 == len(SPACE.batch_sizes):
@@ -149,7 +149,7 @@ def test_everything_feasible_measures_the_largest_batch_and_climbs_from_there():
 
 def test_without_a_budget_every_plan_is_measured_at_its_largest_batch():
     auto = run(AutoStrategy(), measure(linear, budget=None), budget=None)
-    assert {c for c in auto if c.batch_size == 256} == {Config(p, s, 256) for p in SPACE.precisions for s in SPACE.segments}
+    assert {c for c in auto if c.batch_size == 256} == {Config(p, s, 256) for p in SPACE.precisions for s in SPACE.plans}
 
 
 def test_a_list_of_batch_sizes_is_bracketed_too():
@@ -189,7 +189,7 @@ def test_smaller_budgets_come_from_the_same_trials_where_the_model_is_sure():
     budgets = (256 * MiB, 512 * MiB, BUDGET)
     auto = run(AutoStrategy(budgets=budgets, fixed_bytes_hint=8 * MiB), trial)
     single = run(AutoStrategy(fixed_bytes_hint=8 * MiB), trial)
-    model = MemoryModel.fit(auto.values(), [(p, s) for p in SPACE.precisions for s in SPACE.segments])
+    model = MemoryModel.fit(auto.values(), [(p, s) for p in SPACE.precisions for s in SPACE.plans])
     for budget in budgets[:2]:
         truth = {plan: b for plan, (b, _) in limits(run(GridStrategy(), trial), budget).items()}
         rows = batch_limits(auto.values(), budget, batch_sizes=SPACE.batch_sizes, model=model)
@@ -338,7 +338,7 @@ def test_failing_sides_implied_by_the_memory_line_save_trials_and_move_no_limit(
     auto = run(AutoStrategy(fixed_bytes_hint=8 * MiB, line_rule=rule), trial)
     assert limits(auto, line_rule=rule) == grid_limits(trial)  # every limit bracketed, and the grid's
     assert auto.trials <= without.trials
-    rows = batch_limits(auto.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.segments, blocks=BLOCKS,
+    rows = batch_limits(auto.values(), BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.plans, blocks=BLOCKS,
                         line_rule=rule)
     by_line = [r for r in rows if r.get("min_oom_rule") == "memory-line"]
     for r in by_line:  # not measured, predicted well over the budget, and really over it

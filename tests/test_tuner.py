@@ -74,7 +74,7 @@ def test_plan_study_checks_the_plans_and_names_the_study(tmp_path):
     target = tuner.resolve(_options(tmp_path))
     study = tuner.plan_study(target, tuner.preflight(target))
     assert study.name == "t" and study.storage == f"sqlite:///{tmp_path}/t.db"
-    assert study.space.segments == ("0", "2") and study.space.blocks == 4
+    assert study.space.plans == ("0", "2") and study.space.blocks == 4
     assert [(c.plan, c.status) for c in study.checks] == [("2", "exact")]
     assert study.workload.chain is not None and not study.compare_library
     again = tuner.plan_study(target, tuner.preflight(target))  # the checks come from the study this time

@@ -17,10 +17,10 @@ from torch import nn
 
 from autotune.plans.checkpointing import _APPLIED, apply_plan, find_chain, order_chain, remove_plan
 from autotune.meters import TensorMeter
-from autotune.plans.check import check_plans
+from autotune.execution.plan_check import check_plans
 from autotune.plans import offload
 from autotune.plans.offload import offloader_of
-from autotune.plans import Plan, auto_plans
+from autotune.vocabulary import Plan, auto_plans
 from autotune.thirdparty import library_checkpointing
 from autotune.training.workload import Workload
 

@@ -25,7 +25,7 @@ import math
 import statistics
 from typing import Callable, Iterable, Mapping
 
-from autotune.plans import Plan
+from autotune.vocabulary import Plan, Status
 from autotune.records import Measurement
 
 __all__ = ["MemoryLine", "MemoryModel", "fit_line"]
@@ -73,7 +73,7 @@ def _points(measurements: Iterable[Measurement]) -> dict[Variant, dict[int, floa
     """Measured peaks of trials that ran to the end, per variant: {batch_size: peak_bytes}."""
     points: dict[Variant, dict[int, float]] = {}
     for m in measurements:
-        if m.status == "ok" and m.peak_bytes:
+        if m.status == Status.OK and m.peak_bytes:
             points.setdefault(m.config.variant, {})[m.batch_size] = float(m.peak_bytes)
     return points
 
@@ -209,7 +209,7 @@ def _borrowed_slope(variant: Variant, slopes: dict[Variant, float], blocks: int 
     def along_shape(of: str) -> float | None:  # the recompute-share line of precision `of`, at this plan
         # The line is drawn through block plans (their share is exact); a selective plan's share is a prior. Plans
         # that offload keep a line of their own: what they keep (or their state) waits on the host.
-        mine = {s: a for (p, s), a in slopes.items() if p == of and Plan(s).kind == Plan(name).kind}
+        mine = {s: a for (p, s), a in slopes.items() if p == of and Plan(s).offload_mode == Plan(name).offload_mode}
         drawn = {s: a for s, a in mine.items() if not Plan(s).selective} or mine
         own = {Plan(s).recompute_share(blocks): a for s, a in drawn.items()}
         if not own:

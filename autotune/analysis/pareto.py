@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
-from autotune.plans import Plan
+from autotune.vocabulary import HEADROOM, Plan, Status
 from autotune.records import Config, Measurement, ProbeResult, usable_bytes
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def pareto_front(measurements: Iterable[Measurement], budget_bytes: int | None) 
     return front
 
 
-def recommend(measurements: Iterable[Measurement], budget_bytes: int | None, headroom: float = 0.1) -> Measurement | None:
+def recommend(measurements: Iterable[Measurement], budget_bytes: int | None, headroom: float = HEADROOM) -> Measurement | None:
     """Return the fastest feasible trial whose peak stays within ``budget x (1 - headroom)``, or None.
 
     The headroom leaves room for what short trials do not see: fragmentation, longer batches,
@@ -85,7 +85,7 @@ def bracket(sizes: Sequence[int], outcomes: Mapping[int, bool]) -> tuple[int, in
 
 def _too_big(m: Measurement, limit: float | None) -> bool:
     """Whether the trial measured that its configuration does not fit ``limit`` (out of memory, or over it)."""
-    return m.status == "oom" or (m.status == "ok" and not m.fits(limit))
+    return m.status == Status.OOM or (m.status == Status.OK and not m.fits(limit))
 
 
 def implied_failures(measurements: Iterable[Measurement], limit: float | None, plans: Iterable[str],
@@ -104,8 +104,8 @@ def implied_failures(measurements: Iterable[Measurement], limit: float | None, p
             continue
         for plan in plans:
             config = Config(m.precision, plan, m.batch_size)
-            if (config not in measured and config not in implied and plan != m.segments
-                    and Plan(m.segments).needs_no_more_memory_than(plan, blocks)):
+            if (config not in measured and config not in implied and plan != m.config.plan
+                    and m.config.plan.needs_no_more_memory_than(plan, blocks)):
                 implied[config] = m.config
     return implied
 
@@ -162,7 +162,7 @@ def line_failures(measurements: Iterable[Measurement], limit: float | None, batc
     measured = {m.config: m for m in measurements}
     peaks: dict[tuple[str, str], dict[int, float]] = {}
     for m in measured.values():
-        if m.status == "ok" and m.peak_bytes:
+        if m.status == Status.OK and m.peak_bytes:
             peaks.setdefault(m.config.variant, {})[m.batch_size] = float(m.peak_bytes)
     implied: dict[Config, int] = {}
     for variant, points in peaks.items():
@@ -191,9 +191,9 @@ def confirmed(measurements: Iterable[Measurement], predictions: Mapping[Config, 
     refuted: set[tuple[str, str]] = set()
     for m in measurements:
         p = predictions.get(m.config)
-        if m.status != "ok" or not m.peak_bytes or p is None or p.status not in ("ok", "oom") or not p.peak_bytes:
+        if m.status != Status.OK or not m.peak_bytes or p is None or not p.status.measured_memory or not p.peak_bytes:
             continue
-        if p.status == "ok" and abs(m.peak_bytes - p.peak_bytes) <= tolerance * p.peak_bytes:
+        if p.status == Status.OK and abs(m.peak_bytes - p.peak_bytes) <= tolerance * p.peak_bytes:
             agree.setdefault(m.config.variant, m.config)
         else:
             refuted.add(m.config.variant)
@@ -219,7 +219,7 @@ def prediction_failures(measurements: Iterable[Measurement], limit: float | None
             continue
         above = max((m.batch_size for m in measurements if m.config.variant == config.variant and m.fits(limit)),
                     default=0)
-        if config.batch_size > above and (p.status == "oom" or p.peak_bytes > (1 + tolerance) * limit):
+        if config.batch_size > above and (p.status == Status.OOM or p.peak_bytes > (1 + tolerance) * limit):
             implied[config] = (p.peak_bytes, standing[config.variant])
     return implied
 
@@ -235,7 +235,7 @@ def prediction_fits(measurements: Iterable[Measurement], limit: float | None,
     measured = {m.config for m in measurements}
     standing = confirmed(measurements, predictions, tolerance)
     return {c: (p.peak_bytes, standing[c.variant]) for c, p in predictions.items()
-            if c.variant in standing and c not in measured and p.status == "ok" and p.peak_bytes
+            if c.variant in standing and c not in measured and p.status == Status.OK and p.peak_bytes
             and (limit is None or p.peak_bytes <= (1 - tolerance) * limit)}
 
 

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from autotune.records import Config, Measurement
 from autotune.units import format_bytes
+from autotune.vocabulary import Status
 
 __all__ = ["Progress"]
 
@@ -64,7 +65,7 @@ class Progress:
             detail += " (memory trial: not timed)"
         elif m.memory_from is not None or m.timings > 1:
             detail += f" (timed {'again' if m.timings > 1 else 'after its memory trial'})"
-        if m.error and m.status != "ok":
+        if m.error and m.status != Status.OK:
             detail += f" ({m.error[:100]})"
         self._say(f"autotune: [{self._done}] {m.config}: {m.status} {detail}{' (from the store)' if reused else ''}")
         if self._bar is not None:

@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.execution.job import RankInterrupted, RankRefused
 from autotune.records import Measurement, ProbeResult, timing_fields
+from autotune.vocabulary import Status
 
 if TYPE_CHECKING:
     from autotune.execution.job import Job
 
 __all__ = ["ORDER", "combine", "combine_probe", "probe_left_early", "stopped"]
 
-ORDER = ("oom", "crashed", "timeout", "failed")  # which rank's outcome is the work's
+ORDER = (Status.OOM, Status.CRASHED, Status.TIMEOUT, Status.FAILED)  # which rank's outcome is the work's
 # What a rank's error says when only another rank's leaving caused it (gloo's closed pair, NCCL's abort).
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "gloo", "nccl", "disterror",
               "distbackenderror", "distnetworkerror")
@@ -51,7 +52,7 @@ def _origin(outcomes: list[tuple[str, str] | None]) -> int | None:
     only says another rank left the trial's group (not a cause of its own) comes last.
     """
     def key(status: str, text: str) -> tuple[int, bool]:
-        gone = status == "failed" and any(word in text.lower() for word in _PEER_GONE)
+        gone = status == Status.FAILED and any(word in text.lower() for word in _PEER_GONE)
         return (ORDER.index(status) if status in ORDER else len(ORDER), gone)
 
     ranked = [(key(*o), r) for r, o in enumerate(outcomes) if o is not None]
@@ -76,13 +77,13 @@ def combine(parts: list[Measurement | RankInterrupted | RankRefused], job: "Job"
     if first_stop:
         return first_stop
     ms: list[Measurement] = list(parts)  # type: ignore[arg-type]
-    origin = _origin([None if m.status == "ok" else (m.status, m.error or "") for m in ms])
+    origin = _origin([None if m.status == Status.OK else (m.status, m.error or "") for m in ms])
     first = ms[0] if origin is None else ms[origin]
-    ok = first.status == "ok"
+    ok = first.status == Status.OK
     times = tuple(ms[0].step_times_s) if ok else ()
     tokens = [None if m.tokens_per_s is None else m.tokens_per_s * sum(m.step_times_s) for m in ms]
     real = round(sum(tokens)) if tokens and None not in tokens and times else None
-    ranks = [{"rank": r, "status": m.status, "peak_bytes": m.peak_bytes, "step_s": m.step_s,
+    ranks = [{"rank": r, "status": m.status.value, "peak_bytes": m.peak_bytes, "step_s": m.step_s,
               **({"host_peak_bytes": m.host_peak_bytes} if m.host_peak_bytes is not None else {}),
               **({"error": m.error} if m.error else {})} for r, m in enumerate(ms)]
     return dataclasses.replace(

@@ -3,7 +3,7 @@
 Rank 0 (the leader) runs the tuner; it sends each piece of work to the other ranks (the
 followers) on a gloo *control group* that no trial ever uses, so it is never left mid-collective.
 The venue that runs work on every rank is :mod:`autotune.execution.ranks`; the wrapper a trial
-trains under is :mod:`autotune.execution.wrapping`; how the ranks agree on one outcome is
+trains under is :mod:`autotune.training.wrapping`; how the ranks agree on one outcome is
 :mod:`autotune.execution.agreement`.
 """
 
@@ -19,6 +19,7 @@ import torch
 
 from autotune.errors import UsageError
 from autotune.units import parse_size
+from autotune.device import collective_backend, rank_device
 
 __all__ = ["RANK_BUDGETS_ENV", "Job", "Ended", "RankInterrupted", "RankRefused", "join", "leave", "end_early", "rank_budget",
            "under_torchrun"]
@@ -71,10 +72,7 @@ class Job:
 
     def device(self, device: torch.device) -> torch.device:
         """The device this rank trains on: its local GPU on CUDA (``--device cuda`` means each rank's own)."""
-        if device.type != "cuda":
-            return device
-        torch.cuda.set_device(self.local_rank)
-        return torch.device("cuda", self.local_rank)
+        return rank_device(device, self.local_rank)
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.backend, "world_size": self.world_size, "wrapper": self.wrapper,
@@ -112,7 +110,7 @@ def join(wrapper: str, device: torch.device) -> Job:
                          f"-m autotune ... --parallel {wrapper} (--parallel none tunes in this process)")
     if not dist.is_available():
         raise UsageError(f"--parallel {wrapper}: this build of torch has no torch.distributed")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = collective_backend(device)
     if backend == "nccl":  # a timed-out trial group aborts its communicator, not the process (the default, 3, would)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     owns = not dist.is_initialized()

@@ -3,7 +3,7 @@
 PyTorch's fake process group (``torch.testing._internal.distributed.fake_pg``, backend ``fake``: what PyTorch's own
 memory-tracker tests and torchtitan's memory estimate use) is a group of N ranks that this process joins as rank 0.
 Its collectives return at once and move nothing. Under it and the dry run's fake tensors the trial's own wrapper
-(:mod:`autotune.execution.wrapping`) runs as it runs on a real rank, and the tensor meter counts what it allocates:
+(:mod:`autotune.training.wrapping`) runs as it runs on a real rank, and the tensor meter counts what it allocates:
 
 * **FSDP2** shards each parameter to its 1/N (a DTensor: the meter counts its local shard), gathers each block's
   parameters whole for its forward and again for its backward and frees them after (``resize_(0)``), and
@@ -34,7 +34,7 @@ from torch import nn
 
 from autotune.errors import UsageError
 from autotune.execution.job import Job, under_torchrun
-from autotune.execution.wrapping import Wrapping
+from autotune.training.wrapping import Wrapping
 
 __all__ = ["OneRank", "one_rank"]
 

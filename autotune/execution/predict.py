@@ -36,10 +36,12 @@ from autotune.meters import TensorMeter
 from autotune.records import PREDICTED, Config, Measurement, TrialSettings
 from autotune.training.workload import Workload, _copy_model
 from autotune.units import format_bytes
+from autotune.device import predictable
+from autotune.vocabulary import Status
 
 if TYPE_CHECKING:
     from autotune.execution.one_rank import OneRank
-    from autotune.execution.wrapping import Wrapping
+    from autotune.training.wrapping import Wrapping
 
 __all__ = ["fake_tensors", "fake_buildable", "predict_trial", "Unpredictable", "Predictor"]
 
@@ -174,7 +176,7 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     device = torch.device(device)
     started = time.monotonic()
     run = _Predicted(workload.unwarmed(), config, device, settings, parallel)
-    status, error, handle = "ok", None, None
+    status, error, handle = Status.OK, None, None
     try:
         with mode or fake_tensors(), _AsTheKernelsDo(), TensorMeter(device, budget_bytes=budget_bytes).measure() as handle:
             run.build()
@@ -235,14 +237,14 @@ class Predictor:
         except Unpredictable as exc:
             self._cannot_predict(str(exc))
             return self._measured(config)
-        if predicted.status != "failed":
+        if predicted.status != Status.FAILED:
             return predicted
         if self._cannot_measure(predicted.error) is not None:  # unconfirmed: the failure stands, as a search's would
             self._say(f"{config.plan}'s prediction failed ({predicted.error}) and could not be checked by a real trial "
                       f"here: a failing plan is dropped by the search's plan check")
             return predicted
         measured = self._measured(config)
-        if measured.status == "failed":
+        if measured.status == Status.FAILED:
             return measured  # the model's own failure, fake or real
         self._cannot_predict(predicted.error)
         return measured
@@ -263,8 +265,8 @@ class Predictor:
                     f"{job.wrapper} job cannot be measured for real in this process instead (the fake process "
                     f"group's collectives move nothing): run the job under torchrun --nproc-per-node "
                     f"{job.world_size} without --dry-run")
-        if self.device.type != "cpu":
-            return (f"{self.model_name} cannot run under fake tensors ({why}), and a dry run for {self.device.type} "
+        if not predictable(self.device):
+            return (f"{self.model_name} cannot run under fake tensors ({why}), and a dry run for {self.device} "
                     f"cannot measure it on the CPU instead: run it without --dry-run")
         if self.real_limit_bytes is not None and 2 * self.state_bytes > self.real_limit_bytes:
             return (f"{self.model_name} cannot run under fake tensors ({why}), and its training state "

@@ -28,22 +28,16 @@ from torch.utils.data import DataLoader, Subset
 from autotune.device import backend_for
 from autotune.errors import TrialTimeoutError, UsageError
 from autotune.meters import Meter
-from autotune.records import (
-    INIT_LOSS_SCALE,
-    GuardRails,
-    Measurement,
-    ProbeResult,
-    ProbeSettings,
-    quantile,
-    usable_bytes,
-)
+from autotune.records import GuardRails, Measurement, ProbeResult, ProbeSettings, usable_bytes
+from autotune.units import quantile
+from autotune.vocabulary import INIT_LOSS_SCALE, Status
 from autotune.execution.agreement import combine_probe, probe_left_early
 from autotune.execution.work import Place, Work, outcome
 from autotune.training.trainer import Trainer
 from autotune.training.workload import Workload, to_device
 
 if TYPE_CHECKING:
-    from autotune.execution.wrapping import Wrapping
+    from autotune.training.wrapping import Wrapping
 
 __all__ = ["run_probe", "ProbeWork"]
 
@@ -128,7 +122,7 @@ class _Candidate:
         status, error = outcome(exc)
         self.reason = f"{status}: {error}"
         reading = getattr(getattr(self, "handle", None), "reading", None)
-        if status == "oom":  # what the failing step needed: above the budget, as a trial's oom peak is
+        if status == Status.OOM:  # what the failing step needed: above the budget, as a trial's oom peak is
             self.step_peaks.append(reading.peak_bytes if reading else self.budget_bytes or 0)
 
     def verdict(self, headroom: float) -> None:

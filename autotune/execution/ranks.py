@@ -7,7 +7,7 @@
   returns or raises the same thing (:func:`lead`).
 * **A process group per piece of work.** Each trial trains on a process group of its own, with a
   short timeout. A rank that fails mid-step (out of memory, a time-out, an error in the model)
-  leaves the others inside the wrapper's collectives (:mod:`autotune.execution.wrapping`): it
+  leaves the others inside the wrapper's collectives (:mod:`autotune.training.wrapping`): it
   destroys the group at once, which ends theirs with an error on gloo (on NCCL the watch of
   :mod:`autotune.execution.watch` aborts it), and at the group's timeout at worst. Only then do
   the ranks agree on the outcome (:mod:`autotune.execution.agreement`), on the control group.
@@ -27,7 +27,7 @@ from autotune.errors import AutotuneError, Interrupted, UsageError, first_line
 from autotune.execution.job import Ended, Job, RankInterrupted, RankRefused
 from autotune.execution.watch import Watch, say_left
 from autotune.execution.work import Place, Venue, Work
-from autotune.execution.wrapping import Wrapping
+from autotune.training.wrapping import Wrapping
 from autotune.signals import shielded
 from autotune.training.workload import Workload
 

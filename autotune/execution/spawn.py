@@ -56,6 +56,7 @@ from autotune.device import backend_for
 from autotune.errors import UsageError, first_line
 from autotune.execution.work import Place, Venue, Work
 from autotune.training.workload import Workload
+from autotune.vocabulary import Status
 
 __all__ = ["Spawned", "run_isolated", "check_picklable", "STARTUP_GRACE_S", "WARM_GRACE_S", "CLEAN_TOLERANCE_BYTES"]
 
@@ -206,8 +207,8 @@ class _Worker:
     def run(self, job: Callable[..., Any], job_kwargs: dict, timeout_s: float | None) -> tuple[str, Any]:
         """Hand the worker a job and wait; return (outcome, payload); its check follows (:meth:`check`).
 
-        Outcomes: ``"result"``, ``"usage"``, ``"error"`` (payload: the worker's text), ``"timeout"``,
-        ``"crashed"`` (payload: one line) and ``"gone"``: the worker died before it took the job.
+        Outcomes: ``"result"``, ``"usage"``, ``"error"`` (payload: the worker's text), :attr:`Status.TIMEOUT`,
+        :attr:`Status.CRASHED` (payload: one line) and ``"gone"``: the worker died before it took the job.
         """
         fresh = self.jobs == 0
         self.jobs += 1
@@ -230,10 +231,10 @@ class _Worker:
         if message is _LATE:
             self.kill()
             grace = "start-up" if fresh else f"{WARM_GRACE_S:g} s"
-            return "timeout", f"the worker ran past {limit:g} s and was killed (--trial-timeout plus {grace})"
+            return Status.TIMEOUT, f"the worker ran past {limit:g} s and was killed (--trial-timeout plus {grace})"
         if message is None:
             self.proc.join(_EXIT_GRACE_S)
-            return "crashed", f"worker process {_exit_cause(self.proc.exitcode)}"
+            return Status.CRASHED, f"worker process {_exit_cause(self.proc.exitcode)}"
         self.checking = True
         return message
 
@@ -312,14 +313,14 @@ class Workers:
                         _exit_cause(worker.proc.exitcode))
             self._retire()
         if kind == "gone":
-            kind, payload = "crashed", f"worker process {_exit_cause(self._worker.proc.exitcode)}"
+            kind, payload = Status.CRASHED, f"worker process {_exit_cause(self._worker.proc.exitcode)}"
         if kind != "result" or worker.jobs == self.trials_per_worker:
             self._retire()  # a result's worker is checked as the next piece of work comes (_worker_for)
         seconds = time.monotonic() - started
         if kind == "usage":
             raise UsageError(payload)
         if kind == "error":
-            return "failed", payload.splitlines()[0], seconds
+            return Status.FAILED, payload.splitlines()[0], seconds
         return kind, payload, seconds
 
     def _worker_for(self, spec: dict, name: str) -> _Worker:
@@ -393,11 +394,11 @@ class Spawned(Venue):
         check_picklable(workload)  # one clear line now, not every trial crashed later
 
     def run(self, workload: Workload, work: Work) -> Any:
-        status, payload, seconds = self.workers.run(workload, _run_work, {"work": work, "device": str(self.device)},
-                                                    name=work.name, timeout_s=work.timeout_s)
-        if status == "result":
+        outcome, payload, seconds = self.workers.run(workload, _run_work, {"work": work, "device": str(self.device)},
+                                                     name=work.name, timeout_s=work.timeout_s)
+        if outcome == "result":
             return work.decode(payload)
-        return work.failed(status, payload, seconds)
+        return work.failed(outcome, payload, seconds)  # a Status: the worker timed out, crashed or failed
 
     def describe(self) -> dict[str, Any]:
         return {"workers_started": self.workers.started, "workers_replaced_unclean": self.workers.replaced_unclean,

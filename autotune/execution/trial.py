@@ -25,9 +25,10 @@ from autotune.records import Config, Measurement, TrialSettings, settled, timing
 from autotune.training.data import real_tokens
 from autotune.training.trainer import Trainer
 from autotune.training.workload import Workload, to_device
+from autotune.vocabulary import Status
 
 if TYPE_CHECKING:
-    from autotune.execution.wrapping import Wrapping
+    from autotune.training.wrapping import Wrapping
 
 __all__ = ["TrialWork", "run_trial"]
 
@@ -120,7 +121,7 @@ def run_trial(
     started = time.monotonic()
     deadline = started + settings.timeout_s if settings.timeout_s else None
     run = _Run(workload, config, device, settings, parallel)
-    status, error, handle = "ok", None, None
+    status, error, handle = Status.OK, None, None
     # The tensor meter slows every op down: it sees one step (the optimizer's state primed: one step
     # holds all a step holds), and the timed steps run after it without the meter.
     warmup = 1 if meter.slows_steps else settings.warmup_steps
@@ -155,7 +156,7 @@ def _measurement(config: Config, status: str, error: str | None, records: tuple,
                  started: float, timed: bool) -> Measurement:
     """The trial's :class:`Measurement` from its records and the meter's reading."""
     plan, losses, scales, skipped, step_times, tokens, (setup_s, steps_s), host_peak, optimizer_share = records
-    ok = status == "ok"
+    ok = status == Status.OK
     real = sum(tokens) if tokens and None not in tokens else None
     return Measurement(
         config=config,
@@ -216,7 +217,7 @@ class TrialWork(Work):
                          asked_at=self.asked_at)
 
     def failed(self, status: str, error: str, seconds: float) -> Measurement:
-        if status == "crashed":
+        if status == Status.CRASHED:
             error = f"the trial's {error}"  # "the trial's worker process killed by SIGKILL"
         return Measurement(config=self.config, status=status, wall_s=seconds, error=error, timed=self.timed)
 
@@ -224,7 +225,7 @@ class TrialWork(Work):
         return combine(parts, job)
 
     def left_early(self, result: Measurement) -> bool:
-        return result.status != "ok"
+        return result.status != Status.OK
 
     def decode(self, data: dict) -> Measurement:
         return Measurement.from_dict(data)

@@ -20,18 +20,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autotune.errors import TrialTimeoutError, UsageError, first_line, is_device_crash, is_oom
+from autotune.vocabulary import Status
 from autotune.execution.job import rank_budget
 from autotune.meters import Meter
 
 if TYPE_CHECKING:
     from autotune.execution.job import Job
-    from autotune.execution.wrapping import Wrapping
+    from autotune.training.wrapping import Wrapping
     from autotune.training.workload import Workload
 
 __all__ = ["Place", "Work", "Venue", "outcome"]
 
 
-def outcome(exc: Exception) -> tuple[str, str]:
+def outcome(exc: Exception) -> tuple[Status, str]:
     """Return the (status, error) a piece of work records for ``exc``; re-raise bad input (:class:`UsageError`).
 
     The one place that decides what a failure is: trials, the probe and every venue agree.
@@ -39,12 +40,12 @@ def outcome(exc: Exception) -> tuple[str, str]:
     if isinstance(exc, UsageError):
         raise exc
     if isinstance(exc, TrialTimeoutError):
-        return "timeout", str(exc)
+        return Status.TIMEOUT, str(exc)
     if is_oom(exc):
-        return "oom", first_line(exc)
+        return Status.OOM, first_line(exc)
     if is_device_crash(exc):  # a sticky CUDA error: the device is unusable, as if the worker had died
-        return "crashed", f"{type(exc).__name__}: {first_line(exc)}"
-    return "failed", f"{type(exc).__name__}: {first_line(exc)}"
+        return Status.CRASHED, f"{type(exc).__name__}: {first_line(exc)}"
+    return Status.FAILED, f"{type(exc).__name__}: {first_line(exc)}"
 
 
 @dataclasses.dataclass(frozen=True)

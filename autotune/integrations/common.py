@@ -12,7 +12,7 @@ from torch import nn
 
 from autotune._log import logger
 from autotune.errors import NothingFits, UsageError
-from autotune.report import Report, nothing_fits_hint
+from autotune.report import Report
 
 __all__ = ["ModelCopy", "divisors", "trainer_options", "on_host", "distributed_job", "recommendation_of", "say_changes"]
 
@@ -91,7 +91,7 @@ def recommendation_of(report: Report) -> tuple[Any, int]:
         raise UsageError("a dry run recommends nothing to write back (it predicts memory, not time): tune the trainer "
                          "without dry_run; its report is the one that predicts (autotune.tune(..., dry_run=True))")
     if best is None:
-        raise NothingFits(f"{nothing_fits_hint(report)}; the trainer is unchanged", report)
+        raise NothingFits(f"autotune: {report.shortfall().why()}; the trainer is unchanged", report)
     steps = int((report.accumulation or {}).get("accumulation_steps") or 1)
     return best, steps
 

@@ -30,7 +30,6 @@ from torch import nn
 from autotune.errors import UsageError
 from autotune.export import LIGHTNING_PRECISION
 from autotune.integrations.common import ModelCopy, on_host, recommendation_of, say_changes, trainer_options
-from autotune.plans import Plan
 from autotune.report import Report
 
 __all__ = ["tune_trainer"]
@@ -153,7 +152,7 @@ def _write_back(trainer: Any, model: Any, holders: list[Any], report: Report) ->
         else:
             holder.batch_size = best.batch_size
     old_steps, trainer.accumulate_grad_batches = trainer.accumulate_grad_batches, steps
-    plan = Plan(best.segments)
+    plan = best.config.plan
     if not plan.off:
         from autotune.training.applied import apply
 

@@ -41,7 +41,7 @@ from torch import nn
 from autotune.errors import UsageError
 from autotune.integrations.common import (ModelCopy, distributed_job, on_host, recommendation_of, say_changes,
                                           trainer_options)
-from autotune.plans import ALL, Plan
+from autotune.vocabulary import ALL
 from autotune.report import Report
 
 __all__ = ["tune_trainer"]
@@ -149,7 +149,7 @@ def _write_back(trainer: Any, report: Report) -> str:
     """Set the trainer to train the recommendation (raises NothingFits, the trainer unchanged, when none)."""
     best, steps = recommendation_of(report)
     args, model = trainer.args, trainer.model
-    plan = Plan(best.segments)
+    plan = best.config.plan
     before = (args.per_device_train_batch_size, args.gradient_accumulation_steps, bool(args.bf16), bool(args.fp16),
               _checkpointing(args))
     args.per_device_train_batch_size, args.gradient_accumulation_steps = best.batch_size, steps

@@ -22,7 +22,7 @@ policies) that puts back every buffer the block's forward changed, so BatchNorm'
 statistics and ``num_batches_tracked`` are updated once per step, as without a plan. Dropout
 masks are replayed from the saved RNG state. Anything else a block reads that its model changes
 between the forward and the backward pass cannot be replayed: the run-time check
-(:mod:`autotune.plans.check`) finds such plans and drops them.
+(:mod:`autotune.execution.plan_check`) finds such plans and drops them.
 
 Plans set an instance ``forward`` on each picked block that wraps the forward it had (its class's,
 or one set before: ``--fp32-modules``, accelerate's hooks), so module hooks stay outside the
@@ -45,7 +45,8 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from autotune.errors import AutotuneError, UsageError
-from autotune.plans import Plan, offload
+from autotune.plans import offload
+from autotune.vocabulary import Plan
 from autotune.plans.selective import make_policy
 
 __all__ = ["Chain", "AppliedPlan", "find_chain", "order_chain", "apply_plan", "remove_plan", "restore_buffers",
@@ -97,8 +98,8 @@ class AppliedPlan:
     def to_dict(self) -> dict[str, Any]:
         data = {"name": self.name, "recomputed_blocks": list(self.recomputed),
                 "chain_length": self.chain.length if self.chain else None}
-        if Plan(self.name).offload_mode != "none":  # what it keeps for the backward pass, or its state, waits on the host
-            data["offload"] = Plan(self.name).offload_mode
+        if Plan(self.name).offload_mode:  # what it keeps for the backward pass, or its state, waits on the host
+            data["offload"] = str(Plan(self.name).offload_mode)
         selective = Plan(self.name).selective
         if selective:  # every block wrapped; inside each, the policy keeps part of the forward
             data["policy"] = selective.keeps

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autotune.plans import SELECTIVE
+from autotune.vocabulary import SELECTIVE
 
 __all__ = ["make_policy"]
 

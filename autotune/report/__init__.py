@@ -2,8 +2,9 @@
 
 What a report says is derived, not stored: its front, limits and recommendation come from the
 trials through :mod:`autotune.analysis`. Beside it: the pandas frame (:mod:`autotune.report.frame`)
-and atomic file writing (:mod:`autotune.report.files`); the text table is the command line's
-(:mod:`autotune.cli.table`). Nothing here imports torch.
+atomic file writing (:mod:`autotune.report.files`), the text table (:mod:`autotune.report.table`, ``Report.table()``)
+and, when nothing fits, the figures that say by how much (:mod:`autotune.report.shortfall`; the command line words
+them as advice, :mod:`autotune.cli.advice`). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.analysis.memory_model import MemoryModel
 from autotune.analysis.pareto import LineRule, batch_limits, choose, pareto_front, recommend
-from autotune.plans import Plan
+from autotune.vocabulary import Plan
 from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan, usable_bytes
 from autotune.report.files import write_atomically
-from autotune.units import format_bytes
 
-__all__ = ["SCHEMA_VERSION", "Report", "load", "nothing_fits_hint"]
+if TYPE_CHECKING:
+    from autotune.report.shortfall import Shortfall
+
+__all__ = ["SCHEMA_VERSION", "Report", "load"]
 
 # 2: checkpoint plans by name ("segments": "2", "all", "every2"), the blocks, plan_checks.
 # 3: the gradient-accumulation plan is "accumulation" (was "plan"); oom trials hold oom_held_bytes and
@@ -240,9 +243,15 @@ class Report:
 
         return to_dataframe(self)
 
+    def shortfall(self) -> "Shortfall":
+        """When nothing fits: by how much, and which levers the search did not try (figures, no advice)."""
+        from autotune.report.shortfall import shortfall
+
+        return shortfall(self)
+
     def table(self) -> str:
         """Return a human-readable summary: every trial, the limits, the front and the recommendation."""
-        from autotune.cli.table import render
+        from autotune.report.table import render
 
         return render(self)
 
@@ -251,53 +260,3 @@ def load(path: str | os.PathLike) -> Report:
     """Read a report written by :meth:`Report.to_json`."""
     with open(path) as f:
         return Report.from_dict(json.load(f))
-
-
-def nothing_fits_hint(report: "Report") -> str:
-    """What the CLI says when nothing fits (exit 3), and what :class:`~autotune.errors.NothingFits` says: why, and
-    what to try."""
-    if report.probe:
-        reasons = "; ".join(f"{r.config}: {r.reason}" for r in report.probe)
-        return (f"autotune: every probed candidate was rejected ({reasons}): try a larger --budget, a smaller --headroom, "
-                f"--probe-top to probe more candidates, or --no-probe to take the short trials' answer")
-
-    measured = [m for m in report.trials if m.peak_bytes is not None and m.status in ("ok", "oom")]
-    smallest = min(measured, key=lambda m: m.peak_bytes, default=None)
-    tries = []
-    space = report.search["space"]
-    if "bf16" not in space["precisions"] and "fp16" not in space["precisions"]:
-        tries.append("--precisions with bf16 or fp16")
-    if all(str(s) in ("0", "1") for s in space["segments"]) and report.workload.get("chain"):
-        tries.append("--segments auto")
-    if min(space["batch_sizes"]) > 1:
-        tries.append("smaller --batch-sizes")
-    if report.environment.get("device_type") == "cuda" and not any(Plan(s).offload for s in space["segments"]):
-        tries.append("--offload none,activations (what the plans keep for the backward pass held in host memory)")
-    state = report.workload.get("fixed_bytes")
-    hosted = any(Plan(s).state for s in space["segments"])  # plans +state: the state was already off the device
-    sharded = (report.distributed or {}).get("wrapper") == "fsdp"
-    if state and report.budget_bytes and sharded:  # a rank's share already: more ranks, or the state in host memory
-        n = report.distributed["world_size"]
-        tries.append(f"sharding the training state ({format_bytes(state)} of weights, gradients and optimizer state) "
-                     f"over more than {n} ranks" + (" (--world-size in a dry run)" if report.dry_run else "") + (
-                         "" if hosted else ", or holding it in host memory with --offload none,state"))
-    elif state and report.budget_bytes and state > 0.5 * usable_bytes(report.budget_bytes, report.headroom):
-        tries.append(f"sharding the training state ({format_bytes(state)} of weights, gradients and optimizer state, "
-                     f"over half the budget) with --parallel fsdp under torchrun" + (
-                         "" if hosted else ", or holding it in host memory there with --offload none,state"))
-    tries.append("a larger --budget")
-    least = (f"; the smallest peak measured was {format_bytes(smallest.peak_bytes)} ({smallest.config}, {smallest.status})"
-             if smallest else "")
-    floor = report.workload.get("floor")
-    if floor and state:
-        share = state / report.distributed["world_size"] if sharded else state  # a rank's share of the state
-        least += (f"; at batch 1 with every block recomputed a step needs about "
-                  f"{format_bytes(share + floor['activations'])} ({format_bytes(share)} of weights, gradients and "
-                  f"optimizer state{' on each rank' if sharded else ''}, {format_bytes(floor['activations'])} of "
-                  f"activations, measured at "
-                  f"{floor['precision']}" + (f"; with the state in host memory the activations and the gathered "
-                                             f"block's weights, {format_bytes(floor['activations'] + floor['block_weights'])}"
-                                             if hosted and "block_weights" in floor else "") + ")")
-    statuses = sorted({m.status for m in report.trials})
-    return (f"autotune: nothing fits within {format_bytes(report.budget_bytes)} less {report.headroom:.0%} headroom "
-            f"(trial outcomes: {', '.join(statuses)}){least}: try {', '.join(tries)}")

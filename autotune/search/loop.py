@@ -38,6 +38,7 @@ from autotune.signals import shielded
 from autotune.search.strategies import Proposal, Strategy
 from autotune.search.workers import Heartbeat, Waiter, claim, survey
 from autotune.training.workload import Workload
+from autotune.vocabulary import Status
 
 __all__ = ["SearchResult", "SearchInterrupted", "run_search"]
 
@@ -112,7 +113,7 @@ class _Loop:
     def enough(self, m: Measurement) -> bool:
         """Whether a stored trial measured what a trial of its configuration would add now."""
         earlier = self.measured.get(m.config)
-        if earlier is None or earlier.status != "ok":
+        if earlier is None or earlier.status != Status.OK:
             return True  # measured: nothing to add
         return m.timed and m.timings > (earlier.timings if earlier.timed else 0)
 
@@ -133,7 +134,7 @@ class _Loop:
         the memory trial's; with one that does not (CUDA) the timing trial measures both itself.
         """
         earlier = self.measured.get(proposal.config)
-        if earlier is None or earlier.status != "ok":
+        if earlier is None or earlier.status != Status.OK:
             return run(timed=proposal.timed, metered=True)
         timing = run(timed=True, metered=not slows_steps)
         if earlier.timed:

@@ -24,6 +24,7 @@ from autotune.analysis.pareto import bracket
 from autotune.errors import first_line
 from autotune.records import Config, Measurement, TrialSettings
 from autotune.search.space import SearchSpace
+from autotune.vocabulary import Status
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +76,7 @@ def _first_size(sizes: list[int], variant: tuple[str, str], predictions: dict[Co
     """A variant's first size: the largest the memory model fitted to the other variants' predictions says fits
     (it borrows a line from the same plan in another precision, or from the precision's other plans), else the
     middle size."""
-    model = MemoryModel.fit([m for m in predictions.values() if m.status == "ok"], variants,
+    model = MemoryModel.fit([m for m in predictions.values() if m.status == Status.OK], variants,
                             fixed_bytes_hint=fixed_bytes, blocks=blocks)
     if model.predict(variant, sizes[0]) is None:
         return sizes[len(sizes) // 2]
@@ -86,13 +87,13 @@ def _first_size(sizes: list[int], variant: tuple[str, str], predictions: dict[Co
 def _next_size(sizes: list[int], own: dict[int, Measurement], limit: float, fixed_bytes: float | None) -> int | None:
     """The next size to predict to close one variant's bracket under ``limit``, or None when it is closed (or a
     prediction failed: the model's own error says nothing of memory)."""
-    if any(m.status not in ("ok", "oom") for m in own.values()):
+    if any(not m.status.measured_memory for m in own.values()):
         return None
     lo, hi = bracket(sizes, {b: m.fits(limit) for b, m in own.items()})
     if hi - lo <= 1:
         return None
     open_ = range(lo + 1, hi)
-    points = {b: float(m.peak_bytes) for b, m in own.items() if m.status == "ok" and m.peak_bytes}
+    points = {b: float(m.peak_bytes) for b, m in own.items() if m.status == Status.OK and m.peak_bytes}
     if not points or len(own) >= 3:  # nothing to draw a line through yet, or a line that did not close it
         return sizes[(lo + hi) // 2]
     if len(points) >= 2:

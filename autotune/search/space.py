@@ -6,8 +6,8 @@ import dataclasses
 import re
 
 from autotune.errors import UsageError
-from autotune.plans import Plan, plan_order
-from autotune.records import PRECISION_NAMES, Config
+from autotune.vocabulary import PRECISION_NAMES, Plan, plan_order
+from autotune.records import Config
 
 __all__ = ["Config", "SearchSpace", "parse_batch_sizes", "parse_precisions"]
 
@@ -17,33 +17,39 @@ class SearchSpace:
     """Every combination of the given precisions, checkpoint plans and batch sizes."""
 
     precisions: tuple[str, ...]
-    segments: tuple[str, ...]  # checkpoint plan names (ordered_plans() sorts them by recompute)
+    plans: tuple[Plan, ...]  # the checkpoint plans (ordered_plans() sorts them by recompute); the JSON's "segments"
     batch_sizes: tuple[int, ...]
     blocks: int | None = None  # L, the model's repeated blocks the plans count in (None: no blocks)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "segments", tuple(Plan(s) for s in self.segments))
-        for name, values in (("precisions", self.precisions), ("segments", self.segments), ("batch sizes", self.batch_sizes)):
+        object.__setattr__(self, "plans", tuple(Plan(s) for s in self.plans))
+        for name, values in (("precisions", self.precisions), ("checkpoint plans", self.plans),
+                             ("batch sizes", self.batch_sizes)):
             if not values:
                 raise UsageError(f"the search space is empty: no {name} to try")
 
     def ordered_plans(self) -> list[str]:
         """The space's plans from the least recompute to the most."""
-        return plan_order(self.segments, self.blocks)
+        return plan_order(self.plans, self.blocks)
 
     def configs(self) -> list[Config]:
         """Return every configuration, by precision, then plan as given, then ascending batch size."""
-        return [Config(p, s, b) for p in self.precisions for s in self.segments for b in sorted(self.batch_sizes)]
+        return [Config(p, s, b) for p in self.precisions for s in self.plans for b in sorted(self.batch_sizes)]
 
     def variants(self) -> list[tuple[str, str]]:
         """Return every (precision, plan) pair, in the order of :meth:`configs`."""
-        return [(p, s) for p in self.precisions for s in self.segments]
+        return [(p, s) for p in self.precisions for s in self.plans]
 
     def __len__(self) -> int:
-        return len(self.precisions) * len(self.segments) * len(self.batch_sizes)
+        return len(self.precisions) * len(self.plans) * len(self.batch_sizes)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SearchSpace":
+        """The inverse of :meth:`to_dict` (a report's ``search.space``)."""
+        return cls(tuple(data["precisions"]), tuple(data["segments"]), tuple(data["batch_sizes"]), data.get("blocks"))
 
     def to_dict(self) -> dict[str, list]:
-        return {"precisions": list(self.precisions), "segments": list(self.segments), "batch_sizes": list(self.batch_sizes),
+        return {"precisions": list(self.precisions), "segments": list(self.plans), "batch_sizes": list(self.batch_sizes),
                 "blocks": self.blocks}
 
 

@@ -25,7 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune._log import logger
 from autotune.errors import UsageError, first_line
-from autotune.plans import Plan
+from autotune.vocabulary import Plan, Status
 from autotune.records import Config, Measurement
 from autotune.search.space import SearchSpace
 
@@ -35,8 +35,7 @@ __all__ = [
     "record", "state_of", "abandon", "stamp", "quiet_optuna",
 ]
 
-STATE = {"ok": TrialState.COMPLETE, "oom": TrialState.PRUNED, "timeout": TrialState.PRUNED,
-         "failed": TrialState.FAIL, "crashed": TrialState.FAIL}
+STATE = {status: getattr(TrialState, status.state) for status in Status}  # how each outcome is stored
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 METRIC_NAMES = ("samples_per_s", "peak_bytes")  # the study's two objectives, maximised and minimised
 _OPEN_ATTEMPTS = 3
@@ -137,7 +136,7 @@ def distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDist
     """The Optuna distributions of ``space``'s three parameters, as the store and the sampler declare them."""
     return {
         "precision": optuna.distributions.CategoricalDistribution(space.precisions),
-        "segments": optuna.distributions.CategoricalDistribution(space.segments),
+        "segments": optuna.distributions.CategoricalDistribution(space.plans),
         "batch_size": optuna.distributions.CategoricalDistribution(space.batch_sizes),
     }
 
@@ -162,16 +161,16 @@ def reusable(attrs: dict, *, settings_key: str, enforced_bytes: int | None, time
         return None
     measurement = Measurement.from_dict(data)
     stored_budget = attrs.get("budget_bytes")
-    if measurement.status == "oom" and stored_budget is not None and (enforced_bytes is None or stored_budget < enforced_bytes):
+    if measurement.status == Status.OOM and stored_budget is not None and (enforced_bytes is None or stored_budget < enforced_bytes):
         return None  # it ran out of a smaller budget than today's (or today has none): it may fit now
     stored_timeout = attrs.get("timeout_s")
-    if measurement.status == "timeout" and stored_timeout is not None and (timeout_s is None or stored_timeout < timeout_s):
+    if measurement.status == Status.TIMEOUT and stored_timeout is not None and (timeout_s is None or stored_timeout < timeout_s):
         return None  # it was cut sooner than today's limit would cut it
     stored_host = attrs.get("host_budget_bytes")
-    if (measurement.status == "oom" and "host memory" in (measurement.error or "") and stored_host is not None
+    if (measurement.status == Status.OOM and "host memory" in (measurement.error or "") and stored_host is not None
             and (host_budget_bytes is None or stored_host < host_budget_bytes)):
         return None  # it ran out of a smaller host budget than today's (offloaded activations): it may fit now
-    if (measurement.status == "ok" and measurement.host_peak_bytes is not None and host_budget_bytes is not None
+    if (measurement.status == Status.OK and measurement.host_peak_bytes is not None and host_budget_bytes is not None
             and measurement.host_peak_bytes > host_budget_bytes):
         return None  # it fitted a larger host budget than today's: today it would run out of host memory
     return measurement

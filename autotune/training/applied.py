@@ -23,10 +23,10 @@ from torch._subclasses.fake_tensor import is_fake  # private, and in every torch
 from autotune._log import logger
 from autotune.plans.checkpointing import Chain, apply_plan
 from autotune.errors import UsageError
-from autotune.plans import Plan
+from autotune.vocabulary import CheckStatus, Plan
 from autotune.training.precision import get_mode, keep_in_fp32
 from autotune.records import GuardRails, Measurement, accumulation_plan
-from autotune.report import Report
+from autotune.device import autocast_type
 
 __all__ = ["Applied", "apply", "prepare", "accumulation_plan"]
 
@@ -98,18 +98,15 @@ class _Recommended:
 
 
 def _recommendation_fields(recommendation: Any) -> _Recommended:
-    """Read a Report, a Measurement or the JSON dict of either."""
-    if isinstance(recommendation, Report) and recommendation.dry_run or isinstance(recommendation, dict) and (
-            recommendation.get("search") or {}).get("dry_run"):
-        raise UsageError("a dry run's report has no recommendation (it predicts memory, not time): apply a search's")
-    if isinstance(recommendation, Report):
-        rec = recommendation.recommendation
-        if rec is None:
-            raise UsageError("the report has no recommendation: nothing fitted the budget")
-        return _Recommended(rec.to_dict(), recommendation.accumulation or {}, recommendation.guard.to_dict(),
-                            [c.to_dict() for c in recommendation.plan_checks], recommendation.workload.get("chain"))
+    """Read a Report (as its JSON: this floor does not import the report's), a Measurement or the JSON dict of
+    either."""
     if isinstance(recommendation, Measurement):
         return _Recommended(recommendation.to_dict())
+    if not isinstance(recommendation, dict) and callable(getattr(recommendation, "to_dict", None)) and hasattr(
+            recommendation, "recommendation"):
+        recommendation = recommendation.to_dict()  # a Report: its JSON says all that applying it needs
+    if isinstance(recommendation, dict) and (recommendation.get("search") or {}).get("dry_run"):
+        raise UsageError("a dry run's report has no recommendation (it predicts memory, not time): apply a search's")
     if isinstance(recommendation, dict):
         if "recommendation" in recommendation:  # a whole report, as loaded from JSON
             if recommendation["recommendation"] is None:
@@ -130,7 +127,7 @@ def _require_checked(plan: str, checks: list | None) -> None:
     if check is None:
         logger.warning("checkpoint plan %s was not checked on this model (a report from before the checks, or a bare "
                        "trial): autotune cannot vouch that it trains the same model", plan)
-    elif check.get("status") not in ("exact", "within_noise"):
+    elif check.get("status") not in {s.value for s in CheckStatus if s.kept}:
         raise UsageError(f"checkpoint plan {plan} failed its check on this model ({check.get('status')}: "
                          f"{check.get('error') or check.get('worst')}): it would train a different model; "
                          f"use another configuration of the report")
@@ -156,7 +153,7 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
     guard = GuardRails.from_dict(source.guard)
     if device_type is None:
         first = next(model.parameters(), None)
-        device_type = first.device.type if first is not None else "cpu"
+        device_type = autocast_type(first.device) if first is not None else "cpu"
     segments = Plan(fields["segments"])
     _require_checked(segments, source.checks)
     chain = Chain.from_dict(source.chain) if source.chain else None

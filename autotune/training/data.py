@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
-from autotune.records import quantile
+from autotune.units import quantile
 
 __all__ = ["ItemSizes", "scan_items", "worst_indices", "random_indices", "real_tokens", "loader_notes", "MAX_SCAN"]
 

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from autotune.meters.tensor import enter_device, leave_device, passing_peak, plain_tensors
 from autotune.plans.offload import HostBudgetExceededError, Offloader
+from autotune.device import host_memory_apart, on_host
 
 __all__ = ["HostState", "OnHost", "built_on_host", "offload_policy", "wrap_bytes"]
 
@@ -50,7 +51,7 @@ def offload_policy(device: torch.device) -> Any:
         from torch.distributed.fsdp import CPUOffloadPolicy
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import CPUOffloadPolicy
-    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return CPUOffloadPolicy(pin_memory=host_memory_apart(device))
 
 
 class OnHost:
@@ -72,7 +73,7 @@ def built_on_host(device: torch.device) -> Iterator[OnHost]:
     changes nothing: the model is built on the host there anyway, and the CUDA meter sees the wrap's device memory.
     """
     told = OnHost()
-    if device.type == "cuda":
+    if host_memory_apart(device):
         yield told
         return
     with _disable_current_modes():
@@ -98,7 +99,7 @@ def _host_storage_bytes(tensors: Iterable[Any]) -> int:
     told apart by their StorageImpl, which views share (a dry run's fake tensors have no data pointer)."""
     storages = {}
     for t in plain_tensors(tensors):
-        if t.device.type == "cpu":
+        if on_host(t):
             storage = t.untyped_storage()
             storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())
@@ -115,7 +116,7 @@ class HostState:
                  device: torch.device, *, host_budget_bytes: int | None = None,
                  activations: Offloader | None = None) -> None:
         self.model, self.optimizer, self.ballast = model, optimizer, ballast
-        self.emulated = device.type != "cuda"
+        self.emulated = not host_memory_apart(device)
         self.host_budget_bytes, self.activations = host_budget_bytes, activations
         self.host_bytes = self.held()  # the most the state held
         self.step_seconds: list[float] = []  # per training step, the optimizer's (0 where a GradScaler skipped it)

@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from autotune.errors import UsageError
-from autotune.records import GROWTH_INTERVAL, INIT_LOSS_SCALE
+from autotune.vocabulary import GROWTH_INTERVAL, INIT_LOSS_SCALE, PRECISIONS as _NAMED
 
 __all__ = ["PRECISIONS", "PrecisionMode", "get_mode", "keep_in_fp32", "INIT_LOSS_SCALE"]
 
@@ -41,10 +41,9 @@ class PrecisionMode:
         return torch.amp.GradScaler(device_type, init_scale=INIT_LOSS_SCALE, growth_interval=GROWTH_INTERVAL)
 
 
-PRECISIONS: dict[str, PrecisionMode] = {  # in the order of autotune.records.PRECISION_NAMES
-    "fp32": PrecisionMode("fp32", None, uses_scaler=False),
-    "fp16": PrecisionMode("fp16", torch.float16, uses_scaler=True),
-    "bf16": PrecisionMode("bf16", torch.bfloat16, uses_scaler=False),
+PRECISIONS: dict[str, PrecisionMode] = {  # the ground floor's modes (autotune.vocabulary.precision), with torch's dtypes
+    name: PrecisionMode(name, getattr(torch, p.autocast_dtype) if p.autocast_dtype else None, p.uses_scaler)
+    for name, p in _NAMED.items()
 }
 
 

@@ -8,10 +8,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._subclasses.fake_tensor import is_fake  # private, and in every torch autotune supports
 
-from autotune.device import Backend, backend_for
+from autotune.device import Backend, autocast_type, backend_for
 from autotune.errors import UsageError
 from autotune.training.host_state import HostState, OnHost, built_on_host, wrap_bytes
-from autotune.plans import Plan
 from autotune.plans.offload import offloader_of
 from autotune.records import Config, GuardRails
 from autotune.training.applied import Applied, prepare
@@ -19,7 +18,7 @@ from autotune.training.optimizer import prime as prime_optimizer
 from autotune.training.workload import Workload, move_model
 
 if TYPE_CHECKING:
-    from autotune.execution.wrapping import Wrapping
+    from autotune.training.wrapping import Wrapping
 
 __all__ = ["Trainer"]
 
@@ -55,7 +54,7 @@ class Trainer:
         :func:`autotune.training.optimizer.prime`), so that step already holds what every later step
         holds: one metered step sees the steady peak.
         """
-        state = Plan(self.config.plan).state  # the state in host memory: FSDP2 moves each block as it shards it
+        state = self.config.plan.state  # the state in host memory: FSDP2 moves each block as it shards it
         if state and self.parallel is None:
             raise UsageError(f"plan {self.config.plan} keeps FSDP2's sharded state in host memory: it trains under "
                              f"--parallel fsdp (torchrun, one rank is enough)")
@@ -77,7 +76,7 @@ class Trainer:
         ``+state``, whose model stays on the host for FSDP2 to shard there."""
         model = self.workload.build_model(seed=self.seed)  # the same seeded model every time (a copy once warm)
         self.run = prepare(model, precision=self.config.precision, segments=self.config.plan,
-                           chain=self.workload.chain, guard=self.guard, device_type=self.device.type,
+                           chain=self.workload.chain, guard=self.guard, device_type=autocast_type(self.device),
                            micro_batch_size=self.config.batch_size, record_loss_scale=True,
                            record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes)
         self.plan = self.run.plan

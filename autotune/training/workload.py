@@ -45,6 +45,7 @@ from autotune.plans.checkpointing import Chain
 from autotune.training.data import loader_notes, random_indices, scan_items, worst_indices
 from autotune.training.optimizer import OptimizerSpec
 from autotune.errors import AutotuneError, UsageError, first_line, is_oom
+from autotune.device import on_host
 
 __all__ = ["Workload", "load_object", "to_device", "move_model", "parse_model_kwargs"]
 
@@ -192,7 +193,7 @@ class Workload:
         with contextlib.suppress(Exception):
             template = self.build_model(seed)
             states = _random_states()
-            if all(t.device.type == "cpu" for t in (*template.parameters(), *template.buffers())) and _copyable(template):
+            if all(map(on_host, (*template.parameters(), *template.buffers()))) and _copyable(template):
                 self._found[key] = (template, states)  # a model that cannot be copied is built every time
 
     def unwarmed(self) -> "Workload":

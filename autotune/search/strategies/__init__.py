@@ -19,6 +19,7 @@ from autotune.search.strategies.auto import AutoStrategy
 from autotune.search.strategies.base import Proposal, Strategy
 from autotune.search.strategies.grid import GridStrategy
 from autotune.search.strategies.sampler import OptunaStrategy
+from autotune.vocabulary import HEADROOM
 
 if TYPE_CHECKING:
     from autotune.analysis.pareto import LineRule
@@ -29,7 +30,7 @@ __all__ = ["Strategy", "Proposal", "AutoStrategy", "GridStrategy", "OptunaStrate
 STRATEGIES = {"auto": AutoStrategy, "grid": GridStrategy, "optuna": OptunaStrategy}
 
 
-def make_strategy(name: str, *, headroom: float = 0.1, budgets: tuple[int, ...] = (),
+def make_strategy(name: str, *, headroom: float = HEADROOM, budgets: tuple[int, ...] = (),
                   fixed_bytes_hint: float | None = None, n_trials: int | None = None,
                   line_rule: "LineRule | None" = None, predictions: "Mapping[Config, Measurement] | None" = None
                   ) -> Strategy:

@@ -48,7 +48,7 @@ from typing import Iterable, Mapping
 from autotune.analysis.memory_model import MemoryModel, fit_line
 from autotune.analysis.pareto import (LineRule, bracket, confirmed, implied_failures, line_failures, prediction_failures,
                                       prediction_fits)
-from autotune.plans import Plan
+from autotune.vocabulary import HEADROOM, Plan, Status
 from autotune.records import Config, Measurement, usable_bytes
 from autotune.search.space import SearchSpace
 from autotune.search.strategies.base import Proposal, Strategy
@@ -116,11 +116,11 @@ def step_time_bound(config: Config, measured: Mapping[Config, Measurement], bloc
     step's fixed cost, and a negative one makes the bound larger still. Between two timed sizes a
     curve may bulge above the line, so there it says nothing.
     """
-    plan = Plan(config.plan)
+    plan = config.plan
     # Plans that keep the state in host memory step the optimizer on the CPU: a line of their own (0+state's)
-    kind = [c for c in measured if c.precision == config.precision and Plan(c.plan).state == plan.state]
+    kind = [c for c in measured if c.precision == config.precision and c.plan.state == plan.state]
     steps = {c.batch_size: measured[c].step_s for c in kind
-             if Plan(c.plan).without_state.off and measured[c].step_s and measured[c].timed}
+             if c.plan.without_state.off and measured[c].step_s and measured[c].timed}
     if len(steps) < 2 or (plan.without_state.off and min(steps) <= config.batch_size <= max(steps)):
         return None  # no line yet; or a point between the plan's own timed ones, where a curve may bulge above it
     a, c = fit_line(steps)
@@ -157,7 +157,7 @@ class _View:
         self._implied: dict[float | None, tuple[dict[Config, object], dict[Config, object]]] = {}
         self.standing = confirmed(measured.values(), self.predictions)  # variants whose predictions a trial confirmed
         # Variants whose predictions a measured trial contradicted: searched on measurements alone
-        self.refuted = {c.variant for c, m in measured.items() if c in self.predictions and m.status == "ok"
+        self.refuted = {c.variant for c, m in measured.items() if c in self.predictions and m.status == Status.OK
                         and m.peak_bytes and c.variant not in confirmed([m], self.predictions)}
 
     def outcomes(self, variant: tuple[str, str], limit: float | None) -> dict[int, bool]:
@@ -168,7 +168,7 @@ class _View:
             self._implied[limit] = ({
                 **line_failures(self.measured.values(), limit, self.sizes, self.line_rule),
                 **prediction_failures(self.measured.values(), limit, self.predictions),
-                **implied_failures(self.measured.values(), limit, self.space.segments, self.space.blocks)},
+                **implied_failures(self.measured.values(), limit, self.space.plans, self.space.blocks)},
                 prediction_fits(self.measured.values(), limit, self.predictions))
         fails, fits = self._implied[limit]
         known = {c.batch_size: False for c in fails if c.variant == variant}
@@ -189,7 +189,7 @@ class _View:
     def by_prediction(self, variant: tuple[str, str]) -> bool:
         """Whether ``variant``'s expected peaks are its predictions."""
         return variant not in self.refuted and any(
-            Config(*variant, b) in self.predictions and self.predictions[Config(*variant, b)].status in ("ok", "oom")
+            Config(*variant, b) in self.predictions and self.predictions[Config(*variant, b)].status.measured_memory
             for b in self.sizes)
 
     def guess(self, variant: tuple[str, str], b: int) -> float | None:
@@ -200,9 +200,9 @@ class _View:
         points: dict[int, float] = {}
         for size in self.sizes:
             p = self.predictions.get(Config(*variant, size))
-            if p is None or p.status not in ("ok", "oom"):  # a prediction that failed says nothing of memory
+            if p is None or not p.status.measured_memory:  # a prediction that failed says nothing of memory
                 continue
-            if p.status == "oom" or not p.peak_bytes:
+            if p.status == Status.OOM or not p.peak_bytes:
                 return float("inf") if size <= b else self._between(points, b, variant)
             points[size] = float(p.peak_bytes)
         return self._between(points, b, variant)
@@ -244,7 +244,7 @@ class _View:
         blocks = [[s for s in self.ordered if s not in unordered and Plan(s).state == state] for state in (False, True)]
 
         def off(state: bool) -> list[str]:  # no checkpointing, with the state where ``state`` says
-            return [s for s in self.ordered if Plan(s).base.off and Plan(s).kind == (False, state)]
+            return [s for s in self.ordered if Plan(s).base.off and not Plan(s).offload and Plan(s).state == state]
 
         chains = [*blocks, *([*off(Plan(own).state), own] for own in unordered)]
         envelopes: list[list[Config]] = []
@@ -279,7 +279,7 @@ class AutoStrategy(Strategy):
 
     name = "auto"
 
-    def __init__(self, *, headroom: float = 0.1, budgets: Iterable[int] = (), fixed_bytes_hint: float | None = None,
+    def __init__(self, *, headroom: float = HEADROOM, budgets: Iterable[int] = (), fixed_bytes_hint: float | None = None,
                  line_rule: LineRule | None = None, predictions: Mapping[Config, Measurement] | None = None) -> None:
         self.headroom = headroom
         self.budgets = tuple(sorted(set(budgets)))
@@ -338,7 +338,7 @@ class AutoStrategy(Strategy):
         middle = view.sizes[len(view.sizes) // 2]
         p = view.predictions.get(Config(*variant, middle))
         if (not view.by_prediction(variant) or variant in view.standing or variant[1] == view.ordered[0] or own
-                or p is None or p.status != "ok"):
+                or p is None or p.status != Status.OK):
             return None
         return middle
 

@@ -23,10 +23,10 @@ from typing import Any, Iterable
 import torch
 
 from autotune.plans.checkpointing import apply_plan
-from autotune.device import backend_for
+from autotune.device import autocast_type, backend_for
 from autotune.errors import UsageError, first_line
 from autotune.execution.work import Place, Venue, Work
-from autotune.plans import Plan
+from autotune.vocabulary import CheckStatus, Plan
 from autotune.training.precision import keep_in_fp32
 from autotune.records import GuardRails, PlanCheck
 from autotune.training.workload import Workload, to_device
@@ -43,7 +43,7 @@ def _step(workload: Workload, plan: str, batch_size: int, device: torch.device, 
     The paths of the blocks the plan recomputes go to ``blocks[plan]``.
     """
     model = workload.build_model(seed=seed)
-    keep_in_fp32(model, guard.fp32_modules, device.type)
+    keep_in_fp32(model, guard.fp32_modules, autocast_type(device))
     applied = apply_plan(model, plan, workload.chain)
     if blocks is not None and applied.chain is not None:
         blocks[plan] = tuple(applied.chain.blocks[i] for i in applied.recomputed)
@@ -110,7 +110,7 @@ def check_plans(workload: Workload, plans: Iterable[str], *, batch_size: int, de
         raise
     except Exception as exc:  # noqa: BLE001 - without a reference nothing can be checked
         error = f"the step without a plan failed: {type(exc).__name__}: {first_line(exc)}"
-        return [PlanCheck(p, "failed", batch_size, blocks[p], error=error) for p in plans]
+        return [PlanCheck(p, CheckStatus.FAILED, batch_size, blocks[p], error=error) for p in plans]
     finally:
         backend_for(device).release()
     tolerance = NOISE_MULTIPLE * noise
@@ -121,12 +121,12 @@ def check_plans(workload: Workload, plans: Iterable[str], *, batch_size: int, de
         except UsageError:
             raise
         except Exception as exc:  # noqa: BLE001 - a plan whose step fails is dropped, with the reason
-            checks.append(PlanCheck(plan, "failed", batch_size, blocks[plan], noise=noise, tolerance=tolerance,
+            checks.append(PlanCheck(plan, CheckStatus.FAILED, batch_size, blocks[plan], noise=noise, tolerance=tolerance,
                                     error=f"{type(exc).__name__}: {first_line(exc)}"))
             continue
         finally:
             backend_for(device).release()
-        status = "exact" if rel == 0.0 else "within_noise" if rel <= tolerance else "differs"
+        status = CheckStatus.EXACT if rel == 0.0 else CheckStatus.WITHIN_NOISE if rel <= tolerance else CheckStatus.DIFFERS
         checks.append(PlanCheck(plan, status, batch_size, blocks[plan], rel, diff, where, noise, tolerance))
     return checks
 
@@ -153,7 +153,7 @@ class CheckWork(Work):
                            guard=self.guard)
 
     def failed(self, status: str, error: str, seconds: float) -> list[PlanCheck]:
-        return [PlanCheck(p, "failed", self.batch_size, error=f"the check's {error}") for p in self.plans]
+        return [PlanCheck(p, CheckStatus.FAILED, self.batch_size, error=f"the check's {error}") for p in self.plans]
 
     def encode(self, result: list[PlanCheck]) -> list[dict[str, Any]]:
         return [c.to_dict() for c in result]

@@ -11,6 +11,7 @@ from typing import Any
 from autotune.analysis.pareto import recommend
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
+from autotune.vocabulary import Status
 
 __all__ = ["render"]
 
@@ -30,7 +31,7 @@ def render(report: Any) -> str:
 
 
 def _trial_rows(report: Any) -> list[str]:
-    width = max([8, *(len(m.segments) for m in report.trials)])  # "sac-linear+offload" as wide as it is
+    width = max([8, *(len(m.config.plan) for m in report.trials)])  # "sac-linear+offload" as wide as it is
     lines = [f"{'precision':<9} {'segments':>{width}} {'batch':>6} {'status':<7} {'peak':>11} {'step_s':>8} {'samples/s':>10}  "]
     pareto = {m.config for m in report.pareto}
     rec = report.recommendation
@@ -43,7 +44,7 @@ def _trial_rows(report: Any) -> list[str]:
         step = f"{m.step_s:.4f}" if m.step_s is not None else "-"
         sps = f"{m.samples_per_s:.1f}" if m.samples_per_s is not None else "-"
         lines.append(
-            f"{m.precision:<9} {m.segments:>{width}} {m.batch_size:>6} {m.status:<7} {format_bytes(m.peak_bytes):>11} "
+            f"{m.precision:<9} {m.config.plan:>{width}} {m.batch_size:>6} {m.status:<7} {format_bytes(m.peak_bytes):>11} "
             f"{step:>8} {sps:>10}  {mark}".rstrip()
         )
     return lines
@@ -152,7 +153,7 @@ def _recommendation_lines(report: Any) -> list[str]:
     peak, speed, where = (rec.peak_bytes, rec.samples_per_s, "peak") if probed is None else (
         probed.peak_bytes_max, probed.samples_per_s, "worst-case peak in the probe")
     share = f" ({peak / report.budget_bytes:.0%} of the {budget} budget)" if report.budget_bytes else ""
-    lines = [f"recommendation: {rec.precision}, segments {rec.segments}, batch size {rec.batch_size}: "
+    lines = [f"recommendation: {rec.precision}, segments {rec.config.plan}, batch size {rec.batch_size}: "
              f"{speed:.1f} samples/s, {where} {format_bytes(peak)}{share}"]
     accumulation = report.accumulation
     if accumulation and accumulation["target_batch_size"]:
@@ -170,14 +171,14 @@ def _budget_lines(report: Any) -> list[str]:
                            + ("" if r.get("bracketed", True) else f" (model: {r.get('predicted_max_batch_size') or 'none'})")
                            for r in report.for_budget(budget)["limits"])
         lines.append(f"budget {format_bytes(budget)}: " + (
-            f"{other.precision}, segments {other.segments}, batch size {other.batch_size}: {other.samples_per_s:.1f} "
+            f"{other.precision}, segments {other.config.plan}, batch size {other.batch_size}: {other.samples_per_s:.1f} "
             f"samples/s, peak {format_bytes(other.peak_bytes)}" if other else "nothing fits") + f"; largest batch: {limits}")
     return lines
 
 
 def _library_line(c: dict[str, Any]) -> str:
     def one(r: dict[str, Any]) -> str:
-        if r["status"] != "ok":
+        if r["status"] != Status.OK:
             return f"{r['status']} (peak {format_bytes(r['peak_bytes'])})"
         if r["samples_per_s"] is None:  # a memory trial of the search: its peak, no speed
             return f"peak {format_bytes(r['peak_bytes'])} (a memory trial: not timed)"

@@ -7,16 +7,14 @@ Mixed precision is autocast under both wrappers, as in a single process: FSDP2's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from autotune.errors import UsageError
 from autotune.training.host_state import offload_policy
-
-if TYPE_CHECKING:
-    from autotune.execution.job import Job
+from autotune.device import autocast_type, device_ids
 
 __all__ = ["Wrapping"]
 
@@ -24,7 +22,9 @@ __all__ = ["Wrapping"]
 class Wrapping:
     """One trial's process group, and how a model trains on it: the wrapper, and agreed step times."""
 
-    def __init__(self, job: "Job", group: Any, device: torch.device) -> None:
+    def __init__(self, job: Any, group: Any, device: torch.device) -> None:
+        """``job``: the torchrun job (:class:`autotune.execution.job.Job`, a floor above: its ``wrapper``, ranks and
+        control group); ``group``: the trial's own process group."""
         self.job, self.group, self.device = job, group, device
 
     def wrap(self, model: nn.Module, blocks: tuple[str, ...], *, offload_state: bool = False) -> nn.Module:
@@ -52,8 +52,7 @@ class Wrapping:
     def _ddp(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, process_group=self.group)
+        return DistributedDataParallel(model, device_ids=device_ids(self.device), process_group=self.group)
 
     def _mesh(self) -> Any:
         """The trial's one-dimensional device mesh over its group."""
@@ -62,7 +61,7 @@ class Wrapping:
         # A mesh named for this trial: meshes of equal ranks and names are equal, and DTensor's caches (the
         # sharding plans of clip_grad_norm_, of the GradScaler's unscale_) would hand a later trial the group
         # of an earlier one, destroyed by then ("Could not resolve the process group registered under ...").
-        return DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=(f"trial{self.job.trials}",))
+        return DeviceMesh.from_group(self.group, autocast_type(self.device), mesh_dim_names=(f"trial{self.job.trials}",))
 
     def slowest(self, seconds: float, late: bool) -> tuple[float, bool]:
         """The slowest rank's time of this step, and whether any rank would run past its time limit next."""

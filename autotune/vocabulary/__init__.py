@@ -1,0 +1,23 @@
+"""The ground floor: the words every other part of autotune uses, and nothing else (no torch, no other part).
+
+* :mod:`~autotune.vocabulary.plan`: checkpoint plans (:class:`Plan`), their modifiers and offload modes
+  (:class:`Offload`), the selective plans;
+* :mod:`~autotune.vocabulary.precision`: the precision modes by name;
+* :mod:`~autotune.vocabulary.status`: how a trial ended (:class:`Status`) and how a plan's check did
+  (:class:`CheckStatus`);
+* :data:`HEADROOM`: the share of a budget a recommendation leaves free by default.
+
+Below it only :mod:`autotune.errors`, :mod:`autotune.units` and :mod:`autotune._log`. Every floor above reads
+these names from here; ``tests/test_house.py`` checks that no part imports a part that imports it back.
+"""
+
+from autotune.vocabulary.plan import (ALL, MODIFIERS, NONE, SELECTIVE, Modifier, Offload, Plan, Selective, auto_plans,
+                                      parse_offload, parse_plans, plan_order, with_offload)
+from autotune.vocabulary.precision import GROWTH_INTERVAL, HALF, INIT_LOSS_SCALE, PRECISION_NAMES, PRECISIONS, Precision
+from autotune.vocabulary.status import CheckStatus, Status
+
+HEADROOM = 0.1  # the share of the budget a recommendation leaves free (--headroom's default)
+
+__all__ = ["Plan", "Selective", "Offload", "Modifier", "MODIFIERS", "NONE", "ALL", "SELECTIVE", "parse_plans",
+           "parse_offload", "plan_order", "auto_plans", "with_offload", "Precision", "PRECISIONS", "PRECISION_NAMES",
+           "HALF", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "Status", "CheckStatus", "HEADROOM"]
