@@ -28,7 +28,7 @@ from autotune.errors import StateDoesNotFit, UsageError, first_line
 from autotune.options import Options
 from autotune.execution.plan_check import run_checks
 from autotune.vocabulary import ALL, Offload, Plan, auto_plans, with_offload
-from autotune.training.optimizer import UNPRIMED_NOTICE, measure_state_bytes
+from autotune.training.optimizer import UNPRIMED_NOTICE, measure_optimizer
 from autotune.training.precision import PRECISIONS, keep_in_fp32
 from autotune.execution.venue import venue_for
 from autotune.execution.work import Venue
@@ -164,6 +164,7 @@ class ModelFacts:
     optimizer_state_bytes: int | None = None  # the optimizer's state for these parameters (None: not measurable)
     unprimed: str | None = None  # why the optimizer could not be primed (autotune.training.optimizer)
     gradient_bytes: int | None = None  # the parameters that require gradients (None: all of them)
+    optimizer: dict[str, Any] | None = None  # the optimizer made here: its class, settings and source (the report's)
 
     def state(self) -> dict[str, int]:
         """What a step holds whatever the batch, by part: the weights, the gradients of the parameters that train,
@@ -196,7 +197,7 @@ def preflight(target: Target) -> ModelFacts:
     try:
         # The optimizer's state is measured on the CPU, before the model goes to the device: a model whose state
         # does not fit is told so with figures, not met by an out-of-memory error in its first forward pass.
-        state, unprimed = measure_state_bytes(workload.optimizer, model, target.options.trial_settings.lr)
+        state, unprimed, made = measure_optimizer(workload.optimizer, model, target.options.trial_settings.lr)
         # A closure over this frame's ``model``, not an argument: ``del model`` below then frees the model even
         # while the StateDoesNotFit raised through here, and its traceback's frames, live on in the caller
         _check_state_fits(dataclasses.replace(facts, optimizer_state_bytes=state), workload.optimizer.name, target,
@@ -209,7 +210,7 @@ def preflight(target: Target) -> ModelFacts:
     if unprimed is not None:
         logger.warning(UNPRIMED_NOTICE.format(name=workload.optimizer.name, why=unprimed))
     return dataclasses.replace(facts, chain=chain, library_checkpointing=library, optimizer_state_bytes=state,
-                               unprimed=unprimed)
+                               unprimed=unprimed, optimizer=made)
 
 
 def _check_state_fits(facts: ModelFacts, optimizer: str, target: Target, floor: Callable[[], Floor]) -> None:

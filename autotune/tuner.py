@@ -185,7 +185,9 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "data": describe(options.data),
             "loss": describe(options.loss),
             "step": describe(options.step),
-            "optimizer": {**study.workload.optimizer.to_dict(), "state_bytes": facts.optimizer_state_bytes},
+            # its name and kwargs (the study's), then the optimizer the preflight made: class, settings, source
+            "optimizer": {**study.workload.optimizer.to_dict(), **(facts.optimizer or {}),
+                          "state_bytes": facts.optimizer_state_bytes},
             "fixed_bytes": facts.fixed_bytes,
             "parameter_count": facts.parameter_count,
             "parameter_bytes": facts.parameter_bytes,

@@ -32,6 +32,22 @@ def test_cli_writes_json_and_exits_0_with_a_recommendation(tmp_path):
     assert any(t["status"] == "oom" for t in data["trials"])
 
 
+def test_the_report_names_the_optimizer_of_the_optimizer_flag_by_its_class_settings_and_source(tmp_path):
+    out = tmp_path / "t.json"
+    code = main(["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "64MiB", "--precisions",
+                 "fp32", "--segments", "0", "--batch-sizes", "2", "--optimizer", "torch.optim:SGD",
+                 "--optimizer-kwargs", '{"lr": 0.01, "momentum": 0.9}', "--no-probe", "--quiet",
+                 "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(out), *QUICK])
+    assert code == 0
+    optimizer = json.loads(out.read_text())["workload"]["optimizer"]
+    assert optimizer["name"] == "torch.optim:SGD(lr=0.01, momentum=0.9)"  # the study's identity, as before
+    assert optimizer["kwargs"] == {"lr": 0.01, "momentum": 0.9}
+    assert (optimizer["class"], optimizer["source"]) == ("torch.optim.SGD", "optimizer")
+    settings = optimizer["settings"]
+    assert (settings["lr"], settings["momentum"], settings["weight_decay"]) == (0.01, 0.9, 0)
+    assert "groups" not in optimizer  # one group, with the constructor's settings
+
+
 def test_default_storage_and_out_live_in_results(tmp_path):
     proc = run_cli("--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--budget", "64MiB",
                    "--precisions", "fp32", "--segments", "0", "--batch-sizes", "2", "--quiet", *QUICK, cwd=tmp_path)

@@ -7,6 +7,7 @@ by autotune's tensor meter: the check does not share the code it checks.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -69,6 +70,9 @@ def test_a_hugging_face_trainer_is_tuned_and_then_trains_the_recommendation_with
     best = report.recommendation
     # The trials trained what the trainer trains: its optimizer (transformers' Adafactor), its loss, its data
     assert report.workload["optimizer"]["name"].startswith("transformers.optimization:Adafactor(")
+    optimizer = report.workload["optimizer"]  # the one the trainer's arguments made: its class, settings and source
+    assert optimizer["class"] == "transformers.optimization.Adafactor" and optimizer["optim"] == "adafactor"
+    assert optimizer["source"] == "TrainingArguments" and optimizer["settings"]["lr"] == args.learning_rate
     assert report.workload["step"].endswith("Trainer.compute_loss") and report.data is not None
     assert report.guard.clip_grad_norm == 1.0
     # The trainer's arguments hold the recommendation, and the user's global batch of 16
@@ -112,6 +116,24 @@ def test_a_trainer_without_a_train_dataset_or_with_an_unsized_one_is_one_clear_l
     assert trainer.args.per_device_train_batch_size == 8  # nothing changed
 
 
+def test_the_report_names_the_optimizer_the_training_arguments_make_with_its_weight_decay_groups(tmp_path):
+    from autotune.integrations.transformers import tune_trainer
+
+    trainer, _ = hf_trainer(tmp_path)
+    trainer.args.optim, trainer.args.optim_args = "sgd", "momentum=0.9"
+    trainer.args.learning_rate, trainer.args.weight_decay = 0.1, 0.01
+    report = tune_trainer(trainer, budget="1GiB", precisions="fp32", segments="0", batch_sizes="8", measure_steps=2,
+                          probe=False, storage=f"sqlite:///{tmp_path}/s.db", compare_library=False)
+    optimizer = json.loads(report.to_json())["workload"]["optimizer"]
+    assert (optimizer["class"], optimizer["optim"]) == ("torch.optim.SGD", "sgd")
+    assert optimizer["source"] == "TrainingArguments"
+    assert (optimizer["settings"]["lr"], optimizer["settings"]["momentum"]) == (0.1, 0.9)
+    # The trainer's two groups: its weight decay on the weights, none on biases and norms
+    decays = [group.get("weight_decay", optimizer["settings"]["weight_decay"]) for group in optimizer["groups"]]
+    assert decays == [0.01, 0.0] and all(group["parameters"] > 0 for group in optimizer["groups"])
+    assert sum(group["parameters"] for group in optimizer["groups"]) == report.workload["parameter_count"]
+
+
 # -- Lightning ------------------------------------------------------------------------------------------------------
 
 
@@ -129,6 +151,9 @@ def test_a_lightning_trainer_is_tuned_and_then_fits_the_recommendation_within_th
                           measure_steps=2, storage=f"sqlite:///{tmp_path}/s.db")
     best = report.recommendation
     assert report.workload["optimizer"]["name"].endswith("Tagger.configure_optimizers")
+    optimizer = report.workload["optimizer"]  # the one configure_optimizers() built: SGD(lr=0.05, momentum=0.9)
+    assert (optimizer["class"], optimizer["source"]) == ("torch.optim.SGD", "configure_optimizers")
+    assert (optimizer["settings"]["lr"], optimizer["settings"]["momentum"]) == (0.05, 0.9) and "groups" not in optimizer
     assert report.workload["optimizer"]["state_bytes"] == report.workload["parameter_bytes"]  # SGD: one buffer each
     assert report.workload["step"].endswith("Tagger.training_step")
     assert data.hparams.batch_size == best.batch_size and best.batch_size * trainer.accumulate_grad_batches == 16
@@ -139,6 +164,42 @@ def test_a_lightning_trainer_is_tuned_and_then_fits_the_recommendation_within_th
     print(f"recommendation {best.config} {best.peak_bytes} B; trainer.fit() {held} + {peak} B; budget {BUDGET}")
     assert held + peak <= parse_size(BUDGET)
     assert trainer.global_step == 64 // 16
+
+
+def test_a_configure_optimizers_that_sizes_a_one_cycle_schedule_from_its_trainer_tunes(tmp_path):
+    from autotune.integrations.lightning import tune_trainer
+
+    lightning = example("tune_lightning_trainer", "lightning")
+    seen = []
+
+    class Scheduled(lightning.Tagger):
+        def configure_optimizers(self):  # as Lightning's docs write it: the schedule's length from the trainer
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            seen.append((self.trainer.estimated_stepping_batches, self.trainer.max_epochs,
+                         self.trainer.accumulate_grad_batches, self.trainer.lightning_module is self))
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05,
+                                                            total_steps=self.trainer.estimated_stepping_batches)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    trainer, _, data = lightning.make()
+    trainer.fit_loop.max_epochs = None  # unset, as fit reads it: 1000 epochs
+    model = Scheduled()
+    report = tune_trainer(trainer, model, datamodule=data, budget=lightning.BUDGET, precisions="fp32", segments="0",
+                          measure_steps=2, probe=False, storage=f"sqlite:///{tmp_path}/s.db")
+    # 64 sequences, 8 a batch, 2 accumulated: 4 steps an epoch, 1000 epochs, as fit would size the schedule
+    assert seen and set(seen) == {(4000, 1000, 2, True)}
+    optimizer = json.loads(report.to_json())["workload"]["optimizer"]
+    assert (optimizer["class"], optimizer["source"]) == ("torch.optim.SGD", "configure_optimizers")
+    assert (optimizer["settings"]["lr"], optimizer["settings"]["momentum"]) == (0.05, 0.9)
+    assert optimizer["schedulers"] == ["torch.optim.lr_scheduler.OneCycleLR"]
+    assert optimizer["groups"][0]["lr"] == pytest.approx(0.05 / 25)  # the trials train at the schedule's first lr
+    assert model._trainer is None  # the trial's copies had the view for the call; the module was never attached
+    notice = report.notices[-1]  # a sentence: "... x 4 steps without checkpointing: batch_size 8 -> 4, ..."
+    assert re.match(r"autotune: the module now trains batch \d+ x \d+ steps without checkpointing: ", notice), notice
+    # fit's own trainer says what the view said, at the batch size written back
+    trainer.fit_loop.max_epochs = 1
+    trainer.fit(model, datamodule=data)
+    assert seen[-1] == (4, 1, 16 // data.hparams.batch_size, True) and trainer.global_step == 4
 
 
 def test_a_lightning_module_without_a_batch_size_or_a_loss_is_one_clear_line(tmp_path):

@@ -14,7 +14,8 @@ from autotune._log import logger
 from autotune.errors import NothingFits, UsageError
 from autotune.report import Report
 
-__all__ = ["ModelCopy", "divisors", "trainer_options", "on_host", "distributed_job", "recommendation_of", "say_changes"]
+__all__ = ["ModelCopy", "divisors", "trainer_options", "on_host", "distributed_job", "recommendation_of", "say_changes",
+           "trains_plan"]
 
 
 class ModelCopy:
@@ -94,6 +95,14 @@ def recommendation_of(report: Report) -> tuple[Any, int]:
         raise NothingFits(f"autotune: {report.shortfall().why()}; the trainer is unchanged", report)
     steps = int((report.accumulation or {}).get("accumulation_steps") or 1)
     return best, steps
+
+
+def trains_plan(plan: Any, how: str) -> str:
+    """How the trainer now trains the checkpoint plan ``plan``, as the end of a sentence: ``without checkpointing``,
+    or ``with checkpoint plan 2 (segments 2, HOW)``, ``how`` saying what applied it."""
+    if plan.off:
+        return "without checkpointing"
+    return f"with checkpoint plan {plan} ({plan.label}, {how})"
 
 
 def say_changes(what: str, changes: list[tuple[str, Any, Any]]) -> str:

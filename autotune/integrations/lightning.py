@@ -5,8 +5,10 @@
 
 What the trials train is what ``trainer.fit`` would: the module as it is now (each trial starts from
 an exact copy), its ``training_step`` as the step (an auxiliary loss included), the first optimizer
-of its ``configure_optimizers()``, the training dataloader of the datamodule (or of the module)
-with its collate function, and the trainer's gradient clipping (by norm).
+of its ``configure_optimizers()`` (which may read ``self.trainer``: :class:`_FitView`; the schedulers
+it returns are accepted and not stepped: :class:`_FirstOptimizer`), the training dataloader of the
+datamodule (or of the module) with its collate function, and the trainer's gradient clipping (by norm).
+The report names the optimizer that ``configure_optimizers()`` built (its class and settings).
 
 The global batch stays the user's: the dataloader's batch size x ``accumulate_grad_batches`` x
 the world size; the micro batches tried divide it. The recommendation is written back where
@@ -21,6 +23,7 @@ When nothing fits, :class:`~autotune.errors.NothingFits` is raised and nothing i
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +32,8 @@ from torch import nn
 
 from autotune.errors import UsageError
 from autotune.export import LIGHTNING_PRECISION
-from autotune.integrations.common import ModelCopy, on_host, recommendation_of, say_changes, trainer_options
+from autotune.integrations.common import (ModelCopy, on_host, recommendation_of, say_changes, trainer_options,
+                                          trains_plan)
 from autotune.report import Report
 
 __all__ = ["tune_trainer"]
@@ -50,10 +54,12 @@ def tune_trainer(trainer: Any, model: Any, datamodule: Any = None, **options: An
         defaults["clip_grad_norm"] = float(trainer.gradient_clip_val)
     if not isinstance(getattr(trainer, "accelerator", None), _cuda_accelerator()):
         defaults["device"] = "cpu"  # a CPU trainer's module is tuned where it trains
+    # the module's configure_optimizers(), unless tune_trainer(..., optimizer=...) names another
+    defaults["optimizer"] = _FirstOptimizer(type(model), _FitView.of(trainer, loader, datamodule))
     with on_host(model):
         report = tune(ModelCopy(model), data=torch.utils.data.DataLoader(loader.dataset, batch_size=1,
                                                                           collate_fn=loader.collate_fn),
-                      step=_TrainingStep(type(model)), optimizer=_FirstOptimizer(type(model)), **{**defaults, **options})
+                      step=_TrainingStep(type(model)), **{**defaults, **options})
     said = _write_back(trainer, model, holders, report)
     return dataclasses.replace(report, notices=(*report.notices, said))
 
@@ -120,17 +126,96 @@ class _TrainingStep:
         return loss
 
 
+class _FitView:
+    """``self.trainer`` for the trial's copy while its ``configure_optimizers()`` runs: the user's Trainer as
+    ``trainer.fit`` shows it to that hook, so that code which sizes a schedule from it (``estimated_stepping_batches``
+    for OneCycleLR or a linear warm-up, ``max_epochs``, ``max_steps``) configures what it would configure in fit.
+
+    Not the Trainer itself: outside ``fit`` it has no data (its ``estimated_stepping_batches`` would load the
+    dataloader through a fit it is not in) and no module, and a module attached to it would ``self.log`` into a
+    fit that is not running. Every attribute is read from the user's trainer (``accumulate_grad_batches``,
+    ``max_steps``, ``num_devices``, ``world_size``, ``precision``, ``strategy``, ...: as it is before tuning
+    writes anything back; none is set on it), except those ``fit`` makes, computed here as fit computes them:
+
+    * ``max_epochs``: fit's default when unset: 1000, or -1 where ``max_steps`` is set or a ``Timer`` runs;
+    * ``num_training_batches``: the training dataloader's length under ``limit_train_batches``;
+    * ``estimated_stepping_batches``: Lightning's formula, ``ceil(num_training_batches / accumulate_grad_batches)
+      x max(max_epochs, 1)``, capped by ``max_steps`` (``max_steps``, or infinity, for ``max_epochs=-1``);
+    * ``lightning_module`` and ``model``: the module being configured (the trial's copy);
+    * ``datamodule``: the datamodule given to ``tune_trainer``.
+    """
+
+    def __init__(self, trainer: Any, batches: int, datamodule: Any, module: Any = None) -> None:
+        self._trainer, self._batches, self.datamodule = trainer, batches, datamodule
+        self.lightning_module = self.model = module
+
+    @classmethod
+    def of(cls, trainer: Any, loader: torch.utils.data.DataLoader, datamodule: Any) -> "_FitView":
+        return cls(trainer, len(loader), datamodule)
+
+    def __getattr__(self, name: str) -> Any:
+        trainer = self.__dict__.get("_trainer")  # absent while a copy or pickle rebuilds the view
+        if trainer is None:
+            raise AttributeError(name)
+        return getattr(trainer, name)
+
+    def attached_to(self, module: Any) -> "_FitView":
+        return _FitView(self._trainer, self._batches, self.datamodule, module)
+
+    @property
+    def max_epochs(self) -> int:
+        epochs = self._trainer.max_epochs
+        if epochs is not None:
+            return epochs
+        from lightning.pytorch.callbacks import Timer
+
+        timed = any(isinstance(c, Timer) for c in getattr(self._trainer, "callbacks", ()))
+        return 1000 if self._trainer.max_steps == -1 and not timed else -1
+
+    @property
+    def num_training_batches(self) -> int:
+        limit = getattr(self._trainer, "limit_train_batches", 1.0)
+        limit = 1.0 if limit is None else limit
+        return min(self._batches, limit) if isinstance(limit, int) else int(self._batches * limit)
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        max_steps = self._trainer.max_steps
+        if self.max_epochs == -1:
+            return float("inf") if max_steps == -1 else max_steps
+        steps = math.ceil(self.num_training_batches / self._trainer.accumulate_grad_batches) * max(self.max_epochs, 1)
+        return min(steps, max_steps) if max_steps != -1 else steps
+
+
 class _FirstOptimizer:
-    """The module's ``configure_optimizers()`` on the trial's copy: its (first) optimizer."""
+    """The module's ``configure_optimizers()`` on the trial's copy, with ``self.trainer`` a :class:`_FitView` for
+    the call: its (first) optimizer.
+
+    The learning-rate schedulers it returns (``([optimizer], [scheduler])``, ``{"lr_scheduler": ...}``) are
+    accepted and not stepped. A trial trains a handful of steps to measure memory and time; a scheduler's step
+    changes the next step's learning rate (OneCycleLR's momentum too), which changes neither the memory a step
+    holds nor its time, so each trial trains at the scheduler's first values, as fit's first step does. The
+    report names them (``schedulers``) beside the optimizer.
+    """
 
     takes_model = True
+    source = "configure_optimizers"
 
-    def __init__(self, cls: type) -> None:
+    def __init__(self, cls: type, view: _FitView) -> None:
         self.__qualname__ = f"{cls.__qualname__}.configure_optimizers"
         self.__module__ = cls.__module__
+        self.view = view
+        self.described: dict[str, Any] = {}  # the last call's schedulers, for the report (OptimizerSpec.describe)
 
     def __call__(self, model: nn.Module) -> torch.optim.Optimizer:
-        found = model.configure_optimizers()
+        attached = getattr(model, "_trainer", None)
+        model.trainer = self.view.attached_to(model)
+        try:
+            found = model.configure_optimizers()
+        finally:
+            model.trainer = attached
+        schedulers = _schedulers(found)
+        self.described = {"schedulers": schedulers} if schedulers else {}
         while not isinstance(found, torch.optim.Optimizer):
             if isinstance(found, Mapping) and "optimizer" in found:
                 found = found["optimizer"]
@@ -140,6 +225,16 @@ class _FirstOptimizer:
                 raise UsageError(f"{type(model).__name__}.configure_optimizers() gave no optimizer "
                                  f"({type(found).__name__}): return one, as Lightning expects")
         return found
+
+
+def _schedulers(found: Any) -> list[str]:
+    """The classes of the learning-rate schedulers in what ``configure_optimizers()`` returned, in order."""
+    from autotune.training.optimizer import class_name
+
+    if isinstance(found, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        return [class_name(type(found))]
+    inner = found.values() if isinstance(found, Mapping) else found if isinstance(found, (list, tuple)) else ()
+    return [name for item in inner for name in _schedulers(item)]
 
 
 def _write_back(trainer: Any, model: Any, holders: list[Any], report: Report) -> str:
@@ -162,9 +257,9 @@ def _write_back(trainer: Any, model: Any, holders: list[Any], report: Report) ->
     precision = ("" if current == wanted else
                  f"; the trainer's precision is {current!r} and Lightning fixes it when the Trainer is made: build "
                  f"one with Trainer(**autotune.export.lightning_trainer_kwargs(report)) to train {wanted!r}")
-    return say_changes(f"the module now trains batch {best.batch_size} x {steps} steps, checkpointing "
-                f"{plan.label}{precision}", [("batch_size", old_batch, best.batch_size),
-                                             ("accumulate_grad_batches", old_steps, steps)])
+    return say_changes(f"the module now trains batch {best.batch_size} x {steps} steps "
+                       f"{trains_plan(plan, 'autotune.apply on the module')}{precision}",
+                       [("batch_size", old_batch, best.batch_size), ("accumulate_grad_batches", old_steps, steps)])
 
 
 def _batch_size(holder: Any) -> Any:

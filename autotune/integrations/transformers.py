@@ -40,7 +40,7 @@ from torch import nn
 
 from autotune.errors import UsageError
 from autotune.integrations.common import (ModelCopy, distributed_job, on_host, recommendation_of, say_changes,
-                                          trainer_options)
+                                          trainer_options, trains_plan)
 from autotune.vocabulary import ALL
 from autotune.report import Report
 
@@ -63,11 +63,13 @@ def tune_trainer(trainer: Any, **options: Any) -> Report:
         defaults["device"] = "cpu"
     if args.max_grad_norm:
         defaults["clip_grad_norm"] = float(args.max_grad_norm)
+    if "optimizer" not in options:  # tune_trainer(..., optimizer=...) trains the one given instead
+        defaults["optimizer"] = _TrainerOptimizer(trainer)
     model = trainer.model
     with on_host(model), distributed_job(defaults):
         report = tune(ModelCopy(model, _without_library_checkpointing),
                       data=torch.utils.data.DataLoader(dataset, batch_size=1, collate_fn=collator),
-                      step=_ComputeLoss(trainer), optimizer=_TrainerOptimizer(trainer), **{**defaults, **options})
+                      step=_ComputeLoss(trainer), **{**defaults, **options})
     said = _write_back(trainer, report)
     return dataclasses.replace(report, notices=(*report.notices, said))
 
@@ -116,19 +118,29 @@ class _ComputeLoss:
 
 
 class _TrainerOptimizer:
-    """The optimizer the trainer would create, over the trial's model (its weight-decay groups, by name)."""
+    """The optimizer the trainer would create, over the trial's model (its weight-decay groups, by name).
+
+    Its ``source`` (the report's) says where its class and settings came from: ``Trainer(optimizers=...)``,
+    ``Trainer(optimizer_cls_and_kwargs=...)``, or ``TrainingArguments`` (``optim``, ``learning_rate``,
+    ``weight_decay``, the Adam betas and epsilon, ``optim_args``: the ``optim`` named in ``described``).
+    """
 
     takes_model = True
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         given = trainer.optimizer
+        self.described: dict[str, Any] = {}
         if given is not None:  # optimizers=(optimizer, scheduler): its class and settings
             self.cls, self.kwargs = type(given), {k: v for k, v in given.defaults.items() if k != "params"}
+            self.source = "Trainer(optimizers=...)"
         elif getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
             self.cls, self.kwargs = trainer.optimizer_cls_and_kwargs
+            self.source = "Trainer(optimizer_cls_and_kwargs=...)"
         else:
             self.cls, self.kwargs = type(trainer).get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
+            self.source, self.described = "TrainingArguments", {"optim": str(getattr(trainer.args.optim, "value",
+                                                                                      trainer.args.optim))}
         unsupported = sorted(set(self.kwargs) & {"params", "model", "optimizer_dict"})
         if unsupported or not isinstance(self.cls, type):
             raise UsageError(f"the trainer's optimizer ({trainer.args.optim}) builds itself from the model "
@@ -161,16 +173,16 @@ def _write_back(trainer: Any, report: Report) -> str:
     library = plan == ALL and report.workload.get("library_checkpointing") is not None  # the switch makes plan all
     _set_checkpointing(args, library)
     _without_library_checkpointing(model)
-    applied = "the model's gradient_checkpointing" if library else "none"
+    applied = trains_plan(plan, "the model's own gradient_checkpointing" if library
+                          else "autotune.apply on the trainer's model")
     if not plan.off and not library:
         from autotune.training.applied import apply
 
         apply(model, report)  # the checkpoint plan (and fp32 modules) on the trainer's model, in place
-        applied = f"{plan.label} (autotune.apply on the trainer's model)"
     after = (best.batch_size, steps, args.bf16, args.fp16, _checkpointing(args))
     names = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "gradient_checkpointing")
-    return say_changes(f"the trainer now trains {best.precision}, batch {best.batch_size} x {steps} steps, checkpointing "
-                f"{applied}", list(zip(names, before, after)))
+    return say_changes(f"the trainer now trains {best.precision}, batch {best.batch_size} x {steps} steps {applied}",
+                       list(zip(names, before, after)))
 
 
 _SWITCHES = ("activation_checkpointing", "gradient_checkpointing")  # newer transformers' name first

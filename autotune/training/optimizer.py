@@ -3,6 +3,9 @@
 ``--optimizer MODULE:ATTR`` names an optimizer class (``torch.optim:SGD``) or a factory taking the
 parameters; ``--optimizer-kwargs`` (JSON) are passed to it; the API also takes the class, a
 factory or a ``functools.partial``. Without one, trials train with AdamW at ``TrialSettings.lr``.
+The report names the optimizer made, not only the spec's name: the preflight makes it once on the model
+(:func:`measure_optimizer`) and :meth:`OptimizerSpec.describe` gives its class, its settings and where it
+came from (a trainer integration's factory says so: ``configure_optimizers``, ``TrainingArguments``).
 
 **Priming.** An optimizer creates its state (AdamW's two moments, SGD's momentum buffer,
 Adafactor's row and column factors) in its first step, so without priming the first step of a
@@ -27,10 +30,12 @@ import json
 from typing import Any, Callable, Iterable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake  # private, and in every torch autotune supports
 
 from autotune.errors import AutotuneError, UsageError, first_line, is_oom
 
-__all__ = ["OptimizerSpec", "prime", "state_bytes", "measure_state_bytes", "UNPRIMED_NOTICE"]
+__all__ = ["OptimizerSpec", "prime", "state_bytes", "measure_state_bytes", "measure_optimizer", "class_name",
+           "json_safe", "UNPRIMED_NOTICE"]
 
 UNPRIMED_NOTICE = ("the optimizer {name} could not be primed by a twin ({why}): each trial's metered warm-up runs "
                    "until the optimizer holds state (the first steps the GradScaler does not skip), so the peak "
@@ -87,7 +92,32 @@ class OptimizerSpec:
         return made
 
     def to_dict(self) -> dict[str, Any]:
+        """The spec's identity (a study's key holds it): its ``name`` and ``kwargs``, as every version wrote them."""
         return {"name": self.name, "kwargs": self.kwargs}
+
+    @property
+    def source(self) -> str:
+        """Where the optimizer came from: ``default`` (AdamW: none was given), ``optimizer`` (``--optimizer`` and
+        ``--optimizer-kwargs``, ``tune(optimizer=...)``), or what a factory says of itself in its ``source``
+        (a trainer integration's: ``configure_optimizers``, ``TrainingArguments``, ...)."""
+        if self.factory is None:
+            return "default"
+        return str(getattr(self.factory, "source", None) or "optimizer")
+
+    def describe(self, made: torch.optim.Optimizer) -> dict[str, Any]:
+        """What the report says of ``made``, an optimizer this spec made: ``class`` (``torch.optim.SGD``),
+        ``settings`` (its constructor's, ``made.defaults``: lr, momentum, weight_decay, ..., JSON-safe),
+        ``source`` (:attr:`source`), ``groups`` where it has more than one param group or a group trains with
+        other settings (each group's parameter count and the settings that differ), and what the factory adds
+        in its ``described`` attribute (a framework's scheduler)."""
+        settings = {k: json_safe(v) for k, v in made.defaults.items() if k not in ("params", "param_names")}
+        described: dict[str, Any] = {"class": class_name(type(made)), "settings": settings, "source": self.source}
+        groups = [{"parameters": sum(p.numel() for p in group["params"]),
+                   **{k: json_safe(group[k]) for k in settings if k in group and json_safe(group[k]) != settings[k]}}
+                  for group in made.param_groups]
+        if len(groups) > 1 or any(len(group) > 1 for group in groups):
+            described["groups"] = groups
+        return {**described, **(getattr(self.factory, "described", None) or {})}
 
 
 def _parse_kwargs(kwargs: str | dict | None) -> dict[str, Any]:
@@ -122,6 +152,33 @@ def _name(obj: Any, kwargs: dict[str, Any]) -> str:
 
 def _kwargs_text(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
+
+
+def class_name(cls: type) -> str:
+    """A class as ``module.Qualname``, torch's optimizers by their public name: ``torch.optim.SGD``, not
+    ``torch.optim.sgd.SGD``."""
+    module = cls.__module__ or ""
+    if module.startswith("torch.optim.") and getattr(torch.optim, cls.__name__, None) is cls:
+        module = "torch.optim"
+    return f"{module}.{cls.__qualname__}"
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as JSON holds it: numbers, strings, booleans and None as they are, tuples as lists, a one-element
+    tensor as its number, a float that is not finite as its text (``"inf"``); anything else as its ``repr``."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else str(value)
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and not is_fake(value):
+            return json_safe(value.item())
+        return f"tensor of shape {list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    return repr(value)
 
 
 # -- priming: the state before the first step, without touching the optimizer ------------------------------------
@@ -189,12 +246,21 @@ def prime(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], Excepti
 def measure_state_bytes(spec: OptimizerSpec, model: torch.nn.Module, lr: float) -> tuple[int | None, str | None]:
     """The bytes of the optimizer's state for ``model``'s parameters (twins, as :func:`prime` makes them), or None
     and why it could not be measured."""
+    state, why, _ = measure_optimizer(spec, model, lr)
+    return state, why
+
+
+def measure_optimizer(spec: OptimizerSpec, model: torch.nn.Module,
+                      lr: float) -> tuple[int | None, str | None, dict[str, Any]]:
+    """:func:`measure_state_bytes`, and what the report says of the optimizer made (:meth:`OptimizerSpec.describe`:
+    the one the user's code built, not what its name says)."""
     optimizer = spec.make(model, lr)
+    described = spec.describe(optimizer)
     ballast, failed = prime(optimizer)
     if failed is not None:
-        return None, f"{type(failed).__name__}: {first_line(failed)}"
+        return None, f"{type(failed).__name__}: {first_line(failed)}", described
     try:
-        return state_bytes(ballast), None
+        return state_bytes(ballast), None, described
     finally:
         ballast.clear()
         del optimizer
