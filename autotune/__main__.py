@@ -104,45 +104,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["show"]:
         return show(argv[1:])
     args = build_parser().parse_args(argv)
+    # Under torchrun with --parallel, rank 0 speaks for the job (the table, the JSON, one line of bad input); the
+    # other ranks train its trials and exit with its code, saying only an unexpected error of their own.
+    speaks = args.parallel == "none" or not follower()
     level = logging.WARNING if args.quiet else (logging.DEBUG if args.verbose else logging.INFO)
     logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
-    logging.getLogger("autotune").setLevel(level)  # only ours: libraries keep their own levels
+    logging.getLogger("autotune").setLevel(level if speaks else logging.ERROR)  # only ours: libraries keep theirs
 
     from autotune.cli.progress import Progress
 
     try:
-        if args.parallel != "none" and follower():
-            logging.getLogger("autotune").setLevel(logging.ERROR)  # rank 0 speaks for the job
-            with _sigterm_as_interrupt() as stopped:
-                return _follow(args, stopped)
-        progress = Progress(quiet=args.quiet)
         with _sigterm_as_interrupt() as stopped:
-            return _main(args, _StopsAtTheNextTrial(progress, stopped), stopped)
+            progress = _StopsAtTheNextTrial(Progress(quiet=args.quiet or not speaks), stopped)
+            return _main(args, progress, stopped, speaks)
     finally:
         if args.parallel != "none":
             from autotune.execution.job import leave
 
             leave()
-
-
-def _follow(args: argparse.Namespace, stopped: list[int]) -> int:
-    """A follower rank of ``--parallel``: it trains rank 0's trials and exits as rank 0 does, saying nothing
-    (rank 0 writes the JSON and the one line of bad input); its own Ctrl-C or SIGTERM sets its own code."""
-    import autotune
-    from autotune.tuner import run
-
-    try:
-        report = run(options_from(args))
-    except (autotune.Interrupted, KeyboardInterrupt):
-        return _interrupted_code(stopped)
-    except UsageError:
-        return EXIT_USAGE
-    except Exception as exc:  # noqa: BLE001 - one line, as rank 0 says its own
-        print(f"autotune: rank {os.environ.get('RANK')}: error: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
-        return EXIT_ERROR
-    if stopped:
-        return _interrupted_code(stopped)
-    return EXIT_NOTHING_FITS if report.nothing_fits else EXIT_OK
 
 
 def _interrupted_code(stopped: list[int]) -> int:
@@ -220,65 +199,57 @@ class _StopsAtTheNextTrial:
             raise KeyboardInterrupt()
 
 
-@contextlib.contextmanager
-def _ended_early(args: argparse.Namespace) -> Iterator[None]:
-    """Bad input only rank 0 can see (its --out, --export, --plot): the other ranks of a --parallel job, which
-    wait for rank 0's trials, are told to exit 2 too."""
-    try:
-        yield
-    except UsageError as exc:
-        if args.parallel != "none":
-            with contextlib.suppress(Exception):
-                from autotune.device import resolve_device
-                from autotune.execution.job import end_early
-
-                end_early(args.parallel, resolve_device(args.device), str(exc))
-        raise
-
-
 def _say(message: str) -> None:
     print(f"autotune: {message}", file=sys.stderr)
 
 
-def _main(args: argparse.Namespace, progress: Any, stopped: list[int]) -> int:
-    """Rank 0 (or the only process): tune, then print the table and write the report, exports and plots."""
+def _main(args: argparse.Namespace, progress: Any, stopped: list[int], speaks: bool) -> int:
+    """Tune, then (where this process speaks for the job) print the table and write the report, exports and plots."""
     import autotune
     from autotune.tuner import run
+
+    say = _say if speaks else (lambda message: None)
+    outputs: list[Any] = []
 
     def how() -> str:  # asked when it is said: a SIGTERM may come at any moment
         return "stopped by SIGTERM" if stopped else "interrupted"
 
+    def check_outputs() -> None:  # run before any work by whoever speaks: its bad input ends every rank with exit 2
+        outputs.extend(_outputs(args))
+        _check_writable(args.out or os.path.join("results", "report.json"), create_folder=not args.out)
+
     try:
         options = options_from(args)  # bad options: every rank of a --parallel job says so alike, before joining
-        with _ended_early(args):
-            outputs = _outputs(args)
-            _check_writable(args.out or os.path.join("results", "report.json"), create_folder=not args.out)
-        report = run(options, progress=progress)
+        report = run(options, progress=progress, before=check_outputs if speaks else None)
     except autotune.Interrupted as exc:
-        try:
-            wrote = f"wrote the partial report to {_write(exc.report, args.out)}"
-        except (OSError, ValueError) as write_exc:
-            wrote = f"could not write the partial report ({write_exc})"
-        _say(f"{how()} after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
-             f"{exc.report.search['storage']}: run the same command to continue")
+        if speaks:
+            try:
+                wrote = f"wrote the partial report to {_write(exc.report, args.out)}"
+            except (OSError, ValueError) as write_exc:
+                wrote = f"could not write the partial report ({write_exc})"
+            say(f"{how()} after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
+                f"{exc.report.search['storage']}: run the same command to continue")
         return _interrupted_code(stopped)
     except autotune.NothingFits as exc:  # the model's state alone exceeds the budget: no trial ran, no report
-        _say(str(exc))
+        say(str(exc))
         return EXIT_NOTHING_FITS
     except (UsageError, AutotuneError) as exc:
-        _say(f"error: {exc}")
+        say(f"error: {exc}")
         return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR
     except Exception as exc:  # noqa: BLE001 - a trial store or library failing mid-search: one line, not a traceback
         if args.verbose:
             import traceback
 
             traceback.print_exc()
-        _say(f"error: {type(exc).__name__}: {first_line(exc)} (finished trials are kept in the store; --verbose shows "
-             f"the traceback)")
+        where = "" if speaks else f"rank {os.environ.get('RANK')}: "  # a rank's own failure: said by that rank
+        _say(f"{where}error: {type(exc).__name__}: {first_line(exc)} (finished trials are kept in the store; "
+             f"--verbose shows the traceback)")
         return EXIT_ERROR
     except KeyboardInterrupt:  # before the search started: nothing measured
-        _say(how())
+        say(how())
         return _interrupted_code(stopped)
+    if not speaks:
+        return _interrupted_code(stopped) if stopped else EXIT_NOTHING_FITS if report.nothing_fits else EXIT_OK
     return _finish(args, report, *outputs)
 
 

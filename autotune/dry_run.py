@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from autotune.analysis.pareto import bisect_limit, bracket
-from autotune.device import available_ram_bytes, batch_multiple
+from autotune.device import available_ram_bytes
 from autotune.execution.predict import Predictor
 from autotune.records import Config, Measurement
 from autotune.search.loop import SearchResult
@@ -47,9 +47,8 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
     """Predict every configuration of the space, then bisect each variant's limit to a multiple of
     ``--batch-multiple`` (up to the space's top): the search's result, what the report's ``search`` adds for a dry
     run, and its notices. ``mode``: the fake tensors the workload's models are built in (:func:`fake_buildable`)."""
-    options = target.options
-    multiple = batch_multiple(options.batch_multiple, target.device)
-    with _ranks(options, target.device) as ranks:
+    multiple = target.searching.batch_multiple
+    with _ranks(target.searching, target.device) as ranks:
         predictor = Predictor(study.workload, device=target.device, budget_bytes=target.budget.enforced,
                               settings=target.trial_settings, model_name=facts.model_class,
                               state_bytes=facts.fixed_bytes, real_limit_bytes=available_ram_bytes(), mode=mode,
@@ -64,13 +63,13 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
     return result, search, (DRY_RUN_NOTICE, *_rank_notice(ranks), *predictor.notices)
 
 
-def _ranks(options: Any, device: Any) -> Any:
+def _ranks(searching: Any, device: Any) -> Any:
     """With ``--world-size``: this process as rank 0 of the job on the fake process group; else nothing."""
-    if options.world_size is None:
+    if searching.world_size is None:
         return contextlib.nullcontext()
     from autotune.execution.one_rank import one_rank
 
-    return one_rank(options.parallel, options.world_size, device)
+    return one_rank(searching.parallel, searching.world_size, device)
 
 
 def _rank_notice(ranks: Any) -> tuple[str, ...]:

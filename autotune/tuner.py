@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any, Callable
 from torch import nn
 
 from autotune._log import logger
-from autotune.device import batch_multiple, resolve_device
+from autotune.device import resolve_device
 from autotune.errors import Interrupted, first_line
 from autotune.options import Options
-from autotune.preparation import ModelFacts, Study, Target, describe, floor_facts, plan_study, preflight, resolve
+from autotune.preparation import ModelFacts, Study, Target, floor_facts, plan_study, preflight, resolve
 from autotune.analysis.pareto import LineRule, bisect_limit, probe_candidates
 from autotune.dry_run import predict, with_dry_run
 from autotune.vocabulary import ALL, Plan
@@ -44,7 +44,7 @@ from autotune.report import Report
 from autotune.search.loop import SearchInterrupted, SearchResult, run_search
 from autotune.search.predicted import Seeding, seed
 from autotune.search.strategies import make_strategy
-from autotune.training.workload import Workload, parse_model_kwargs
+from autotune.training.workload import Workload
 
 if TYPE_CHECKING:
     from autotune.execution.job import Job
@@ -70,12 +70,13 @@ def tune(model: str | type | Callable[[], nn.Module], *, progress: Any = None,
 
 
 def run(options: Options, *, progress: Any = None, on_trial: Callable[[Measurement, bool], None] | None = None,
-        on_probe: Callable[[ProbeResult], None] | None = None) -> Report:
+        on_probe: Callable[[ProbeResult], None] | None = None, before: Callable[[], None] | None = None) -> Report:
     """Run every stage for ``options``; return the report (see the module docstring).
 
     With ``options.parallel`` (``ddp``, ``fsdp``) under torchrun, rank 0 runs the stages and every
     rank trains each trial (:mod:`autotune.execution.ranks`); every rank returns rank 0's report, or
-    raises what rank 0 raised.
+    raises what rank 0 raised. ``before()`` runs first where the stages run (rank 0): a check of the caller's
+    own input (the CLI's --out) whose :class:`~autotune.errors.UsageError` then ends every rank alike.
     """
     if options.parallel != "none" and not options.dry_run:  # a dry run predicts one rank here (--world-size)
         from autotune.execution.job import join
@@ -85,25 +86,29 @@ def run(options: Options, *, progress: Any = None, on_trial: Callable[[Measureme
         job = join(options.parallel, device)
         if not job.leader:
             return follow(job, job.device(device), own_spec(options))
-        return lead(job, lambda: _stages(options, progress, on_trial, on_probe, job))
-    return _stages(options, progress, on_trial, on_probe, None)
+        return lead(job, lambda: _stages(options, progress, on_trial, on_probe, job, before))
+    return _stages(options, progress, on_trial, on_probe, None, before)
 
 
 def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bool], None] | None,
-            on_probe: Callable[[ProbeResult], None] | None, job: "Job | None") -> Report:
+            on_probe: Callable[[ProbeResult], None] | None, job: "Job | None",
+            before: Callable[[], None] | None = None) -> Report:
     events = _Events(progress, on_trial, on_probe)
+    if before is not None:
+        before()
     target = resolve(options, job)
     with target.venue:  # a warm worker stops with the stages
-        if options.dry_run:  # the model built under fake tensors: it holds no memory
+        dry = target.searching.dry_run
+        if dry:  # the model built under fake tensors: it holds no memory
             mode = fake_tensors()
             workload, built = fake_buildable(target.workload, mode)
             target = dataclasses.replace(target, workload=workload, notices=target.notices + ((built,) if built else ()))
-        with mode if options.dry_run else contextlib.nullcontext():
+        with mode if dry else contextlib.nullcontext():
             facts = preflight(target)
         study = plan_study(target, facts)
-        if options.dry_run:
-            result, dry, notices = predict(target, facts, study, events, mode)
-            return _with_floor(with_dry_run(analyse(target, facts, study, result), dry, notices), target, facts)
+        if dry:
+            result, dry_run, notices = predict(target, facts, study, events, mode)
+            return _with_floor(with_dry_run(analyse(target, facts, study, result), dry_run, notices), target, facts)
         result = search(target, facts, study, events)
         report = analyse(target, facts, study, result)
         if result.partial:
@@ -130,15 +135,15 @@ def _with_floor(report: Report, target: Target, facts: ModelFacts) -> Report:
 def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -> SearchResult:
     """Stage 4: the strategy's trials in the study (partial when interrupted: the report is still made); ``auto`` on
     the tensor meter starts from the space predicted under fake tensors (:mod:`autotune.search.predicted`)."""
-    options = target.options
+    searching = target.searching
     seeding = _seeding(target, study, facts)
-    strategy = make_strategy(options.strategy, headroom=target.budget.headroom, budgets=target.budget.all,
-                             fixed_bytes_hint=facts.fixed_bytes, n_trials=options.n_trials,
+    strategy = make_strategy(searching.strategy, headroom=target.budget.headroom, budgets=target.budget.all,
+                             fixed_bytes_hint=facts.fixed_bytes, n_trials=searching.n_trials,
                              line_rule=LineRule.of(facts.fixed_bytes, facts.optimizer_state_bytes is not None,
                                                    (target.data_profile or {}).get("shapes_vary", False)),
                              **({"predictions": seeding.predictions} if seeding else {}))
     space = study.space
-    planned = {"grid": len(space), "optuna": min(len(space), options.n_trials or max(1, len(space) // 4))}.get(strategy.name)
+    planned = {"grid": len(space), "optuna": min(len(space), searching.n_trials or max(1, len(space) // 4))}.get(strategy.name)
     events.call("search_started", space_size=len(space), planned=planned, strategy=strategy.name,
                 budget_bytes=target.budget.bytes)
     try:
@@ -162,7 +167,7 @@ def _seeding(target: Target, study: Study, facts: ModelFacts) -> Seeding | None:
     """The space predicted for ``auto`` where a measured trial can confirm a prediction to the byte: on the tensor
     meter, in one process's training (not under --parallel); None elsewhere. On CUDA the caching allocator adds what
     a prediction of the tensors does not know exactly, so a search there measures each side itself."""
-    if target.options.strategy != "auto" or target.backend.meter_name != "TensorMeter" or target.job is not None:
+    if target.searching.strategy != "auto" or target.backend.meter_name != "TensorMeter" or target.job is not None:
         return None
     budget = target.budget
     return seed(study.workload, study.space, device=target.device, budget_bytes=budget.enforced,
@@ -175,16 +180,16 @@ def _seeding(target: Target, study: Study, facts: ModelFacts) -> Seeding | None:
 
 def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResult) -> Report:
     """Stage 5: the report of the trials; its front, limits and recommendation derive from them."""
-    options = target.options
+    key, searching, settings = target.key, target.searching, target.trial_settings
     return Report(
         environment=target.backend.environment(),
         workload={
             "model": study.workload.name,
             "model_class": facts.model_class,
-            "model_kwargs": parse_model_kwargs(options.model_kwargs),
-            "data": describe(options.data),
-            "loss": describe(options.loss),
-            "step": describe(options.step),
+            "model_kwargs": key.model_kwargs,
+            "data": key.data,
+            "loss": key.loss,
+            "step": key.step,
             # its name and kwargs (the study's), then the optimizer the preflight made: class, settings, source
             "optimizer": {**study.workload.optimizer.to_dict(), **(facts.optimizer or {}),
                           "state_bytes": facts.optimizer_state_bytes},
@@ -197,12 +202,12 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
         budget_bytes=target.budget.bytes,
         headroom=target.budget.headroom,
         search={
-            "strategy": options.strategy, "n_trials_limit": options.n_trials, "n_trials": len(result.measurements),
+            "strategy": searching.strategy, "n_trials_limit": searching.n_trials, "n_trials": len(result.measurements),
             "n_run": result.n_run, "n_reused": result.n_reused, "wall_s": round(result.wall_s, 3),
             "study": result.study_name, "storage": result.storage, "space": study.space.to_dict(),
-            "warmup_steps": options.warmup_steps, "measure_steps": options.measure_steps,
-            "settle_steps": options.settle_steps, "predictions": result.seeding,
-            "trial_timeout_s": options.trial_timeout, "memory_meter": target.backend.meter_name,
+            "warmup_steps": settings.warmup_steps, "measure_steps": settings.measure_steps,
+            "settle_steps": settings.settle_steps, "predictions": result.seeding,
+            "trial_timeout_s": settings.timeout_s, "memory_meter": target.backend.meter_name,
             "isolation": target.isolation, **target.venue.describe(), "partial": result.partial,
             # configurations by what their trials measured; those timed after a memory trial of their own
             "figures": {f: sum(m.figures == f for m in result.measurements) for f in ("memory+time", "memory", "none")},
@@ -219,8 +224,8 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
         notices=target.notices + study.notices + result.notices,
         plan_checks=study.checks,
         data=target.data_profile,
-        guard=options.guard,
-        target_batch_size=options.target_batch_size,
+        guard=settings.guard,
+        target_batch_size=searching.target_batch_size,
         budgets=tuple(sorted(target.budget.extra)),
         distributed=None if target.job is None else {
             **target.job.describe(), "isolation": "each rank's trial in its own process (--isolation none)",
@@ -241,12 +246,12 @@ def exact_limit(report: Report, target: Target, study: Study, events: "_Events")
     recommendation considers training at it. These trials are the report's, not the study's (their sizes are not
     the space's): workers sharing a study each run them, and a resumed search runs them again.
     """
-    rec, options = report.recommendation, target.options
-    if rec is None or not options.exact_limit:
+    rec = report.recommendation
+    if rec is None or not target.searching.exact_limit:
         return report
     row = next(r for r in report.limits if (r["precision"], r["segments"]) == rec.config.variant)
     lo, hi = row["max_batch_size"], row["min_oom_batch_size"]
-    step = batch_multiple(options.batch_multiple, target.device)
+    step = target.searching.batch_multiple
     measured = {m.config: m for m in report.trials}
     if lo is None or hi is None or (hi - lo <= step and Config(*rec.config.variant, hi) in measured):
         return report  # the space's top fits, or the limit is exact and measured already
@@ -288,8 +293,8 @@ def exact_limit(report: Report, target: Target, study: Study, events: "_Events")
 
 def probe(report: Report, target: Target, study: Study, events: "_Events") -> Report:
     """Stage 6: the best candidates train an epoch over a slice of the data; return the report with their results."""
-    options, settings = target.options, target.options.probe_settings
-    if not options.probe:
+    settings = target.searching.probe
+    if settings is None:
         return report
     if study.workload.dataset is None:
         notice = ("no --data: the probe (an epoch over a slice of your data) was skipped; the recommendation comes from "
@@ -304,7 +309,7 @@ def probe(report: Report, target: Target, study: Study, events: "_Events") -> Re
             events.call("probe_started", candidate.config, i, len(candidates))
             logger.debug("probe: %s over %.0f%% of the data, %d epoch(s)", candidate.config, 100 * settings.fraction,
                          settings.epochs)
-            work = ProbeWork(candidate, target.budget.bytes, target.budget.headroom, settings, options.guard, passes,
+            work = ProbeWork(candidate, target.budget.bytes, target.budget.headroom, settings, target.trial_settings.guard, passes,
                              target.host_budget_bytes)
             results.append(target.venue.run(study.workload, work))
             events.probe_done(results[-1])

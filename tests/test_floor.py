@@ -8,7 +8,7 @@ from autotune import tuner
 from autotune.options import Options
 from autotune.plans.checkpointing import apply_plan, find_chain, remove_plan
 from autotune.plans.floor import Floor, measure_floor, state_levers
-from autotune.preparation import ModelFacts, _check_state_fits
+from autotune.preparation.model import ModelFacts, _check_state_fits
 
 TINY = {"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
 
@@ -107,7 +107,7 @@ class _Routed(torch.nn.Module):
 
 @pytest.mark.parametrize("model,kwargs", [("autotune.examples:TinyGPT", None), ("autotune.examples:ResNetish", {})])
 def test_fake_tensors_measure_what_the_cpu_measures_without_allocating_it(tmp_path, model, kwargs, caplog):
-    from autotune.preparation import _floor_of
+    from autotune.preparation.model import _floor_of
 
     workload = _target(tmp_path, model, model_kwargs=kwargs).workload
     real = workload.build_model()
@@ -124,7 +124,7 @@ def test_fake_tensors_measure_what_the_cpu_measures_without_allocating_it(tmp_pa
 
 
 def test_a_model_fake_tensors_cannot_run_is_measured_on_the_cpu(tmp_path, caplog):
-    from autotune.preparation import _floor_of
+    from autotune.preparation.model import _floor_of
 
     workload = autotune.training.workload.Workload.from_specs(_Routed)
     with caplog.at_level("INFO", logger="autotune"):

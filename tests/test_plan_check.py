@@ -45,7 +45,7 @@ def test_the_tuner_drops_a_plan_that_differs_says_so_and_keeps_the_checks(tmp_pa
     assert [(c["plan"], c["status"]) for c in data["plan_checks"]] == [("all", "differs")]
 
     # A resumed search reuses the stored checks (it runs no check step) and the same trials.
-    import autotune.preparation as tuner
+    import autotune.preparation.study as tuner
 
     def no_checks(*args, **kwargs):
         raise AssertionError("the checks should come from the study")

@@ -21,7 +21,7 @@ from autotune.errors import UsageError
 from autotune.units import parse_size
 from autotune.device import collective_backend, rank_device
 
-__all__ = ["RANK_BUDGETS_ENV", "Job", "Ended", "RankInterrupted", "RankRefused", "join", "leave", "end_early", "rank_budget",
+__all__ = ["RANK_BUDGETS_ENV", "Job", "Ended", "RankInterrupted", "RankRefused", "join", "leave", "rank_budget",
            "under_torchrun"]
 
 # "1=40MiB,3=20GiB": a smaller budget on some ranks (GPUs with less free memory; the tests' one-rank OOM).
@@ -134,16 +134,6 @@ def leave() -> None:
         dist.destroy_process_group(job.control)
         if job.owns_default and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def end_early(wrapper: str, device: torch.device, message: str) -> None:
-    """Rank 0 met bad input before the tuner ran (an unwritable --out): tell the followers, who wait for it."""
-    if not under_torchrun() or os.environ.get("RANK") != "0":
-        return
-    job = join(wrapper, device)
-    if not job.ended:
-        job.send(("end", Ended("usage", message=message)))
-        job.ended = True
 
 
 @dataclasses.dataclass(frozen=True)

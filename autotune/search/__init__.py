@@ -3,7 +3,7 @@
 * :mod:`~autotune.search.space`: precisions x checkpoint plans x batch sizes.
 * :mod:`~autotune.search.strategies`: grid, auto (the memory model's bracket) and Optuna samplers.
 * :mod:`~autotune.search.store`: the Optuna study as the trial store (identity, reuse, resume).
-* :mod:`~autotune.search.workers`: claims and waiting, so that several workers share one study.
+* :mod:`~autotune.search.peers`: claims and waiting, so that several workers share one study.
 * :mod:`~autotune.search.loop`: :func:`~autotune.search.loop.run_search`, proposals to stored trials.
 
 The space, the strategies and the store import no torch (the analysis side reads them); only the

@@ -1,17 +1,17 @@
 """The search loop: a strategy's proposals become trials of the study until the strategy is done.
 
-Each round reads the store (:func:`autotune.search.workers.survey`: measurements to reuse, trials other
-workers run now), asks the strategy for a configuration, claims it (:func:`autotune.search.workers.claim`)
+Each round reads the store (:func:`autotune.search.peers.survey`: measurements to reuse, trials other
+peers run now), asks the strategy for a configuration, claims it (:func:`autotune.search.peers.claim`)
 and runs it as a real training trial at the venue it was given (:mod:`autotune.execution.venue`:
 this process, a worker process, every rank of a job), then records it (:mod:`autotune.search.store`).
 
 * **Resume.** Finished trials are reused when they were measured the same way (trial settings,
   and for an OOM a budget at least as large). A trial left RUNNING by a process that is gone is
   marked failed and measured again.
-* **Parallel workers.** Several processes with the same storage and study share the work; a
-  worker whose strategy is done, or waits for another's trial, or lost a claim to a worker that
+* **Parallel peers.** Several processes with the same storage and study share the work; a
+  peer whose strategy is done, or waits for another's trial, or lost a claim to a peer that
   claimed the same configuration at the same moment, waits without writing to the store
-  (:class:`autotune.search.workers.Waiter`) and looks again, so every worker's report holds the same
+  (:class:`autotune.search.peers.Waiter`) and looks again, so every peer's report holds the same
   measurements.
 * **Interruption.** Ctrl-C marks the running trial failed (it is re-run next time) and raises
   :class:`SearchInterrupted` with everything measured so far.
@@ -36,7 +36,7 @@ from autotune.search.space import SearchSpace
 from autotune.search.store import abandon, distributions, fingerprint, open_study, quiet_optuna, record
 from autotune.signals import shielded
 from autotune.search.strategies import Proposal, Strategy
-from autotune.search.workers import Heartbeat, Waiter, claim, survey
+from autotune.search.peers import Heartbeat, Waiter, claim, survey
 from autotune.training.workload import Workload
 from autotune.vocabulary import Status
 
@@ -48,8 +48,8 @@ class SearchResult:
     """The measurements of one search, in the order of the space, and how they were obtained."""
 
     measurements: tuple[Measurement, ...]
-    n_run: int  # trials run by this worker
-    n_reused: int  # trials taken from the store: measured earlier, or by other workers
+    n_run: int  # trials run by this peer
+    n_reused: int  # trials taken from the store: measured earlier, or by other peers
     wall_s: float
     study_name: str
     storage: str
@@ -68,7 +68,7 @@ class SearchInterrupted(AutotuneError):
 
 
 class _Loop:
-    """One worker's search: what it has seen of the store, what it ran, and the trial it is running."""
+    """One peer's search: what it has seen of the store, what it ran, and the trial it is running."""
 
     def __init__(self, study: optuna.Study, storage: str, space: SearchSpace, *, settings: TrialSettings,
                  enforced_bytes: int | None, on_trial: Callable[[Measurement, bool], None] | None) -> None:
@@ -85,12 +85,12 @@ class _Loop:
         self.stamps: dict[int, tuple[float, float]] = {}
         self.numbers: dict[Config, int] = {}  # the store's trial number of each measurement
         self.mine: set[Config] = set()
-        self.runs = 0  # trials this worker ran (a configuration timed after its memory trial counts twice)
+        self.runs = 0  # trials this peer ran (a configuration timed after its memory trial counts twice)
         self.reported: dict[Config, tuple] = {}  # what on_trial last heard of each configuration
         self.measured: dict[Config, Measurement] = {}
-        self.trial: optuna.Trial | None = None  # the trial this worker is running, if any
+        self.trial: optuna.Trial | None = None  # the trial this peer is running, if any
         self.finished: Measurement | None = None  # its measurement, once taken and until stored
-        self.in_flight: set[Config] = set()  # what other workers ran at the last look
+        self.in_flight: set[Config] = set()  # what other peers ran at the last look
         self.seen: set[int] = set()  # the finished trials with a measurement at the last look
 
     def look(self) -> bool:
@@ -118,7 +118,7 @@ class _Loop:
         return m.timed and m.timings > (earlier.timings if earlier.timed else 0)
 
     def claim(self, config: Config, *, on_the_look: bool = True) -> optuna.Trial | None:
-        """Start a trial of ``config`` as the running trial (None: another worker has it, or, ``on_the_look``, the
+        """Start a trial of ``config`` as the running trial (None: another peer has it, or, ``on_the_look``, the
         store has measurements the last look did not see)."""
         with shielded():  # a Ctrl-C before the trial is ours to close (self.trial) would leave it RUNNING
             self.trial = claim(self.study, config, self.distributions, settings_key=self.settings_key,
@@ -142,9 +142,9 @@ class _Loop:
         return completed(earlier, timing, self.numbers.get(proposal.config)) if slows_steps else timing
 
     def keep(self, m: Measurement) -> None:
-        """Store the running trial's measurement and count it as this worker's.
+        """Store the running trial's measurement and count it as this peer's.
 
-        If another worker closed the trial meanwhile (it judged the trial stale: its heartbeat
+        If another peer closed the trial meanwhile (it judged the trial stale: its heartbeat
         stalled), the measurement is stored under a new claim of its configuration, unless the
         configuration is measured or running elsewhere by now: then it is given up with a notice,
         so that nothing is measured twice.
@@ -157,7 +157,7 @@ class _Loop:
                 self.claim(m.config, on_the_look=False)  # measured already: whatever the store holds now
                 stored = self.trial is not None and record(self.study, self.trial, m, self.attrs)
                 if not stored:
-                    logger.warning("trial %d (%s) was closed by another worker, which judged it stale, and the "
+                    logger.warning("trial %d (%s) was closed by another peer, which judged it stale, and the "
                                    "configuration is measured or claimed elsewhere now: this measurement is given up",
                                    closed, m.config)
             self.trial = self.finished = None
@@ -218,7 +218,7 @@ def run_search(
     Each trial runs at ``venue`` (this process, a worker process, every rank of a job) under
     ``enforced_bytes``, the largest budget (a smaller one is judged by the peaks measured).
     ``on_trial(measurement, reused)`` is called once for each measurement as it becomes known,
-    ``reused`` when it comes from the store; ``on_trial_start(config)`` when this worker starts
+    ``reused`` when it comes from the store; ``on_trial_start(config)`` when this peer starts
     measuring one.
     """
     started = time.monotonic()
@@ -237,7 +237,7 @@ def run_search(
                     waiter.wait()  # others are measuring; their results belong in our report too
                     continue
                 if loop.claim(proposal.config) is None:
-                    waiter.lost()  # claimed at the same moment by another worker: the next look shows it running
+                    waiter.lost()  # claimed at the same moment by another peer: the next look shows it running
                     continue
                 waiter.claimed()
                 config = proposal.config

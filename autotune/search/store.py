@@ -196,7 +196,7 @@ def start_trial(study: optuna.Study, config: Config, distributions: dict, user_a
     may be another worker's configuration, or one that another worker has popped and closed since
     this one listed the queue (Optuna then raises ``UpdateFinishedTrialError`` from ``ask``); and a
     trial's number would be the moment it was queued, not the moment it was claimed. A trial
-    created here is numbered when it is written: the claim protocol (:func:`autotune.search.workers.claim`)
+    created here is numbered when it is written: the claim protocol (:func:`autotune.search.peers.claim`)
     orders claims by that number.
     """
     template = FrozenTrial(

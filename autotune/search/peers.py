@@ -1,10 +1,15 @@
-"""Several workers on one study: who runs what, who is still alive, and who claimed a configuration first.
+"""Several peers on one study: who runs what, who is still alive, and who claimed a configuration first.
 
-Workers with the same storage and study share the work: each skips configurations finished or
-running elsewhere; a configuration claimed by two workers at once is kept by the lower-numbered
-trial (:func:`claim`). A running trial's worker stamps it every HEARTBEAT_S seconds; a RUNNING
-trial whose worker is gone (its process no longer exists on this machine, or its stamp stopped
-moving for STALE_S of our clock) is closed as failed and measured again. A worker with nothing
+A *peer* is a process searching a study that others search too (several GPUs or nodes, one storage); it is not
+the *worker* process a trial may run in (:mod:`autotune.execution.spawn`, ``--trials-per-worker``), nor a
+DataLoader's worker (``--num-workers``). The trial store keeps a running trial's peer as its ``worker`` attribute,
+the name stored studies already use.
+
+Peers with the same storage and study share the work: each skips configurations finished or
+running elsewhere; a configuration claimed by two peers at once is kept by the lower-numbered
+trial (:func:`claim`). A running trial's peer stamps it every HEARTBEAT_S seconds; a RUNNING
+trial whose peer is gone (its process no longer exists on this machine, or its stamp stopped
+moving for STALE_S of our clock) is closed as failed and measured again. A peer with nothing
 to claim waits (:class:`Waiter`): it reads the store less and less often, writes nothing, and is
 woken early when a store in a file changes.
 """
@@ -26,14 +31,14 @@ from autotune._log import logger
 from autotune.records import Config, Measurement
 from autotune.search.store import FINISHED, abandon, config_of, reusable, stamp, start_trial
 
-__all__ = ["HEARTBEAT_S", "STALE_S", "FIRST_WAIT_S", "WAIT_S", "GRACE_S", "worker_id", "is_alive", "Heartbeat",
+__all__ = ["HEARTBEAT_S", "STALE_S", "FIRST_WAIT_S", "WAIT_S", "GRACE_S", "peer_id", "is_alive", "Heartbeat",
            "Waiter", "survey", "claim"]
 
-HEARTBEAT_S = 10.0  # a running trial's worker stamps it this often
+HEARTBEAT_S = 10.0  # a running trial's peer stamps it this often
 STALE_S = 120.0  # a running trial of another machine whose stamp is older than this is abandoned
-FIRST_WAIT_S = 0.05  # a waiting worker's first wait; each wait without news doubles it, up to WAIT_S
-WAIT_S = 1.0  # the longest a waiting worker goes without reading the store
-GRACE_S = 0.25  # a waiter woken by a change lets the worker that made it claim its next trial first
+FIRST_WAIT_S = 0.05  # a waiting peer's first wait; each wait without news doubles it, up to WAIT_S
+WAIT_S = 1.0  # the longest a waiting peer goes without reading the store
+GRACE_S = 0.25  # a waiter woken by a change lets the peer that made it claim its next trial first
 _POLL_S = 0.02  # how often a waiter looks at a store file's size and time
 
 
@@ -47,13 +52,13 @@ def _pid_namespace() -> str:
         return ""
 
 
-def worker_id() -> str:
-    """``HOST:PIDNS:PID``, the identity a worker stamps on the trials it runs."""
+def peer_id() -> str:
+    """``HOST:PIDNS:PID``, the identity a peer stamps on the trials it runs."""
     return f"{socket.gethostname()}:{_pid_namespace()}:{os.getpid()}"
 
 
 def is_alive(trial: FrozenTrial, now: float, stamps: dict[int, tuple[float, float]]) -> bool:
-    """Whether a RUNNING trial's worker is still at it: its process exists, or its stamp still moves.
+    """Whether a RUNNING trial's peer is still at it: its process exists, or its stamp still moves.
 
     ``stamps`` maps trial numbers to (last stamp seen, when we first saw it, by our clock): another
     machine's trial is abandoned only when its heartbeat has not changed for STALE_S of our time,
@@ -104,13 +109,13 @@ def survey(study: optuna.Study, configs: set[Config], settings_key: str, enforce
             timeout_s: float | None, stamps: dict[int, tuple[float, float]],
             numbers: dict[Config, int] | None = None,
             seen: set[int] | None = None, host_budget_bytes: int | None = None) -> tuple[dict[Config, Measurement], set[Config]]:
-    """Read the store: reusable measurements, and configurations other workers are running now.
+    """Read the store: reusable measurements, and configurations other peers are running now.
 
-    Trials left RUNNING by a worker that is gone are marked failed, so they are measured again;
-    so are trials a worker took from the queue but never stamped (it died in between). A
+    Trials left RUNNING by a peer that is gone are marked failed, so they are measured again;
+    so are trials a peer took from the queue but never stamped (it died in between). A
     configuration measured already can be running too (the timing that completes a memory trial, or
-    a near tie timed again): it is in flight all the same, so that no worker proposes it meanwhile
-    and every worker waits for its figures. ``numbers``, when given, receives the trial number of
+    a near tie timed again): it is in flight all the same, so that no peer proposes it meanwhile
+    and every peer waits for its figures. ``numbers``, when given, receives the trial number of
     each measurement; ``seen`` the numbers of every finished trial that holds a measurement (what
     :func:`claim` compares the store with).
     """
@@ -146,23 +151,23 @@ def survey(study: optuna.Study, configs: set[Config], settings_key: str, enforce
 def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_key: str, enforced_bytes: int | None,
           timeout_s: float | None, enough: Callable[[Measurement], bool] = lambda m: True,
           seen: Collection[int] | None = None, host_budget_bytes: int | None = None) -> optuna.Trial | None:
-    """Start a trial of ``config``; None if another worker has it, or the store has news (nothing written, or our
+    """Start a trial of ``config``; None if another peer has it, or the store has news (nothing written, or our
     trial closed as ``duplicate`` or ``stale``).
 
-    The store is read first: a configuration taken since the worker's last look costs no write.
-    Then the claim is a RUNNING trial of the configuration, stamped with this worker, created in
+    The store is read first: a configuration taken since the peer's last look costs no write.
+    Then the claim is a RUNNING trial of the configuration, stamped with this peer, created in
     one write (:func:`autotune.search.store.start_trial`), and the store is read again. Stores number
     trials in the order their writes land (a database locks the study to number a new trial, a
-    journal is one ordered log), so of two workers claiming one configuration at once, the later
+    journal is one ordered log), so of two peers claiming one configuration at once, the later
     claim's reader sees the earlier claim: the lowest-numbered RUNNING trial of a configuration
     keeps it, whatever the timing. A finished trial takes the configuration when ``enough`` says
     its measurement has what this trial would measure (a memory trial does not take the timing
     that completes it).
 
-    ``seen`` (the finished trials of the worker's last look, :func:`survey`) makes the claim stand
-    only on the look it was decided on: a measurement stored since then (by a worker that may have
-    just seen the search end) closes the claim, and the worker looks again. So no worker runs a
-    trial that another, having read a later store, judged not to be needed: every worker's report
+    ``seen`` (the finished trials of the peer's last look, :func:`survey`) makes the claim stand
+    only on the look it was decided on: a measurement stored since then (by a peer that may have
+    just seen the search end) closes the claim, and the peer looks again. So no peer runs a
+    trial that another, having read a later store, judged not to be needed: every peer's report
     holds the same trials.
     """
     def taken(ours: int | None) -> str | None:
@@ -185,10 +190,10 @@ def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_
 
     if taken(None):
         return None
-    trial = start_trial(study, config, distributions, {"worker": worker_id(), "heartbeat": time.time()})
+    trial = start_trial(study, config, distributions, {"worker": peer_id(), "heartbeat": time.time()})
     try:
         why = taken(trial.number)
-        if why:  # another worker claimed or finished the same configuration first, or stored news
+        if why:  # another peer claimed or finished the same configuration first, or stored news
             abandon(study, trial, why)
             return None
     except BaseException:
@@ -198,12 +203,12 @@ def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_
 
 
 class Waiter:
-    """How a worker with nothing to claim waits for the store to change, writing nothing meanwhile.
+    """How a peer with nothing to claim waits for the store to change, writing nothing meanwhile.
 
     Each :meth:`wait` is twice the one before (FIRST_WAIT_S up to WAIT_S) until :meth:`reset`
-    (the worker found news, or claimed a trial). A store in a file (SQLite, a journal) is watched
-    between reads by its size and modification time, so a waiter wakes as soon as another worker
-    writes; it then waits GRACE_S more, so that the worker who wrote, which claims its next trial
+    (the peer found news, or claimed a trial). A store in a file (SQLite, a journal) is watched
+    between reads by its size and modification time, so a waiter wakes as soon as another peer
+    writes; it then waits GRACE_S more, so that the peer who wrote, which claims its next trial
     at once, is not met by every waiter claiming the same configuration. A database server has no
     such cheap signal: its waiters read it at most every WAIT_S.
     """
@@ -234,9 +239,9 @@ class Waiter:
                 return
 
     def lost(self) -> None:
-        """After a claim lost to a worker that claimed the same configuration at the same moment: wait a
-        random moment, so that workers in step fall out of it; longer after each loss in a row, so that
-        no worker can claim in a tight loop, whatever its strategy proposes."""
+        """After a claim lost to a peer that claimed the same configuration at the same moment: wait a
+        random moment, so that peers in step fall out of it; longer after each loss in a row, so that
+        no peer can claim in a tight loop, whatever its strategy proposes."""
         self._lost += 1
         time.sleep(random.uniform(0.0, min(GRACE_S * 2 ** (self._lost - 1), WAIT_S)))
 

@@ -1,4 +1,4 @@
-"""Several workers on one study: who is alive, who claimed a configuration first, what a survey reads."""
+"""Several peers on one study (processes sharing its storage): who is alive, who claimed a configuration first, what a survey reads."""
 
 import dataclasses
 import os
@@ -11,11 +11,11 @@ import time
 import pytest
 from optuna.trial import TrialState
 
-from autotune.search import workers
+from autotune.search import peers as workers
 from autotune.records import Config, Measurement
 from autotune.search.space import SearchSpace
 from autotune.search.store import distributions, open_study, record
-from autotune.search.workers import Heartbeat, claim, is_alive, survey, worker_id
+from autotune.search.peers import Heartbeat, claim, is_alive, survey, peer_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPACE = SearchSpace(("fp32", "bf16"), ("0", "all"), (1, 2, 4))
@@ -45,7 +45,7 @@ def dead_pid():
 
 def here(pid):
     """The worker id a process ``pid`` on this machine would stamp."""
-    host, ns, _ = worker_id().rsplit(":", 2)
+    host, ns, _ = peer_id().rsplit(":", 2)
     return f"{host}:{ns}:{pid}"
 
 
@@ -72,27 +72,27 @@ def states(study):
     return {t.number: (t.state, t.user_attrs.get("status")) for t in study.get_trials(deepcopy=False)}
 
 
-# --- worker_id -----------------------------------------------------------------------------------
+# --- peer_id -----------------------------------------------------------------------------------
 
 
-def test_worker_id_is_host_pid_namespace_and_pid():
-    host, ns, pid = worker_id().rsplit(":", 2)
+def test_peer_id_is_host_pid_namespace_and_pid():
+    host, ns, pid = peer_id().rsplit(":", 2)
     assert host == socket.gethostname() and pid == str(os.getpid())
     assert re.fullmatch(r"\d+-[0-9a-f-]{8}", ns), ns  # the namespace's inode and the boot's id
 
 
 def test_another_process_here_has_the_same_host_and_namespace_and_its_own_pid():
-    out = subprocess.run([sys.executable, "-c", "import os; from autotune.search.workers import worker_id; "
-                          "print(worker_id()); print(os.getpid())"], capture_output=True, text=True, cwd=ROOT, check=True)
+    out = subprocess.run([sys.executable, "-c", "import os; from autotune.search.peers import peer_id; "
+                          "print(peer_id()); print(os.getpid())"], capture_output=True, text=True, cwd=ROOT, check=True)
     theirs, pid = out.stdout.split()
-    assert theirs == here(pid) and theirs != worker_id()
+    assert theirs == here(pid) and theirs != peer_id()
 
 
 # --- is_alive ------------------------------------------------------------------------------------
 
 
 def test_our_own_pid_is_a_trial_from_before(study):
-    t = running(study, A, worker=worker_id(), heartbeat=time.time())
+    t = running(study, A, worker=peer_id(), heartbeat=time.time())
     assert is_alive(t, time.monotonic(), {}) is False  # this process runs one trial at a time
 
 
@@ -146,7 +146,7 @@ def test_claim_starts_a_trial_stamped_with_this_worker(study):
     trial = claim(study, A, DIST, settings_key="s", enforced_bytes=None, timeout_s=None)
     assert trial is not None and Config.from_dict(trial.params) == A
     (t,) = study.get_trials(deepcopy=False)
-    assert t.state == TrialState.RUNNING and t.user_attrs["worker"] == worker_id()
+    assert t.state == TrialState.RUNNING and t.user_attrs["worker"] == peer_id()
     assert abs(t.user_attrs["heartbeat"] - time.time()) < 3600
 
 
@@ -275,7 +275,7 @@ def test_survey_marks_a_trial_left_running_by_a_dead_process_failed(study, dead_
 
 
 def test_survey_abandons_a_trial_of_ours_from_before(study):
-    mine = running(study, A, worker=worker_id(), heartbeat=time.time())
+    mine = running(study, A, worker=peer_id(), heartbeat=time.time())
     _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, {})
     assert in_flight == set() and states(study)[mine.number] == (TrialState.FAIL, "abandoned")
 

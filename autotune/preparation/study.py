@@ -1,0 +1,143 @@
+"""Stage 3: every plan checked on the model (or the checks its study stored), the space, and the study's identity."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import torch
+
+from autotune._log import logger
+from autotune.device import autocast_type, host_memory_apart
+from autotune.errors import UsageError
+from autotune.execution.plan_check import run_checks
+from autotune.plans.checkpointing import Chain
+from autotune.preparation.model import ModelFacts
+from autotune.preparation.target import Target, describe
+from autotune.records import PlanCheck
+from autotune.search.space import SearchSpace
+from autotune.search.store import default_storage, default_study_name, fingerprint, store_plan_checks, stored_plan_checks
+from autotune.training.workload import Workload
+from autotune.vocabulary import ALL, Offload, Plan, auto_plans, with_offload
+
+__all__ = ["Study", "plan_study", "describe"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """The search's space and where its trials live; the checks that chose its plans."""
+
+    workload: Workload  # with the chain: plans count in the blocks' forward order, in workers too
+    space: SearchSpace
+    name: str
+    storage: str
+    workload_key: str  # what the study's trials are trials of: model, options, data, loss, kind of device
+    checks: tuple[PlanCheck, ...]
+    notices: tuple[str, ...]
+    compare_library: bool  # the library's switch is measured after the probe
+
+
+def plan_study(target: Target, facts: ModelFacts) -> Study:
+    """Stage 3: the study's identity, every plan checked on the model (or the checks it stored), the space."""
+    key, searching, workload = target.key, target.searching, target.workload.with_chain(facts.chain)
+    described = {"model_kwargs": key.model_kwargs, "data": key.data, "loss": key.loss}
+    if not key.default_training:  # another optimizer or step is another study; the default keeps the key of before
+        described.update(optimizer=workload.optimizer.to_dict(), step=key.step)
+    # Workers on several GPUs of one kind share a study: the key names the kind of device, not its index.
+    # A distributed job's trials are another job's: the wrapper and world size are part of what they measure.
+    job = target.job
+    ranks = f"{job.wrapper}{job.world_size}" if job else (  # a dry run's --world-size: the job it predicts
+        f"{searching.parallel}{searching.world_size}" if searching.world_size else None)
+    parallel = {"parallel": f"{job.wrapper}x{job.world_size}"} if job else {}
+    workload_key = fingerprint(model=workload.name, **described, device=target.backend.kind, **parallel)
+    plain = not (key.model_kwargs or key.data or key.loss) and key.default_training
+    options_key = None if plain else fingerprint(**described)
+    name = key.study or default_study_name(workload.name, autocast_type(target.device), options_key) + (
+        f"-{ranks}" if ranks else "") + ("-dry-run" if searching.dry_run else "")  # beside the search's, not over it
+    storage = key.storage or default_storage(name, key.results_dir)
+    notices: list[str] = []
+    plans = with_offload(_plans(searching.plans, facts.chain, facts.model_class, notices),
+                         _offload_modes(searching.offload, target.device, notices))
+    compared = searching.compare_library and facts.library_checkpointing is not None and facts.chain is not None
+    # The library comparison measures plan all beside the library's switch: it is checked too.
+    checks = _checked_plans(workload, (*plans, *((ALL,) if compared else ())), target, study_name=name,
+                            storage=storage, workload_key=workload_key)
+    space = SearchSpace(target.precisions, _surviving_plans(plans, checks, notices), searching.batch_sizes,
+                        blocks=facts.chain.length if facts.chain else None)
+    return Study(workload, space, name, storage, workload_key, tuple(checks), tuple(notices), compared)
+
+
+def _plans(segments: tuple[str, ...] | None, chain: Chain | None, model_class: str, notices: list[str]) -> tuple[str, ...]:
+    """Resolve ``--segments`` (None: auto) against the model's blocks: the plan names to search."""
+    if chain is None:
+        if segments and not all(Plan(n).base.off for n in segments):
+            raise UsageError(f"{model_class} has no repeated blocks to checkpoint: use --segments 0")
+        if segments is None:
+            notices.append(f"{model_class} has no repeated blocks: checkpointing is not tried (segments 0 only)")
+            logger.warning(notices[-1])
+        return segments or ("0",)
+    if segments is None:
+        return tuple(auto_plans(chain.length))
+    for name in segments:
+        Plan(name).fits(chain.length, chain.describe())
+    return segments
+
+
+def _offload_modes(modes: tuple[Offload, ...] | None, device: torch.device, notices: list[str]) -> tuple[Offload, ...]:
+    """Resolve ``--offload`` (None: auto) against the device: activations where its memory is not the host's."""
+    if modes is None:
+        return (Offload.NONE, Offload.ACTIVATIONS) if host_memory_apart(device) else (Offload.NONE,)
+    if any(Offload.ACTIVATIONS in m for m in modes) and not host_memory_apart(device):
+        notices.append("activation offload on the CPU is emulated (device and host are one memory): offloaded "
+                       "trials' host copies are counted apart from the budget, and their step times include a memory "
+                       "copy where a GPU transfers over PCIe, so they understate offload's cost")
+        logger.warning(notices[-1])
+    if any(Offload.STATE in m for m in modes):
+        notices.append("plans +state keep the training state in host memory (FSDP2's CPUOffloadPolicy) and run the "
+                       "optimizer's step on the CPU: its arithmetic is the CPU's, equal to the device's within float "
+                       "rounding, not bitwise" + (
+                           "; on the CPU it is emulated (the state's bytes counted apart from the budget, no transfers "
+                           "in the step times, which understate its cost)" if not host_memory_apart(device) else ""))
+        logger.warning(notices[-1])
+    return modes
+
+
+def _checked_plans(workload: Workload, plans: Sequence[str], target: Target, *, study_name: str, storage: str,
+                   workload_key: str) -> list[PlanCheck]:
+    """Check every plan on the model (one step with and without it), or reuse the checks stored in the study."""
+    to_check = [p for p in dict.fromkeys(map(Plan, plans)) if not p.off]
+    if not to_check:
+        return []
+    if target.searching.dry_run:  # a check compares real losses and gradients: the search checks before it trusts
+        logger.info("the checkpoint plans are not checked in a dry run: a search checks each before it trusts it")
+        return []
+    settings, batch_size = target.trial_settings, min(target.searching.batch_sizes)
+    key = fingerprint(plans=to_check, batch_size=batch_size, seed=settings.seed, guard=settings.guard,
+                      chain=workload.chain.to_dict() if workload.chain else None)
+    stored = stored_plan_checks(study_name, storage, workload_key=workload_key, key=key)
+    if stored is not None:
+        return [PlanCheck.from_dict(c) for c in stored]
+    logger.info("checking %d checkpoint plan(s) on %s: one step with and without each, batch %d, fp32",
+                len(to_check), workload.name, batch_size)
+    started = time.monotonic()
+    checks = run_checks(workload, to_check, venue=target.venue, batch_size=batch_size, seed=settings.seed,
+                        guard=settings.guard, timeout_s=settings.timeout_s)
+    logger.info("checked in %.1f s: %s", time.monotonic() - started, ", ".join(f"{c.plan} {c.status}" for c in checks))
+    store_plan_checks(study_name, storage, workload_key=workload_key, key=key, checks=[c.to_dict() for c in checks])
+    return checks
+
+
+def _surviving_plans(plans: Sequence[str], checks: Sequence[PlanCheck], notices: list[str]) -> tuple[str, ...]:
+    """The plans to search: those that recompute nothing or passed their check. Each dropped plan is a notice."""
+    failed = {c.plan: c for c in checks if not c.ok and c.plan in plans}
+    for check in failed.values():
+        notices.append(f"{check.describe()}: dropped")
+        logger.warning(notices[-1])
+    kept = tuple(p for p in plans if p not in failed)
+    if not kept:
+        notices.append("no checkpoint plan passed its check on this model: the search goes on without checkpointing "
+                       "(segments 0)")
+        logger.warning(notices[-1])
+        kept = ("0",)
+    return kept
