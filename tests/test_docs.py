@@ -173,7 +173,24 @@ def test_the_docs_include_result_files_by_block():
     sync = _sync_docs()
     included = {b.source for page in sync.pages(ROOT) for b in sync.blocks(page)}
     assert {"results/claims-cpu.md", "results/search_efficiency-cpu.md", "results/selective-cpu.md",
-            "results/real_data-cpu.md", "results/workers_under_load-cpu.md"} <= included
+            "results/real_data-cpu.md", "results/workers_under_load-cpu.md", "results/cli-quickstart-cpu.md",
+            "results/cli-nothing-fits-cpu.md", "results/cli-hf-factory-cpu.md"} <= included
+
+
+def test_the_version_follows_the_schema_and_the_docs_list_every_schema_version():
+    """autotune's minor version is the report's schema version (0.4 writes schema 4), and docs/report.md's Versions
+    table has one row for each schema version, the current one included."""
+    from autotune.report import SCHEMA_VERSION
+
+    spec = importlib.util.spec_from_file_location("_version", ROOT / "autotune" / "_version.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    major, minor, _ = (int(part) for part in module.__version__.split("."))
+    assert (major, minor) == (0, SCHEMA_VERSION), module.__version__
+    text = (ROOT / "docs" / "report.md").read_text(encoding="utf-8")
+    section = text.split("\n## Versions\n", 1)[1].split("\n## ", 1)[0]
+    rows = [int(m.group(1)) for m in re.finditer(r"^\| (\d+) \|", section, re.MULTILINE)]
+    assert rows == list(range(1, SCHEMA_VERSION + 1))
 
 
 # --- the checks themselves can fail --------------------------------------------------------------------------------

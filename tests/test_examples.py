@@ -177,3 +177,42 @@ def test_train_tinygpt_accumulates_micro_batches_into_one_step():
     losses = train_tinygpt(report, steps=2, **GPT)
     assert len(losses) == 2  # one loss per optimizer step, not per micro-batch
     assert abs(losses[0] - math.log(32)) < 1.0  # the mean of the micro-batches' losses, not their sum
+
+
+# --- docs/examples/hf_factory.py: a Hugging Face model from its config, on the command line -----------------------
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["tiny-gpt2-with-its-data", "config-folder-by-name"])
+def test_the_hf_factory_example_tunes_from_the_command_line(tmp_path, named):
+    # What docs/workload.md tells a user to type, from the repository root: the factory by MODULE:ATTR, built from a
+    # config (a folder holding a config.json stands for a checkpoint's name: AutoConfig.from_pretrained reads both)
+    import json
+    import os
+    import sys
+
+    from tests import procs
+    from tests.optional import needs
+
+    transformers = needs("transformers")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["--model", "docs.examples.hf_factory:causal_lm", "--device", "cpu", "--budget", "64MiB", "--precisions",
+            "fp32", "--batch-sizes", "1,4", "--no-probe", "--no-library-compare", "--warmup-steps", "1",
+            "--measure-steps", "2", "--storage", f"sqlite:///{tmp_path / 's.db'}", "--out", str(tmp_path / "r.json")]
+    if named:
+        config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=128)
+        config.save_pretrained(tmp_path / "checkpoint")
+        args += ["--model-kwargs", json.dumps({"name": str(tmp_path / "checkpoint"), "seq_len": 64}), "--segments", "0"]
+    else:
+        args += ["--data", "docs.examples.hf_factory:random_tokens", "--segments", "0,all"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = procs.run([sys.executable, "-m", "autotune", *args], cwd=root, env=env, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["recommendation"] is not None and "recommendation: fp32" in done.stdout
+    assert data["workload"]["model"] == "docs.examples.hf_factory:causal_lm"
+    if named:  # the folder's config was the one built: its parameter count
+        expected = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        assert data["workload"]["parameter_count"] == expected
+    else:  # its data, and the GPT-2 blocks found for the plans
+        assert data["data"]["items"] == 256 and data["workload"]["chain"]["length"] == 2
+        assert [c["status"] for c in data["plan_checks"]] == ["exact"]
