@@ -106,3 +106,16 @@ def test_a_measured_failure_of_a_nested_plan_is_named_before_the_memory_line():
     rows = {r["segments"]: r for r in batch_limits(trials, 1000 * MiB, batch_sizes=sizes, plans=["0", "all"], blocks=4,
                                                     line_rule=rule)}
     assert rows["0"]["min_oom_rule"] == "nested-plan" and rows["0"]["min_oom_implied_by"] == "fp32 segments=all batch=16"
+
+
+def test_a_variant_no_trial_ran_has_a_row_when_another_plans_failure_implies_it_fits_nothing():
+    # plan 2 recomputes more than plan 0 and failed at the smallest size: plan 0 fits nothing either (a 16 MiB run of
+    # the quick start measured fp32/2 failing at batch 1 and never ran fp32/0, whose row was missing)
+    ms = [Measurement(Config("fp32", "2", 1), "oom", peak_bytes=17_000_000),
+          Measurement(Config("bf16", "2", 1), "ok", peak_bytes=15_000_000, timed=False)]
+    rows = {(r["precision"], r["segments"]): r for r in batch_limits(ms, 16 * 2**20, batch_sizes=(1, 2, 4),
+                                                                    plans=("0", "2"), blocks=4)}
+    assert rows[("fp32", "0")]["max_batch_size"] is None and rows[("fp32", "0")]["min_oom_batch_size"] == 1
+    assert rows[("fp32", "0")]["min_oom_rule"] == "nested-plan"
+    assert rows[("fp32", "0")]["min_oom_implied_by"] == "fp32 segments=2 batch=1"
+    assert ("bf16", "0") not in rows  # bf16/2 fit: nothing is implied of bf16/0

@@ -119,3 +119,24 @@ def test_the_table_says_which_limits_the_memory_line_implied(report):
     assert row["min_oom_predicted_bytes"] >= 1.25 * report.budget_bytes
     assert ("end where the plan's own memory line (the measured state plus its trials' bytes per sample) predicts "
             "1.25x the budget or more at the next size (no trial of its own): fp32/0 at 64") in trimmed.table()
+
+
+def test_when_nothing_fits_and_the_floor_would_the_advice_is_to_recompute_every_block():
+    # The quick start under 16 MiB searched plans 0 and 2; batch 1 with every block recomputed needs 11.58 MiB, within
+    # the 14.4 MiB the headroom leaves: the first thing to try is plan all, said with the figure.
+    from autotune.cli.advice import nothing_fits
+    from autotune.records import Config, Measurement
+    from autotune.report import Report
+
+    MiB = 2**20
+    trials = (Measurement(Config("fp32", "2", 1), "oom", peak_bytes=int(16.03 * MiB)),)
+    report = Report(environment={"device_type": "cpu"}, budget_bytes=16 * MiB, headroom=0.1,
+                    workload={"fixed_bytes": int(9.81 * MiB), "chain": {"blocks": ["b0", "b1"]},
+                              "floor": {"activations": int(1.77 * MiB), "precision": "bf16"}},
+                    search={"space": {"precisions": ["fp32", "bf16"], "segments": ["0", "2"], "batch_sizes": [1, 2]}},
+                    trials=trials)
+    said = nothing_fits(report.shortfall())
+    assert said.index("try --segments all (batch 1 with every block recomputed needs about 11.58 MiB") > 0
+    assert "--precisions" not in said  # bf16 was searched
+    with_all = dataclasses.replace(report, search={"space": {**report.search["space"], "segments": ["0", "all"]}})
+    assert "--segments all" not in nothing_fits(with_all.shortfall())

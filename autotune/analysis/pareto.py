@@ -260,6 +260,8 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
     for m in measurements:
         variants.setdefault(m.config.variant, []).append(m)
     by_variant = _implied_failing_sides(measurements, budget_bytes, batch_sizes, plans, blocks, line_rule, predictions)
+    for variant in by_variant:  # a variant no trial ran, whose failing side another's failure implies: "none" fits
+        variants.setdefault(variant, [])
     fits_implied: dict[tuple[str, str], dict[int, tuple[int, Config]]] = {}
     for config, implied in prediction_fits(measurements, budget_bytes, predictions).items():
         fits_implied.setdefault(config.variant, {})[config.batch_size] = implied

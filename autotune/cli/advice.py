@@ -17,7 +17,10 @@ def nothing_fits(short: Shortfall) -> str:
     if short.probe_rejections:
         return (f"autotune: {short.why()}: try a larger --budget, a smaller --headroom, --probe-top to probe more "
                 f"candidates, or --no-probe to take the short trials' answer")
+    need = short.floor_need()
     tries = [text for lever, text in (
+        ("all blocks", f"--segments all (batch 1 with every block recomputed needs about {format_bytes(need or 0)}, "
+                       f"within the budget less its headroom)"),
         ("half", "--precisions with bf16 or fp16"),
         ("checkpointing", "--segments auto"),
         ("batch 1", "smaller --batch-sizes"),

@@ -66,7 +66,7 @@ class Progress:
         elif m.memory_from is not None or m.timings > 1:
             detail += f" (timed {'again' if m.timings > 1 else 'after its memory trial'})"
         if m.error and m.status != Status.OK:
-            detail += f" ({m.error[:100]})"
+            detail += f" ({_clipped(m.error, 100)})"
         self._say(f"autotune: [{self._done}] {m.config}: {m.status} {detail}{' (from the store)' if reused else ''}")
         if self._bar is not None:
             self._bar.update(1)
@@ -100,3 +100,10 @@ class Progress:
             self._bar.write(line, file=self.stream)
         else:
             print(line, file=self.stream, flush=True)
+
+
+def _clipped(text: str, width: int) -> str:
+    """``text`` cut at a word before ``width`` characters, with an ellipsis where it was cut (the JSON keeps it all)."""
+    if len(text) <= width:
+        return text
+    return text[:width].rsplit(" ", 1)[0].rstrip(",;:") + " ..."

@@ -11,7 +11,7 @@ from typing import Any
 
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
-from autotune.vocabulary import HALF, Plan
+from autotune.vocabulary import ALL, HALF, Plan
 
 __all__ = ["Shortfall", "shortfall"]
 
@@ -30,9 +30,18 @@ class Shortfall:
     sharded_ranks: int | None = None  # FSDP2's ranks the state was already sharded over (a rank's share was measured)
     hosted: bool = False  # plans +state were searched: the state was already off the device
     floor: dict[str, Any] | None = None  # batch 1 with every block recomputed (autotune.plans.floor)
-    untried: tuple[str, ...] = ()  # levers the space left out: "half", "checkpointing", "batch 1", "offload"
+    untried: tuple[str, ...] = ()  # levers the space left out: "all blocks" (its floor fits), "half",
+    # "checkpointing", "batch 1", "offload"
     smallest_batch: int | None = None
     dry_run: bool = False
+
+    def floor_need(self) -> float | None:
+        """What a step needs at least (batch 1, every block recomputed): this rank's share of the state and the
+        activations measured; None where the floor was not measured."""
+        if not self.floor or not self.state_bytes:
+            return None
+        share = self.state_bytes / self.sharded_ranks if self.sharded_ranks else self.state_bytes
+        return share + self.floor["activations"]
 
     def why(self) -> str:
         """One sentence of figures: the budget, the outcomes, the smallest peak, and what batch 1 needs at least."""
@@ -64,14 +73,18 @@ def shortfall(report: Any) -> Shortfall:
     smallest = min(measured, key=lambda m: m.peak_bytes, default=None)
     space = report.search["space"]
     plans = [Plan(s) for s in space["segments"]]
+    floor, state = report.workload.get("floor"), report.workload.get("fixed_bytes")
+    sharded = (report.distributed or {}).get("wrapper") == "fsdp"
+    share = state / report.distributed["world_size"] if state and sharded else state  # a rank's share of the state
+    usable = usable_bytes(report.budget_bytes, report.headroom)
+    floor_fits = bool(floor and share and usable and share + floor["activations"] <= usable)
     untried = tuple(lever for lever, left_out in (
+        ("all blocks", floor_fits and not any(p.base == ALL for p in plans)),
         ("half", not set(HALF) & set(space["precisions"])),
         ("checkpointing", all(p.off for p in plans) and bool(report.workload.get("chain"))),
         ("batch 1", min(space["batch_sizes"]) > 1),
         ("offload", report.environment.get("device_type") == "cuda" and not any(p.offload for p in plans)),
     ) if left_out)
-    state = report.workload.get("fixed_bytes")
-    sharded = (report.distributed or {}).get("wrapper") == "fsdp"
     return Shortfall(
         report.budget_bytes, report.headroom, statuses,
         smallest=(smallest.peak_bytes, str(smallest.config), str(smallest.status)) if smallest else None,
