@@ -68,20 +68,20 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
     return Study(workload, space, name, storage, workload_key, tuple(checks), tuple(notices), compared)
 
 
-def _plans(segments: tuple[str, ...] | None, chain: Chain | None, model_class: str, notices: list[str]) -> tuple[str, ...]:
+def _plans(asked: tuple[Plan, ...] | None, chain: Chain | None, model_class: str, notices: list[str]) -> tuple[Plan, ...]:
     """Resolve ``--segments`` (None: auto) against the model's blocks: the plan names to search."""
     if chain is None:
-        if segments and not all(Plan(n).base.off for n in segments):
+        if asked and not all(p.base.off for p in asked):
             raise UsageError(f"{model_class} has no repeated blocks to checkpoint: use --segments 0")
-        if segments is None:
+        if asked is None:
             notices.append(f"{model_class} has no repeated blocks: checkpointing is not tried (segments 0 only)")
             logger.warning(notices[-1])
-        return segments or ("0",)
-    if segments is None:
+        return asked or (Plan("0"),)
+    if asked is None:
         return tuple(auto_plans(chain.length))
-    for name in segments:
-        Plan(name).fits(chain.length, chain.describe())
-    return segments
+    for plan in asked:
+        plan.fits(chain.length, chain.describe())
+    return asked
 
 
 def _offload_modes(modes: tuple[Offload, ...] | None, device: torch.device, notices: list[str]) -> tuple[Offload, ...]:

@@ -154,23 +154,23 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
     if device_type is None:
         first = next(model.parameters(), None)
         device_type = autocast_type(first.device) if first is not None else "cpu"
-    segments = Plan(fields["segments"])
-    _require_checked(segments, source.checks)
+    plan = Plan(fields["segments"])
+    _require_checked(plan, source.checks)
     chain = Chain.from_dict(source.chain) if source.chain else None
     missing = [path for path in (chain.blocks if chain else ()) if not _has_submodule(model, path)]
     if missing:
         raise UsageError(f"the report's blocks are not in this {type(model).__name__} (no {missing[0]}): apply a report "
                          f"made for this model")
     micro = int(accumulation.get("micro_batch_size") or fields["batch_size"])
-    if segments.state:  # the wrapper's part of the plan: apply() cannot do it for the caller
+    if plan.state:  # the wrapper's part of the plan: apply() cannot do it for the caller
         logger.warning("plan %s was measured with the training state in host memory: wrap the model as it was, FSDP2's "
-                       "fully_shard on each block and the root with offload_policy=CPUOffloadPolicy()", segments)
-    return prepare(model, precision=fields["precision"], segments=segments, chain=chain, guard=guard,
+                       "fully_shard on each block and the root with offload_policy=CPUOffloadPolicy()", plan)
+    return prepare(model, precision=fields["precision"], plan=plan, chain=chain, guard=guard,
                    device_type=device_type, micro_batch_size=micro,
                    accumulation_steps=int(accumulation.get("accumulation_steps") or 1))
 
 
-def prepare(model: nn.Module, *, precision: str, segments: str, chain: Chain | None, guard: GuardRails,
+def prepare(model: nn.Module, *, precision: str, plan: str, chain: Chain | None, guard: GuardRails,
             device_type: str, micro_batch_size: int, accumulation_steps: int = 1, record_loss_scale: bool = False,
             record_grad_norm: bool = False, host_budget_bytes: int | None = None) -> Applied:
     """Apply the guard rails' fp32 modules and the checkpoint plan to ``model`` in place; return its :class:`Applied`.
@@ -181,12 +181,12 @@ def prepare(model: nn.Module, *, precision: str, segments: str, chain: Chain | N
     probe candidate (recording loss scales, and for the probe gradient norms).
     """
     keep_in_fp32(model, guard.fp32_modules, device_type)
-    applied_plan = apply_plan(model, segments, chain, host_budget_bytes=host_budget_bytes)
+    applied_plan = apply_plan(model, plan, chain, host_budget_bytes=host_budget_bytes)
     mode = get_mode(precision)
     return Applied(
         model=model,
         precision=mode.name,
-        segments=Plan(segments),
+        segments=Plan(plan),  # the JSON's and the API's name for the plan
         micro_batch_size=micro_batch_size,
         accumulation_steps=accumulation_steps,
         scaler=mode.grad_scaler(device_type),

@@ -75,7 +75,7 @@ class Trainer:
         """The model, built (seeded), prepared, on its device and under the job's wrapper; ``host`` for a plan
         ``+state``, whose model stays on the host for FSDP2 to shard there."""
         model = self.workload.build_model(seed=self.seed)  # the same seeded model every time (a copy once warm)
-        self.run = prepare(model, precision=self.config.precision, segments=self.config.plan,
+        self.run = prepare(model, precision=self.config.precision, plan=self.config.plan,
                            chain=self.workload.chain, guard=self.guard, device_type=autocast_type(self.device),
                            micro_batch_size=self.config.batch_size, record_loss_scale=True,
                            record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes)
