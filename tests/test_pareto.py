@@ -119,3 +119,17 @@ def test_a_variant_no_trial_ran_has_a_row_when_another_plans_failure_implies_it_
     assert rows[("fp32", "0")]["min_oom_rule"] == "nested-plan"
     assert rows[("fp32", "0")]["min_oom_implied_by"] == "fp32 segments=2 batch=1"
     assert ("bf16", "0") not in rows  # bf16/2 fit: nothing is implied of bf16/0
+
+
+def test_a_trial_that_ran_where_its_prediction_failed_refutes_the_variant_for_the_search_and_the_report_alike():
+    from autotune.analysis.pareto import confirmed, refuted
+
+    ok = Measurement(Config("fp32", "0", 4), "ok", peak_bytes=1000, timed=False)
+    agrees = {Config("fp32", "0", 4): Measurement(Config("fp32", "0", 4), "ok", peak_bytes=1005)}
+    assert confirmed([ok], agrees) == {("fp32", "0"): ok.config} and not refuted([ok], agrees)
+    failed = {Config("fp32", "0", 4): Measurement(Config("fp32", "0", 4), "failed", error="fake tensors could not")}
+    assert refuted([ok], failed) == {("fp32", "0")} and confirmed([ok], failed) == {}
+    # one agreeing trial does not outweigh one that contradicts: the variant is searched on measurements alone
+    other = Measurement(Config("fp32", "0", 8), "ok", peak_bytes=2000, timed=False)
+    mixed = {**agrees, other.config: Measurement(other.config, "ok", peak_bytes=2500)}
+    assert refuted([ok, other], mixed) == {("fp32", "0")} and confirmed([ok, other], mixed) == {}

@@ -185,19 +185,32 @@ def confirmed(measurements: Iterable[Measurement], predictions: Mapping[Config, 
     """The variants whose predictions stand: {variant: the measured trial that confirms them}.
 
     A variant's predictions stand where it has a measured trial that ran to the end and whose peak lies within
-    ``tolerance`` of its own prediction, and no measured trial that ran to the end and does not (a model whose memory
-    fake tensors miss: the variant is then searched on measurements alone)."""
+    ``tolerance`` of its own prediction, and none that :func:`refuted` counts against it. The search and the report
+    both read this one rule."""
+    measurements = list(measurements)
+    against = refuted(measurements, predictions, tolerance)
     agree: dict[tuple[str, str], Config] = {}
-    refuted: set[tuple[str, str]] = set()
     for m in measurements:
         p = predictions.get(m.config)
-        if m.status != Status.OK or not m.peak_bytes or p is None or not p.status.measured_memory or not p.peak_bytes:
-            continue
-        if p.status == Status.OK and abs(m.peak_bytes - p.peak_bytes) <= tolerance * p.peak_bytes:
+        if (m.status == Status.OK and m.peak_bytes and p is not None and p.status == Status.OK and p.peak_bytes
+                and abs(m.peak_bytes - p.peak_bytes) <= tolerance * p.peak_bytes):
             agree.setdefault(m.config.variant, m.config)
-        else:
-            refuted.add(m.config.variant)
-    return {v: c for v, c in agree.items() if v not in refuted}
+    return {v: c for v, c in agree.items() if v not in against}
+
+
+def refuted(measurements: Iterable[Measurement], predictions: Mapping[Config, Measurement],
+            tolerance: float = PREDICTION_TOLERANCE) -> set[tuple[str, str]]:
+    """The variants a measured trial contradicts: it ran to the end where its prediction did not fit, failed, or
+    missed its peak by more than ``tolerance`` (a model whose memory fake tensors miss: the variant is then searched,
+    and reported, on measurements alone)."""
+    against = set()
+    for m in measurements:
+        p = predictions.get(m.config)
+        if m.status != Status.OK or not m.peak_bytes or p is None:
+            continue
+        if p.status != Status.OK or not p.peak_bytes or abs(m.peak_bytes - p.peak_bytes) > tolerance * p.peak_bytes:
+            against.add(m.config.variant)
+    return against
 
 
 def prediction_failures(measurements: Iterable[Measurement], limit: float | None,

@@ -47,7 +47,7 @@ from typing import Iterable, Mapping
 
 from autotune.analysis.memory_model import MemoryModel, fit_line
 from autotune.analysis.pareto import (LineRule, bracket, confirmed, implied_failures, line_failures, prediction_failures,
-                                      prediction_fits)
+                                      prediction_fits, refuted)
 from autotune.vocabulary import HEADROOM, Plan, Status
 from autotune.records import Config, Measurement, usable_bytes
 from autotune.search.space import SearchSpace
@@ -157,8 +157,7 @@ class _View:
         self._implied: dict[float | None, tuple[dict[Config, object], dict[Config, object]]] = {}
         self.standing = confirmed(measured.values(), self.predictions)  # variants whose predictions a trial confirmed
         # Variants whose predictions a measured trial contradicted: searched on measurements alone
-        self.refuted = {c.variant for c, m in measured.items() if c in self.predictions and m.status == Status.OK
-                        and m.peak_bytes and c.variant not in confirmed([m], self.predictions)}
+        self.refuted = refuted(measured.values(), self.predictions)
 
     def outcomes(self, variant: tuple[str, str], limit: float | None) -> dict[int, bool]:
         """Batch size -> fits ``limit``: measured, or implied not to by a plan that needs no more memory, by the
