@@ -92,7 +92,7 @@ def offload_modes(report: Report, name: str) -> str:
     none = by.get((report.trials[0].precision, "0", report.trials[0].batch_size))
     rows = ["| plan | offload | device peak | vs `0` | host peak | step vs the plan alone | optimizer step |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for m in sorted(by.values(), key=lambda m: (Plan(m.config.plan).base, Plan(m.config.plan).kind)):
+    for m in sorted(by.values(), key=lambda m: (Plan(m.config.plan).base, Plan(m.config.plan).offload, Plan(m.config.plan).state)):
         alone = by.get((m.config.precision, Plan(m.config.plan).base, m.batch_size))
         rows.append(f"| `{m.config.plan}` | {m.offload} | {format_bytes(m.peak_bytes)} | "
                     f"{m.peak_bytes / none.peak_bytes:.2f} | "

@@ -15,7 +15,8 @@ meter), so the device peaks are real for a machine where they would be apart, an
 include a memory copy where a GPU would move the bytes over PCIe: they understate offload's cost.
 ``benchmarks/gpu_check.py`` measures it on CUDA.
 
-Writes ``results/offload-<device>.json`` and ``.md``.
+Writes ``results/offload-<device>.json`` (the environment, the command, its wall time and every figure) and ``.md``
+(the tables, from the JSON).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -72,7 +74,9 @@ def rows(spec: str, kwargs: dict | None, batch_size: int, device: torch.device, 
 def markdown(data: dict) -> str:
     env = data["environment"]
     lines = [f"# Activation offload, measured ({env['device_name']}, torch {env['torch_version']})", "",
-             f"Command: `{data['command']}`. fp32. Device peak: "
+             f"Command: `{data['command']}` ({data['wall_s']:.0f} s; the machine's load average "
+             f"{data['load_average']['start']:.1f} at the start, {data['load_average']['end']:.1f} at the end, on "
+             f"{env['cpu_count']} cores). fp32. Device peak: "
              f"{'the tensor meter, host copies made outside it (offload emulated: one memory)' if env['device_type'] == 'cpu' else 'allocated bytes'}. "
              f"Host peak: what the host copies held at once. Step time: median of {data['models'][0]['rounds']} "
              f"interleaved rounds' medians of up to 5 steps, against the same plan without offload"
@@ -98,9 +102,12 @@ def main() -> None:
     device = torch.device(args.device)
     data = {"benchmark": "offload", "command": " ".join(["python benchmarks/offload.py", *sys.argv[1:]]),
             "environment": backend_for(device).environment(), "names": [m[0] for m in MODELS], "models": []}
+    started, load = time.monotonic(), os.getloadavg()[0]  # other jobs on the machine slow the step times
     for name, spec, kwargs, batch in MODELS:
         print(f"{name} ...", file=sys.stderr, flush=True)
         data["models"].append(rows(spec, kwargs, batch, device, args.rounds))
+    data["wall_s"] = round(time.monotonic() - started, 1)
+    data["load_average"] = {"start": round(load, 2), "end": round(os.getloadavg()[0], 2)}
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"offload-{device.type}")
     with open(stem + ".json", "w") as f:
