@@ -98,25 +98,34 @@ class _Recommended:
 
 
 def _recommendation_fields(recommendation: Any) -> _Recommended:
-    """Read a Report (as its JSON: this floor does not import the report's), a Measurement or the JSON dict of
-    either."""
+    """Read a Report, a Measurement or the JSON dict of either. A Report is known by its attributes: this floor does
+    not import the report's (and reads the few fields it needs, not the whole JSON with its derived analyses)."""
     if isinstance(recommendation, Measurement):
         return _Recommended(recommendation.to_dict())
-    if not isinstance(recommendation, dict) and callable(getattr(recommendation, "to_dict", None)) and hasattr(
-            recommendation, "recommendation"):
-        recommendation = recommendation.to_dict()  # a Report: its JSON says all that applying it needs
+    if not isinstance(recommendation, dict) and hasattr(recommendation, "plan_checks"):  # a Report
+        if recommendation.dry_run:
+            raise UsageError(_DRY_RUN)
+        rec = recommendation.recommendation
+        if rec is None:
+            raise UsageError(_NOTHING)
+        return _Recommended(rec.to_dict(), recommendation.accumulation or {}, recommendation.guard.to_dict(),
+                            [c.to_dict() for c in recommendation.plan_checks], recommendation.workload.get("chain"))
     if isinstance(recommendation, dict) and (recommendation.get("search") or {}).get("dry_run"):
-        raise UsageError("a dry run's report has no recommendation (it predicts memory, not time): apply a search's")
+        raise UsageError(_DRY_RUN)
     if isinstance(recommendation, dict):
         if "recommendation" in recommendation:  # a whole report, as loaded from JSON
             if recommendation["recommendation"] is None:
-                raise UsageError("the report has no recommendation: nothing fitted the budget")
+                raise UsageError(_NOTHING)
             return _Recommended(recommendation["recommendation"],
                                 recommendation.get("accumulation", recommendation.get("plan")) or {},  # "plan" in v1-2
                                 recommendation.get("guard") or {}, recommendation.get("plan_checks"),
                                 (recommendation.get("workload") or {}).get("chain"))
         return _Recommended(recommendation)
     raise UsageError(f"cannot apply a {type(recommendation).__name__}: pass a Report, its recommendation or its JSON dict")
+
+
+_DRY_RUN = "a dry run's report has no recommendation (it predicts memory, not time): apply a search's"
+_NOTHING = "the report has no recommendation: nothing fitted the budget"
 
 
 def _require_checked(plan: str, checks: list | None) -> None:
