@@ -32,16 +32,21 @@ class Shortfall:
     floor: dict[str, Any] | None = None  # batch 1 with every block recomputed (autotune.plans.floor)
     untried: tuple[str, ...] = ()  # levers the space left out: "all blocks" (its floor fits), "half",
     # "checkpointing", "batch 1", "offload"
-    smallest_batch: int | None = None
     dry_run: bool = False
+
+    @property
+    def state_share(self) -> float | None:
+        """This rank's share of the state: all of it, or FSDP2's shard of it."""
+        if not self.state_bytes:
+            return None
+        return self.state_bytes / self.sharded_ranks if self.sharded_ranks else self.state_bytes
 
     def floor_need(self) -> float | None:
         """What a step needs at least (batch 1, every block recomputed): this rank's share of the state and the
         activations measured; None where the floor was not measured."""
         if not self.floor or not self.state_bytes:
             return None
-        share = self.state_bytes / self.sharded_ranks if self.sharded_ranks else self.state_bytes
-        return share + self.floor["activations"]
+        return self.state_share + self.floor["activations"]
 
     def why(self) -> str:
         """One sentence of figures: the budget, the outcomes, the smallest peak, and what batch 1 needs at least."""
@@ -51,12 +56,12 @@ class Shortfall:
                  f"{self.smallest[2]})" if self.smallest else "")
         floor = self.floor
         if floor and self.state_bytes:
-            share = self.state_bytes / self.sharded_ranks if self.sharded_ranks else self.state_bytes  # a rank's share
+            share = self.state_share
             hosted = (f"; with the state in host memory the activations and the gathered block's weights, "
                       f"{format_bytes(floor['activations'] + floor['block_weights'])}"
                       if self.hosted and "block_weights" in floor else "")
             least += (f"; at batch 1 with every block recomputed a step needs about "
-                      f"{format_bytes(share + floor['activations'])} ({format_bytes(share)} of weights, gradients and "
+                      f"{format_bytes(self.floor_need())} ({format_bytes(share)} of weights, gradients and "
                       f"optimizer state{' on each rank' if self.sharded_ranks else ''}, "
                       f"{format_bytes(floor['activations'])} of activations, measured at {floor['precision']}{hosted})")
         return (f"nothing fits within {format_bytes(self.budget_bytes)} less {self.headroom:.0%} headroom "
@@ -73,24 +78,22 @@ def shortfall(report: Any) -> Shortfall:
     smallest = min(measured, key=lambda m: m.peak_bytes, default=None)
     space = report.search["space"]
     plans = [Plan(s) for s in space["segments"]]
-    floor, state = report.workload.get("floor"), report.workload.get("fixed_bytes")
+    state = report.workload.get("fixed_bytes")
     sharded = (report.distributed or {}).get("wrapper") == "fsdp"
-    share = state / report.distributed["world_size"] if state and sharded else state  # a rank's share of the state
     usable = usable_bytes(report.budget_bytes, report.headroom)
-    floor_fits = bool(floor and share and usable and share + floor["activations"] <= usable)
     untried = tuple(lever for lever, left_out in (
-        ("all blocks", floor_fits and not any(p.base == ALL for p in plans)),
         ("half", not set(HALF) & set(space["precisions"])),
         ("checkpointing", all(p.off for p in plans) and bool(report.workload.get("chain"))),
         ("batch 1", min(space["batch_sizes"]) > 1),
         ("offload", report.environment.get("device_type") == "cuda" and not any(p.offload for p in plans)),
     ) if left_out)
-    return Shortfall(
+    short = Shortfall(
         report.budget_bytes, report.headroom, statuses,
         smallest=(smallest.peak_bytes, str(smallest.config), str(smallest.status)) if smallest else None,
-        state_bytes=state,
-        state_over_half=bool(state and report.budget_bytes
-                             and state > 0.5 * usable_bytes(report.budget_bytes, report.headroom)),
+        state_bytes=state, state_over_half=bool(state and usable and state > 0.5 * usable),
         sharded_ranks=report.distributed["world_size"] if sharded else None,
-        hosted=any(p.state for p in plans), floor=report.workload.get("floor"), untried=untried,
-        smallest_batch=min(space["batch_sizes"]), dry_run=report.dry_run)
+        hosted=any(p.state for p in plans), floor=report.workload.get("floor"), untried=untried, dry_run=report.dry_run)
+    need = short.floor_need()
+    if need is not None and usable and need <= usable and not any(p.base == ALL for p in plans):
+        short = dataclasses.replace(short, untried=("all blocks", *untried))  # its floor fits: recompute every block
+    return short
