@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -55,17 +54,6 @@ RUNS = {
 }
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "this CPU"
-
-
 def run(args: list[str]) -> dict:
     """``python -m autotune ARGS`` in a fresh directory (``docs/`` copied there for the factory example)."""
     with tempfile.TemporaryDirectory() as where:
@@ -84,8 +72,11 @@ def run(args: list[str]) -> dict:
 def markdown(name: str, what: str, runs: list[dict]) -> str:
     import torch
 
+    from autotune.device import backend_for
+
+    cpu = backend_for("cpu").environment()["device_name"]  # the name every report's environment gives this CPU
     lines = [f"From `python benchmarks/cli_examples.py --only {name}` ({what}), each command in a fresh directory, on "
-             f"{_cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}, "
+             f"{cpu} ({os.cpu_count()} cores), torch {torch.__version__}, "
              f"{datetime.date.today().isoformat()}. Step times and samples/s move from run to run; peaks and limits do "
              f"not.", ""]
     for r in runs:
