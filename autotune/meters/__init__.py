@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 from autotune.meters.base import Measuring, MemoryReading, Meter
 
 if TYPE_CHECKING:
+    from autotune.meters.allocator import AllocatorMeter
     from autotune.meters.cuda import CudaMeter
     from autotune.meters.tensor import TensorMeter
 
-__all__ = ["Meter", "MemoryReading", "Measuring", "TensorMeter", "CudaMeter"]
+__all__ = ["Meter", "MemoryReading", "Measuring", "TensorMeter", "CudaMeter", "AllocatorMeter"]
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: the meters import torch, and CUDA's nothing CUDA-specific on CPU
@@ -22,6 +23,10 @@ def __getattr__(name: str) -> Any:  # PEP 562: the meters import torch, and CUDA
         from autotune.meters.tensor import TensorMeter
 
         return TensorMeter
+    if name == "AllocatorMeter":
+        from autotune.meters.allocator import AllocatorMeter
+
+        return AllocatorMeter
     if name == "CudaMeter":
         from autotune.meters.cuda import CudaMeter
 
