@@ -5,4 +5,4 @@ Every report before this one was written by 0.1.0 whatever its schema (the versi
 docs/report.md#versions lists what each schema version changed.
 """
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"

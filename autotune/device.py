@@ -210,8 +210,20 @@ class Backend:
     def meter_name(self) -> str:
         return self.meter_class.__name__
 
-    def meter(self, budget_bytes: int | None = None) -> Meter:
-        """Return the meter for this device; ``budget_bytes`` is enforced inside its ``measure()`` regions."""
+    def meter(self, budget_bytes: int | None = None, *, compiled: bool = False) -> Meter:
+        """Return the meter for this device; ``budget_bytes`` is enforced inside its ``measure()`` regions.
+
+        ``compiled``: for a compiled trial, whose generated kernels allocate where no dispatch mode sees them. On
+        the CPU that is the allocator's own events (:class:`~autotune.meters.allocator.AllocatorMeter`), which
+        judge the budget when the region ends, not as it runs; CUDA's meter sees every allocation either way.
+        """
+        if compiled and not self.meter_class.sees_compiled:
+            if self.device.type != "cpu":
+                raise UsageError(f"compiled trials are measured on the CPU and CUDA, not on {self.device.type}: "
+                                 f"search eager only (--compile none)")
+            from autotune.meters import AllocatorMeter
+
+            return AllocatorMeter(self.device, budget_bytes=budget_bytes)
         return self.meter_class(self.device, budget_bytes=budget_bytes)
 
     def budget(self, budget_bytes: int | None) -> contextlib.AbstractContextManager:

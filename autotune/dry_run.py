@@ -98,9 +98,9 @@ def _predicted(predictor: Predictor, target: "Target", study: "Study", events: A
     try:
         for variant in space.variants():
             for b in sorted(space.batch_sizes):  # memory grows with the batch: above a failure, nothing fits
-                if run(Config(*variant, b)).status != Status.OK:
+                if run(variant.at(b)).status != Status.OK:
                     break
-            _exact_limit(lambda b: run(Config(*variant, b)).fits(target.budget.bytes), sorted(space.batch_sizes),
+            _exact_limit(lambda b: run(variant.at(b)).fits(target.budget.bytes), sorted(space.batch_sizes),
                          multiple)
     finally:
         events.call("search_done")

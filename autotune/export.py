@@ -20,7 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from autotune.errors import UsageError
-from autotune.vocabulary import GROWTH_INTERVAL, INIT_LOSS_SCALE, Plan
+from autotune.vocabulary import EAGER, GROWTH_INTERVAL, INIT_LOSS_SCALE, Plan
 
 if TYPE_CHECKING:
     from autotune.report import Report
@@ -51,6 +51,12 @@ class _Context:
     library: str | None  # the model's own checkpointing switch the tuner found; "unknown" in reports before it looked
     wrapper: str | None = None  # --parallel: "ddp" or "fsdp" (FSDP2's fully_shard on each block and the root)
     world_size: int = 1
+    compile: str = EAGER  # the torch.compile mode measured ("none": eager)
+
+    @property
+    def compile_call(self) -> str:
+        """The call that compiles the model as measured (after the plan is applied: autotune.apply's model)."""
+        return "model = torch.compile(model" + ("" if self.compile == "default" else f", mode={self.compile!r}") + ")"
 
     @property
     def block_types(self) -> list[str]:
@@ -105,11 +111,17 @@ def export(report: Report, framework: str) -> dict[str, Any]:
         library=report.workload.get("library_checkpointing", "unknown"),
         wrapper=(report.distributed or {}).get("wrapper"),
         world_size=int((report.distributed or {}).get("world_size", 1)),
+        compile=rec.config.compile,
     )
     data: dict[str, Any] = {"framework": framework, "autotune_recommendation": {
-        "precision": rec.precision, "segments": rec.config.plan, "batch_size": rec.batch_size}}
+        "precision": rec.precision, "segments": rec.config.plan, "batch_size": rec.batch_size,
+        "compile": rec.config.compile}}
     notes: list[str] = []
     data.update(_BUILDERS[framework](ctx, notes))
+    if ctx.compile != EAGER and framework != "hf":  # TrainingArguments compiles itself (torch_compile)
+        notes.append(f"measured compiled: {ctx.compile_call} after the checkpoint plan is applied (autotune.apply(model, "
+                     f"report) compiles run.model so), before the framework wraps it"
+                     + ("; in a LightningModule, compile in configure_model" if framework == "lightning" else ""))
     notes += _common_notes(ctx, report, framework)
     if accumulation.get("lr_note"):
         notes.append(accumulation["lr_note"])
@@ -172,6 +184,10 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         args["fsdp"] = "full_shard auto_wrap" + (" offload" if ctx.plan.state else "")
         args["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
                                **({"transformer_layer_cls_to_wrap": ctx.block_types} if ctx.block_types else {})}
+    if ctx.compile != EAGER:
+        args["torch_compile"] = True
+        if ctx.compile != "default":
+            args["torch_compile_mode"] = ctx.compile
     return {"training_arguments": args}
 
 

@@ -14,7 +14,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from autotune.errors import UsageError
-from autotune.vocabulary import HEADROOM, Offload, parse_offload, parse_plans
+from autotune.vocabulary import HEADROOM, Offload, parse_compile, parse_offload, parse_plans
 from autotune.records import Budget, GuardRails, ProbeSettings, TrialSettings
 from autotune.search.space import parse_batch_sizes, parse_precisions
 from autotune.search.strategies import make_strategy
@@ -103,6 +103,9 @@ class Options:
         "CPUOffloadPolicy (PLAN+state); activations+state: both; auto: activations where the device's memory is not "
         "the host's (CUDA), none on the CPU",
         group=SPACE, metavar="MODES")
+    compile: str | Sequence[str] = option(
+        "none", "none,default: also search every configuration trained under torch.compile (a mode: default, "
+        "reduce-overhead, max-autotune, max-autotune-no-cudagraphs); none: eager only", group=SPACE, metavar="MODES")
     host_budget: str | int | None = option(
         None, "host memory offloaded activations and state may hold, such as 64GiB; a trial past it is the host's out-of-memory",
         group=SPACE, metavar="SIZE", default_text="half the host memory available when the search starts")
@@ -200,10 +203,14 @@ class Options:
                             ("batch_sizes", _as_tuple(self.batch_sizes, parse_batch_sizes)),
                             ("precisions", _as_tuple(self.precisions, parse_precisions)),
                             ("segments", _segments(self.segments)), ("offload", parse_offload(self.offload)),
+                            ("compile", parse_compile(self.compile)),
                             # None: the default, half the host memory available when the search starts (Target)
                             ("host_budget", None if self.host_budget is None else parse_size(self.host_budget))):
             object.__setattr__(self, name, value)
         _check_state_offload(self)
+        if self.dry_run and any(mode != "none" for mode in self.compile):
+            raise UsageError("--dry-run predicts eager training under fake tensors; what inductor's kernels hold is "
+                             "known only by running them: drop --compile from the dry run, or search without --dry-run")
 
     def _check_numbers(self) -> None:
         for flag, value in (("--headroom", self.headroom), ("--trial-timeout", self.trial_timeout),

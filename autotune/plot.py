@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autotune.errors import UsageError
-from autotune.vocabulary import Plan, Status, plan_order
+from autotune.vocabulary import Plan, Status, Variant, plan_order
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
 
@@ -122,7 +122,7 @@ def memory_figure(report: Report) -> Figure:
     budget_handles: list[Any] = []
     for ax, p in zip(axes, precisions):
         trials = [m for m in measured if m.precision == p]
-        for s in plan_order({m.config.plan for m in trials} | {seg for q, seg in model.lines if q == p}, blocks):
+        for s in plan_order({m.config.plan for m in trials} | {v.plan for v in model.lines if v.precision == p}, blocks):
             kw = dict(marker=_marker(p), color=colors[s], markersize=6, linestyle="none")
             ok = [m for m in trials if m.config.plan == s and m.status == Status.OK]
             oom = [m for m in trials if m.config.plan == s and m.status == Status.OOM]
@@ -131,7 +131,7 @@ def memory_figure(report: Report) -> Figure:
             if oom:
                 ax.plot([m.batch_size for m in oom], [m.peak_bytes / scale for m in oom], markerfacecolor="none",
                         markeredgewidth=1.4, gid=f"oom:{p}:{s}", **kw)
-            line = model.lines.get((p, s))
+            line = model.lines.get(Variant(p, s))
             if line is not None and all_sizes:  # over the whole search: a one-point plan's line shows too
                 b = np.geomspace(min(all_sizes), max(all_sizes), 64)
                 ax.plot(b, (line.fixed_bytes + line.per_sample_bytes * b) / scale, linestyle="--", linewidth=1.2,

@@ -15,7 +15,7 @@ import statistics
 from typing import Any
 
 from autotune.errors import UsageError
-from autotune.vocabulary import HEADROOM, CheckStatus, Plan, Status
+from autotune.vocabulary import EAGER, HEADROOM, CheckStatus, Config, Plan, Status
 
 __all__ = [
     "Budget", "PREDICTED", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
@@ -23,40 +23,6 @@ __all__ = [
 ]
 
 PREDICTED = "predicted"  # a Measurement's memory_source where the trial ran under fake tensors (--dry-run), not for real
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Config:
-    """One point of the search space: how a single trial trains."""
-
-    precision: str  # "fp32", "fp16" or "bf16"
-    plan: Plan  # the checkpoint plan (autotune.plans): "0" is off, "2", "all", "every2", ...
-    batch_size: int  # samples per optimizer step
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "plan", Plan(self.plan))  # Config("fp32", 2, 8): plan "2"
-
-    @property
-    def segments(self) -> Plan:
-        """The plan under its name in the JSON and the flags (``--segments``)."""
-        return self.plan
-
-    @property
-    def variant(self) -> tuple[str, str]:
-        """The (precision, checkpoint plan) pair: configurations that differ only in batch size."""
-        return (self.precision, self.plan)
-
-    def __str__(self) -> str:
-        return f"{self.precision} segments={self.plan} batch={self.batch_size}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The configuration as the JSON and the trial store name it: precision, segments, batch_size."""
-        return {"precision": self.precision, "segments": str(self.plan), "batch_size": self.batch_size}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Config":
-        """The inverse of :meth:`to_dict` (a trial's parameters in the store)."""
-        return cls(data["precision"], data["segments"], int(data["batch_size"]))
 
 
 def settled(times: list[float] | tuple[float, ...], steps: int, share: float) -> bool:
@@ -218,6 +184,12 @@ class Measurement:
     memory_from: int | None = None  # the memory trial (its Optuna number) whose peaks a later timing completed
     # --parallel: backend, world_size, wrapper, mixed_precision, the rank whose outcome it is, each rank's figures
     distributed: dict[str, Any] | None = None
+    # A compiled trial (compile not "none"): seconds its first step took beyond a steady one (dynamo and inductor
+    # compiling; counted in setup_s, not steps_s), the graphs dynamo compiled while it ran (0: it reused the
+    # process's, compiled by an earlier trial of its variant) and its graph breaks; None for an eager trial
+    compile_s: float | None = None
+    compiles: int | None = None
+    graph_breaks: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -351,8 +323,11 @@ class PlanCheck:
     max_abs_diff: float | None = None
     worst: str | None = None  # where it is: "loss", "grad:NAME" or "buffer:NAME"
     noise: float = 0.0  # the same measure between two plan-free steps
-    tolerance: float = 0.0  # what was allowed: NOISE_MULTIPLE x noise (0: bitwise)
+    tolerance: float = 0.0  # what was allowed: NOISE_MULTIPLE x noise (0: bitwise); compiled: x compile_diff too
     error: str | None = None
+    compile: str = EAGER  # the torch.compile mode both steps ran under (compiled against compiled)
+    compile_diff: float | None = None  # compiled: the step without a plan against the same step eager (what compile
+    # itself changes, the scale a plan's own difference is judged on); for plan 0, the compile check's one figure
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "plan", Plan(self.plan))
@@ -364,13 +339,14 @@ class PlanCheck:
 
     def describe(self) -> str:
         """One line for the user: what the plan does differently, or that it is exact."""
+        under = "" if self.compile == EAGER else f" under torch.compile (mode {self.compile})"
         if self.status is CheckStatus.FAILED:
-            return f"checkpoint plan {self.plan}: its check step failed ({self.error})"
+            return f"checkpoint plan {self.plan}{under}: its check step failed ({self.error})"
         if self.status is CheckStatus.DIFFERS:
-            return (f"checkpoint plan {self.plan} trains a different model: {self.worst} differs by "
+            return (f"checkpoint plan {self.plan}{under} trains a different model: {self.worst} differs by "
                     f"{self.max_rel_diff:.3g} (relative; {self.max_abs_diff:.3g} absolute) from the step without a plan, "
                     f"more than the {self.tolerance:.3g} allowed")
-        return f"checkpoint plan {self.plan}: {self.status} (largest relative difference {self.max_rel_diff:.3g})"
+        return f"checkpoint plan {self.plan}{under}: {self.status} (largest relative difference {self.max_rel_diff:.3g})"
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -426,7 +402,8 @@ def _flatten_config(data: dict[str, Any], *, floats: tuple[str, ...]) -> dict[st
     Strict JSON has no NaN or inf: the ``floats`` fields keep them as text ("nan", "inf").
     """
     config = data.pop("config")
-    config = {"precision": config["precision"], "segments": str(config["plan"]), "batch_size": config["batch_size"]}
+    config = {"precision": config["precision"], "segments": str(config["plan"]), "batch_size": config["batch_size"],
+              "compile": config["compile"]}
     for key in floats:
         if data.get(key) is not None and not math.isfinite(data[key]):
             data[key] = str(data[key])
@@ -436,7 +413,8 @@ def _flatten_config(data: dict[str, Any], *, floats: tuple[str, ...]) -> dict[st
 def _unflatten_config(cls: type, data: dict[str, Any], *, floats: tuple[str, ...]) -> tuple[Config, dict[str, Any]]:
     """The inverse of :func:`_flatten_config`: the Config and the keyword arguments ``cls`` knows."""
     data = dict(data)
-    config = Config(data.pop("precision"), Plan(data.pop("segments")), int(data.pop("batch_size")))
+    config = Config(data.pop("precision"), Plan(data.pop("segments")), int(data.pop("batch_size")),
+                    data.pop("compile", None) or EAGER)
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in data.items() if k in fields}
     for key in floats:

@@ -35,12 +35,13 @@ from autotune.options import Options
 from autotune.preparation import ModelFacts, Study, Target, floor_facts, plan_study, preflight, resolve
 from autotune.analysis.pareto import LineRule, bisect_limit, probe_candidates
 from autotune.dry_run import predict, with_dry_run
-from autotune.vocabulary import ALL, Plan
+from autotune.vocabulary import ALL, EAGER, Plan, Variant
 from autotune.execution.predict import fake_buildable, fake_tensors
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
 from autotune.records import Config, Measurement, ProbeResult, completed, usable_bytes
 from autotune.report import Report
+from autotune.search.space import SearchSpace
 from autotune.search.loop import SearchInterrupted, SearchResult, run_search
 from autotune.search.predicted import Seeding, seed
 from autotune.search.strategies import make_strategy
@@ -207,7 +208,7 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "study": result.study_name, "storage": result.storage, "space": study.space.to_dict(),
             "warmup_steps": settings.warmup_steps, "measure_steps": settings.measure_steps,
             "settle_steps": settings.settle_steps, "predictions": result.seeding,
-            "trial_timeout_s": settings.timeout_s, "memory_meter": target.backend.meter_name,
+            "trial_timeout_s": settings.timeout_s, "memory_meter": _meters(target, study.space),
             "isolation": target.isolation, **target.venue.describe(), "partial": result.partial,
             # configurations by what their trials measured; those timed after a memory trial of their own
             "figures": {f: sum(m.figures == f for m in result.measurements) for f in ("memory+time", "memory", "none")},
@@ -249,16 +250,16 @@ def exact_limit(report: Report, target: Target, study: Study, events: "_Events")
     rec = report.recommendation
     if rec is None or not target.searching.exact_limit:
         return report
-    row = next(r for r in report.limits if (r["precision"], r["segments"]) == rec.config.variant)
+    row = next(r for r in report.limits if Variant(r["precision"], r["segments"], r.get("compile", EAGER)) == rec.config.variant)
     lo, hi = row["max_batch_size"], row["min_oom_batch_size"]
     step = target.searching.batch_multiple
     measured = {m.config: m for m in report.trials}
-    if lo is None or hi is None or (hi - lo <= step and Config(*rec.config.variant, hi) in measured):
+    if lo is None or hi is None or (hi - lo <= step and rec.config.variant.at(hi) in measured):
         return report  # the space's top fits, or the limit is exact and measured already
     added: list[Measurement] = []
 
     def run(b: int, timed: bool = False, metered: bool = True) -> Measurement:
-        config = Config(*rec.config.variant, b)
+        config = rec.config.variant.at(b)
         if config in measured and not timed:
             return measured[config]
         events.trial_started(config)
@@ -279,7 +280,7 @@ def exact_limit(report: Report, target: Target, study: Study, events: "_Events")
     lo_usable = max(b for b, m in sizes.items() if m.fits(usable))  # the recommendation's own size at least
     hi_usable = min(b for b, m in sizes.items() if b > lo_usable and not m.fits(usable))  # the limit's next at most
     best, _ = bisect_limit(lambda b: run(b).fits(usable), lo_usable, hi_usable, step)
-    if measured[Config(*rec.config.variant, best)].memory_only:
+    if measured[rec.config.variant.at(best)].memory_only:
         run(best, timed=True, metered=not target.venue.slows_steps)
     kept = {m.config: m for m in report.trials} | {m.config: m for m in added}  # a timing replaces its memory trial
     return dataclasses.replace(report, trials=tuple(kept.values()), search={
@@ -337,22 +338,30 @@ def compare_library(report: Report, target: Target, facts: ModelFacts, study: St
         return _with_notice(report, f"the comparison with {method} was not made: autotune's plan {ALL} did not pass its "
                                     f"check on this model")
     measured = {m.config: m for m in report.trials}
-    ours_config = Config(rec.precision, ALL, rec.batch_size)  # every block recomputed, as the library's switch does
+    ours_config = rec.config.variant.with_plan(ALL).at(rec.batch_size)  # every block recomputed, as the library's switch does
     logger.info("comparing %s with plan %s at %s, batch %d", method, ALL, rec.precision, rec.batch_size)
     try:
         lib = Workload.from_specs(**{**study.workload.spec, "library_checkpointing": True})  # rebuilt so in a worker
-        library = compare_library_trial(target, lib, Config(rec.precision, 0, rec.batch_size))
+        library = compare_library_trial(target, lib, rec.config.variant.with_plan(0).at(rec.batch_size))
         ours = measured.get(ours_config)
         if ours is None or ours.memory_only:  # compared for speed too: a memory trial of the search is timed here
             ours = compare_library_trial(target, study.workload, ours_config)
     except Exception as exc:  # noqa: BLE001 - an extra measurement: its failure must not cost the report
         return _with_notice(report, f"the comparison with {method} could not be made ({type(exc).__name__}: "
                                     f"{first_line(exc)})")
-    none = measured.get(Config(rec.precision, 0, rec.batch_size))
+    none = measured.get(rec.config.variant.with_plan(0).at(rec.batch_size))
     return dataclasses.replace(report, library_checkpointing={
         "method": method, "precision": rec.precision, "batch_size": rec.batch_size, "library": _row(library),
         "autotune": {"segments": ALL, **_row(ours)}, "none": None if none is None else _row(none),
     })
+
+
+def _meters(target: Target, space: SearchSpace) -> str:
+    """The meters the trials measured with: the device's, and for compiled trials on the CPU the allocator's."""
+    name = target.backend.meter_name
+    if space.compiled and name == "TensorMeter":
+        return f"{name}; compiled trials: AllocatorMeter (the CPU allocator's events, the budget judged after each step)"
+    return name
 
 
 def compare_library_trial(target: Target, workload: Workload, config: Config) -> Measurement:

@@ -96,7 +96,8 @@ def main() -> None:
     limit = budget * (1 - report.headroom)
     trials = {m.config: m for m in report.trials}
     rows = []
-    candidates = [Config(r["precision"], r["segments"], r["max_batch_size"]) for r in report.limits if r["max_batch_size"]]
+    candidates = [Config(r["precision"], r["segments"], r["max_batch_size"], r.get("compile", "none")) for r in report.limits
+                  if r["max_batch_size"]]
     rec = report.recommendation
     for config in dict.fromkeys([rec.config] + candidates if rec else candidates):
         trial = trials[config]

@@ -150,13 +150,13 @@ def oracle(report) -> dict:
     chosen: dict[Config, Measurement] = {}
     failing: set[Config] = set()
     for variant in variants:
-        fits = [b for b in sizes if grid[Config(*variant, b)].fits(budget)]
+        fits = [b for b in sizes if grid[variant.at(b)].fits(budget)]
         if not fits:
-            chosen[Config(*variant, sizes[0])] = grid[Config(*variant, sizes[0])]
+            chosen[variant.at(sizes[0])] = grid[variant.at(sizes[0])]
             continue
-        chosen[Config(*variant, fits[-1])] = grid[Config(*variant, fits[-1])]
+        chosen[variant.at(fits[-1])] = grid[variant.at(fits[-1])]
         if fits[-1] != sizes[-1]:
-            failing.add(Config(*variant, sizes[sizes.index(fits[-1]) + 1]))
+            failing.add(variant.at(sizes[sizes.index(fits[-1]) + 1]))
     recommended = report.recommendation  # timed: a point of the variant's line too, so it comes first
     timed_extra = recommended is not None and recommended.config not in chosen
     if timed_extra:

@@ -391,3 +391,65 @@ def step_without_loss(model, batch):
 def two_heads_data():
     g = torch.Generator().manual_seed(0)
     return torch.utils.data.TensorDataset(torch.randn(160, 16, generator=g), torch.randint(0, 4, (160,), generator=g))
+
+
+# --- torch.compile -----------------------------------------------------------------------------------------------
+# Two custom operators whose fake (meta) implementations stand for what dynamo meets in a model that will not compile:
+# one raises, one never returns. Eager code runs their real implementation and never calls the fake one.
+
+
+@torch.library.custom_op("autotune_tests::not_traceable", mutates_args=())
+def _not_traceable(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_not_traceable.register_fake
+def _(x):
+    raise RuntimeError("this operator has no shape function that dynamo can trace")
+
+
+_not_traceable.register_autograd(lambda ctx, grad: grad * 2)
+
+
+@torch.library.custom_op("autotune_tests::slow_to_trace", mutates_args=())
+def _slow_to_trace(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_slow_to_trace.register_fake
+def _(x):
+    import time
+
+    time.sleep(3600)  # tracing it (compiling) hangs; running it does not
+    return torch.empty_like(x)
+
+
+_slow_to_trace.register_autograd(lambda ctx, grad: grad * 2)
+
+
+class DoesNotCompile(nn.Module):
+    """Trains eager; under torch.compile, dynamo fails while tracing its operator."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _not_traceable(self.lin(x)).square().mean()
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 4)
+
+
+class CompileHangs(nn.Module):
+    """Trains eager; its compile never ends (dynamo tracing its operator sleeps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _slow_to_trace(self.lin(x)).square().mean()
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 4)

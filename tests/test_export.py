@@ -55,7 +55,8 @@ def test_quickstart_export_is_json_safe_and_carries_the_recommendation(quickstar
         data = export(quickstart, framework)
         assert json.loads(json.dumps(data, allow_nan=False)) == data
         assert data["framework"] == framework
-        assert data["autotune_recommendation"] == {"precision": "bf16", "segments": "0", "batch_size": 16}
+        assert data["autotune_recommendation"] == {"precision": "bf16", "segments": "0", "batch_size": 16,
+                                                   "compile": "none"}
         assert data["notes"] and all(isinstance(n, str) for n in data["notes"])
         assert any("ran on a CPU" in n for n in data["notes"])  # bf16 measured on a CPU
         assert not any("checkpoint plan" in n for n in data["notes"])  # nothing to checkpoint

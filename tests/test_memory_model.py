@@ -249,5 +249,6 @@ def test_memory_line_by_hand():
     ml = MemoryLine("fp16", "every2", fixed_bytes=1000.4, per_sample_bytes=99.6, points=0, source="predicted")
     assert ml.variant == ("fp16", "every2") and ml.predict(10) == pytest.approx(1996.4)
     assert ml.to_dict() == {"precision": "fp16", "segments": "every2", "fixed_bytes": 1000, "per_sample_bytes": 100,
-                            "points": 0, "source": "predicted", "max_error_bytes": None, "max_relative_error": None}
+                            "points": 0, "source": "predicted", "max_error_bytes": None, "max_relative_error": None,
+                            "compile": "none"}
     assert MemoryModel({ml.variant: ml}).predict(("fp16", "every2"), 0) == pytest.approx(1000.4)

@@ -57,7 +57,7 @@ def test_a_failure_implies_the_failures_of_plans_that_need_more_memory_and_the_l
     assert not any(c.precision == "bf16" for c in implied)  # never across precisions
     rows = {r["segments"]: r for r in batch_limits(trials, 1000 * MiB, batch_sizes=(32, 64, 128), plans=plans, blocks=12)
             if r["precision"] == "fp32"}
-    assert rows["4"] == {"precision": "fp32", "segments": "4", "max_batch_size": 64, "min_oom_batch_size": 128,
+    assert rows["4"] == {"precision": "fp32", "segments": "4", "compile": "none", "max_batch_size": 64, "min_oom_batch_size": 128,
                          "min_oom_implied_by": "fp32 segments=all batch=128", "min_oom_rule": "nested-plan",
                          "bracketed": True}
     assert rows["2"]["min_oom_batch_size"] == 64 and "min_oom_implied_by" not in rows["2"]  # its own trial
@@ -84,7 +84,7 @@ def test_the_memory_line_implies_sizes_it_predicts_well_over_the_limit():
     assert line_failures(trials, 1000 * MiB, sizes, LineRule(100 * MiB, min_points=2)) == {}  # data whose shapes vary
     assert line_failures(trials, None, sizes, rule) == {}  # no budget, nothing fails
     (row,) = batch_limits(trials + [_ok("fp32", "0", 8, 900 * MiB)], 1000 * MiB, batch_sizes=sizes, line_rule=rule)
-    assert row == {"precision": "fp32", "segments": "0", "max_batch_size": 8, "min_oom_batch_size": 16,
+    assert row == {"precision": "fp32", "segments": "0", "compile": "none", "max_batch_size": 8, "min_oom_batch_size": 16,
                    "min_oom_implied_by": "memory line", "min_oom_rule": "memory-line",
                    "min_oom_predicted_bytes": 1700 * MiB, "bracketed": True}
 

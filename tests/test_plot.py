@@ -102,7 +102,7 @@ def test_memory_figure_has_a_panel_per_precision_and_a_line_per_plan(grid):
         p = ax.get_title()
         assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
         assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "8", "16", "32", "64", "128", "256"]
-        plans = sorted(s for q, s in model.lines if q == p)
+        plans = sorted(v.plan for v in model.lines if v.precision == p)
         fits = by_gid(ax, "fit:")
         assert sorted(g.split(":")[2] for g in fits) == plans == sorted(
             ["0", "every4", "2", "4", "8", "all", "sac-matmul", "sac-lean", "sac-linear"])  # --segments auto, L = 12

@@ -38,19 +38,19 @@ def test_predict_space_finds_each_variants_boundary_in_two_or_three_predictions_
     predictions = predict_space(SPACE, predict, (BUDGET,), fixed_bytes=8 * MiB)
     assert predict.calls == len(predictions) <= 3 * len(SPACE.variants())
     for variant in SPACE.variants():  # each boundary closed: its largest fit and the size above (where there is one)
-        fits = [b for b in SPACE.batch_sizes if linear(Config(*variant, b)) <= BUDGET]
-        assert predictions[Config(*variant, fits[-1])].status == "ok"
+        fits = [b for b in SPACE.batch_sizes if linear(variant.at(b)) <= BUDGET]
+        assert predictions[variant.at(fits[-1])].status == "ok"
         if fits[-1] != max(SPACE.batch_sizes):
             above = min(b for b in SPACE.batch_sizes if b > fits[-1])
-            assert predictions[Config(*variant, above)].status == "oom"
+            assert predictions[variant.at(above)].status == "oom"
 
 
 def test_predict_space_closes_brackets_off_the_line_too_and_stops_at_its_deadline():
     predictions = predict_space(SPACE, predicted(noisy), (BUDGET, 0.9 * BUDGET))  # no fixed part: bisection first
     for variant in SPACE.variants():
         for limit in (BUDGET, 0.9 * BUDGET):
-            fits = [b for b in SPACE.batch_sizes if noisy(Config(*variant, b)) <= limit]
-            assert fits and Config(*variant, fits[-1]) in predictions
+            fits = [b for b in SPACE.batch_sizes if noisy(variant.at(b)) <= limit]
+            assert fits and variant.at(fits[-1]) in predictions
     assert predict_space(SPACE, predicted(linear), (BUDGET,), deadline=0.0) == {}
 
 

@@ -40,9 +40,9 @@ def test_probe_trains_an_epoch_over_a_tenth_of_the_data_and_plans_the_target_bat
         assert candidate["step_s_p90"] >= candidate["step_s_median"] > 0
         assert candidate["grad_norm"]["max"] >= candidate["grad_norm"]["median"] > 0
     chosen = probe["chosen"]
-    assert chosen == {k: data["recommendation"][k] for k in ("precision", "segments", "batch_size")}
+    assert chosen == {k: data["recommendation"][k] for k in ("precision", "segments", "batch_size", "compile")}
     fastest = max(probe["candidates"], key=lambda c: c["samples_per_s"])
-    assert (fastest["precision"], fastest["segments"], fastest["batch_size"]) == tuple(chosen.values())
+    assert (fastest["precision"], fastest["segments"], fastest["batch_size"], "none") == tuple(chosen.values())
     plan = data["accumulation"]
     assert plan["micro_batch_size"] == chosen["batch_size"]
     assert plan["micro_batch_size"] * plan["accumulation_steps"] >= 256 == plan["target_batch_size"]

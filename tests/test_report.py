@@ -24,7 +24,7 @@ def test_json_has_the_documented_fields(report, tmp_path):
     path = tmp_path / "out.json"
     report.to_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 4
+    assert data["schema_version"] == 5
     assert {"torch_version", "device_name", "total_memory_bytes"} <= set(data["environment"])
     assert data["workload"]["model"] == "autotune.examples:TinyGPT" and data["workload"]["parameter_count"] > 0
     assert data["workload"]["chain"] == {"length": 4, "containers": ["transformer.h"], "block_types": ["Block"],
@@ -61,7 +61,8 @@ def test_report_round_trips_through_json(report, tmp_path):
 def test_dataframe_has_a_row_per_trial(report):
     df = report.to_dataframe()
     assert isinstance(df, pd.DataFrame) and len(df) == 12
-    assert list(df.columns[:7]) == ["precision", "segments", "batch_size", "status", "peak_bytes", "step_s", "samples_per_s"]
+    assert list(df.columns[:8]) == ["precision", "segments", "compile", "batch_size", "status", "peak_bytes", "step_s",
+                                    "samples_per_s"]
     assert df["recommended"].sum() == 1 and df["pareto"].sum() == len(report.pareto)
     assert (df.loc[df.status == "oom", "feasible"] == False).all()  # noqa: E712
 
@@ -81,7 +82,7 @@ def test_reports_of_schema_version_1_still_load_show_and_apply(tmp_path, caplog)
     old = autotune.load(path)
     assert old.search["space"]["segments"] == ["0", "2"] and old.search["space"]["blocks"] == 12
     assert {m.segments for m in old.trials} == {"0", "2"} and old.recommendation is not None
-    assert json.loads(old.to_json())["schema_version"] == 4  # written again in today's terms
+    assert json.loads(old.to_json())["schema_version"] == 5  # written again in today's terms
     assert {r["segments"] for r in old.memory_model.to_list()} == {"0", "2"}
     out = subprocess.run([sys.executable, "-m", "autotune", "show", path], capture_output=True, text=True)
     assert out.returncode == 0 and "recommendation: bf16, segments 0" in out.stdout

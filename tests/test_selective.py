@@ -104,7 +104,9 @@ def test_a_policy_the_model_breaks_fails_its_check_loudly():
 def test_remove_plan_undoes_a_selective_plan():
     w = _workload(**TINY)
     model = w.build_model()
+    before = {p: type(model.get_submodule(p)) for p in w.chain.blocks}
     applied = apply_plan(model, "sac-lean", w.chain)
-    assert applied.to_dict()["policy"] and all("forward" in model.get_submodule(p).__dict__ for p in w.chain.blocks)
+    assert applied.to_dict()["policy"] and all(type(model.get_submodule(p)) is not before[p] for p in w.chain.blocks)
     remove_plan(model)
-    assert not any("forward" in model.get_submodule(p).__dict__ for p in w.chain.blocks)
+    assert {p: type(model.get_submodule(p)) for p in w.chain.blocks} == before  # each block's own class again
+    assert not any("_autotune_recompute" in model.get_submodule(p).__dict__ for p in w.chain.blocks)

@@ -110,8 +110,8 @@ def test_make_storage_opens_a_journal_file(tmp_path):
     storage = make_storage(f"journal://{path}")
     assert isinstance(storage, optuna.storages.JournalStorage)
     study = open_study("j", f"journal://{path}", workload_key="k", space=SPACE)
-    study.add_trial(optuna.trial.create_trial(params={"precision": "fp32", "segments": "0", "batch_size": 1},
-                                              distributions=distributions(SPACE), values=[1.0, 2.0]))
+    study.add_trial(optuna.trial.create_trial(params={"precision": "fp32", "segments": "0", "batch_size": 1,
+                                                      "compile": "none"}, distributions=distributions(SPACE), values=[1.0, 2.0]))
     again = open_study("j", f"journal://{path}", workload_key="k", space=SPACE)
     assert path.is_file() and len(again.trials) == 1 and again.user_attrs["workload_key"] == "k"
 
@@ -176,7 +176,8 @@ def test_a_study_opened_without_a_space_takes_one_later(tmp_path):
 
 def test_distributions_follow_the_space():
     d = distributions(SPACE)
-    assert set(d) == {"precision", "segments", "batch_size"}
+    assert set(d) == {"precision", "segments", "batch_size", "compile"}
+    assert d["compile"].choices == ("none",)  # eager only unless --compile asks for more
     assert d["precision"].choices == ("fp32", "bf16")
     assert d["segments"].choices == ("0", "2", "all")  # canonical names
     assert d["batch_size"].choices == (1, 2, 4)

@@ -215,7 +215,7 @@ def test_the_memory_model_recovers_lines_and_predicts_unmeasured_plans():
     assert bf16_4.predict(64) == pytest.approx(linear(Config("bf16", "4", 64)), rel=0.02)
     row = model.to_list()[0]
     assert set(row) == {"precision", "segments", "fixed_bytes", "per_sample_bytes", "points", "source",
-                        "max_error_bytes", "max_relative_error"}
+                        "max_error_bytes", "max_relative_error", "compile"}
 
 
 @pytest.mark.parametrize("outcomes, expected", [

@@ -1,4 +1,5 @@
-"""The memory model: ``peak(b) = fixed + per_sample * b`` per variant (precision, checkpoint plan), fitted to trials.
+"""The memory model: ``peak(b) = fixed + per_sample * b`` per variant (precision, checkpoint plan, compile mode), fitted
+to trials.
 
 For a fixed precision and checkpoint plan, peak training memory is the state that does not depend
 on the batch (weights, gradients, optimizer moments) plus activations that grow with every sample.
@@ -15,6 +16,10 @@ The model fits that line to the measured peaks and predicts plans not measured y
   (:meth:`autotune.plans.Plan.recompute_share`): ``a(r) = a0 + a1 r``, fitted to that precision's
   measured plans (one plan: a prior that a recomputed block keeps 15% of its activations).
 
+A variant's *mode* is its precision and compile mode: "precision" above reads "mode" (a compiled model's kernels
+keep other activations than eager's, so compiled lines share with compiled ones, and borrow from eager ones by the
+ratio measured between the two, as precisions do).
+
 The model only guides the search; every limit it reports as measured was measured.
 """
 
@@ -25,12 +30,11 @@ import math
 import statistics
 from typing import Callable, Iterable, Mapping
 
-from autotune.vocabulary import Plan, Status
+from autotune.vocabulary import EAGER, Plan, Status, Variant
 from autotune.records import Measurement
 
 __all__ = ["MemoryLine", "MemoryModel", "fit_line"]
 
-Variant = tuple[str, str]  # (precision, checkpoint plan name): configurations that differ only in batch size
 # Bytes per element of the activations autocast produces: a first guess of how precisions compare,
 # replaced by the measured ratio once a plan is measured in both.
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -38,7 +42,7 @@ _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 @dataclasses.dataclass(frozen=True)
 class MemoryLine:
-    """The fitted line of one (precision, checkpoint plan) pair."""
+    """The fitted line of one variant (precision, checkpoint plan, compile mode)."""
 
     precision: str
     segments: str
@@ -48,10 +52,11 @@ class MemoryLine:
     source: str  # "fit" (own line), "shared-intercept" (one point), "predicted" (no point: from other plans)
     max_error_bytes: float | None = None  # largest |measured - fitted| over its points (None without points)
     max_relative_error: float | None = None
+    compile: str = EAGER
 
     @property
     def variant(self) -> Variant:
-        return (self.precision, self.segments)
+        return Variant(self.precision, self.segments, self.compile)
 
     def predict(self, batch_size: int) -> float:
         return self.fixed_bytes + self.per_sample_bytes * batch_size
@@ -60,6 +65,7 @@ class MemoryLine:
         return {
             "precision": self.precision,
             "segments": self.segments,
+            "compile": self.compile,
             "fixed_bytes": round(self.fixed_bytes),
             "per_sample_bytes": round(self.per_sample_bytes),
             "points": self.points,
@@ -138,50 +144,50 @@ class MemoryModel:
     @classmethod
     def fit(cls, measurements: Iterable[Measurement], variants: Iterable[Variant], *,
             fixed_bytes_hint: float | None = None, blocks: int | None = None) -> "MemoryModel":
-        """Fit a line per variant (precision, plan); ``blocks`` is the model's L, which plan names count in."""
-        variants = list(dict.fromkeys(variants))
+        """Fit a line per variant; ``blocks`` is the model's L, which plan names count in."""
+        variants = [Variant(*v) for v in dict.fromkeys(variants)]
         points = _points(measurements)
-        precisions = list(dict.fromkeys(p for p, _ in variants + list(points)))
+        modes = list(dict.fromkeys(v.mode for v in variants + list(points)))
         # The state is on the device for every plan but those that hold it in host memory (+state): an intercept
         # is shared per precision and where the state lives.
-        intercept: dict[tuple[str, bool], float] = {}
-        for p in precisions:
+        intercept: dict[tuple[tuple[str, str], bool], float] = {}
+        for p in modes:
             for state in (False, True):
-                multi = [pts for (q, s), pts in points.items() if q == p and Plan(s).state == state and len(pts) >= 2]
+                multi = [pts for v, pts in points.items() if v.mode == p and Plan(v.plan).state == state and len(pts) >= 2]
                 shared = _shared_intercept(multi) if multi else None
                 if shared is not None:
                     intercept[p, state] = max(shared, 0.0)
 
-        def fixed_of(p: str, name: str) -> float:
-            """The intercept a line of ``(p, name)`` shares: its precision's where the state lives, else the median
-            of any precision's there, else the hint (the state on the device) or nothing (the state on the host)."""
-            state = Plan(name).state
-            if (p, state) in intercept:
-                return intercept[p, state]
+        def fixed_of(variant: Variant) -> float:
+            """The intercept a variant's line shares: its mode's where the state lives, else the median of any
+            mode's there, else the hint (the state on the device) or nothing (the state on the host)."""
+            state = Plan(variant.plan).state
+            if (variant.mode, state) in intercept:
+                return intercept[variant.mode, state]
             mine = [v for (_, s), v in intercept.items() if s == state]
             return statistics.median(mine) if mine else (0.0 if state else fixed_bytes_hint or 0.0)
         models: dict[Variant, MemoryLine] = {}
         for variant, pts in points.items():
-            p = variant[0]
             if len(pts) >= 2:
                 fixed, slope = fit_line(pts)
                 source = "fit"
             else:
-                fixed = fixed_of(*variant)
+                fixed = fixed_of(variant)
                 (b, y), = pts.items()
                 slope, source = (y - fixed) / b, "shared-intercept"
                 if slope <= 0:  # the intercept is too large for this point: it says more than the guess
                     fixed, slope = y * 0.5, y * 0.5 / b
             slope = max(slope, 1.0)
             errors = [abs(y - (fixed + slope * b)) for b, y in pts.items()]
-            models[variant] = MemoryLine(p, variant[1], fixed, slope, len(pts), source, max(errors),
-                                         max(e / y for e, y in zip(errors, pts.values())))
+            models[variant] = MemoryLine(variant.precision, variant.plan, fixed, slope, len(pts), source, max(errors),
+                                         max(e / y for e, y in zip(errors, pts.values())), variant.compile)
         slopes = {variant: m.per_sample_bytes for variant, m in models.items()}
         for variant in variants:
             if variant not in models:
                 slope = _borrowed_slope(variant, slopes, blocks)
                 if slope is not None:
-                    models[variant] = MemoryLine(variant[0], variant[1], fixed_of(*variant), slope, 0, "predicted")
+                    models[variant] = MemoryLine(variant.precision, variant.plan, fixed_of(variant), slope, 0, "predicted",
+                                                 compile=variant.compile)
         return cls(models)
 
     def predict(self, variant: Variant, batch_size: int) -> float | None:
@@ -194,22 +200,26 @@ class MemoryModel:
         return max((m.max_relative_error for m in self.lines.values() if m.points >= 3 and m.max_relative_error), default=0.0)
 
     def to_list(self) -> list[dict]:
-        return [self.lines[variant].to_dict() for variant in sorted(self.lines, key=lambda pl: (pl[0], pl[1]))]
+        return [self.lines[variant].to_dict() for variant in sorted(self.lines, key=lambda v: (v.compile != EAGER, v))]
 
 
 def _borrowed_slope(variant: Variant, slopes: dict[Variant, float], blocks: int | None) -> float | None:
-    """Per-sample bytes for a variant with no measurement, from the variants that have one."""
-    precision, name = variant
-    others = [q for q in dict.fromkeys(p for p, _ in slopes) if q != precision]
+    """Per-sample bytes for a variant with no measurement, from the variants that have one (by mode: precision and
+    compile mode, see the module's docstring)."""
+    mode, name = variant.mode, variant.plan
+    others = [q for q in dict.fromkeys(v.mode for v in slopes) if q != mode]
 
-    def ratio(q: str) -> float | None:  # per-sample cost of `precision` relative to `q`, on shared plans
-        shared = [slopes[(precision, s)] / slopes[(q, s)] for (p, s) in slopes if p == q and (precision, s) in slopes]
+    def at(q: tuple[str, str], plan: str) -> Variant:
+        return Variant(q[0], plan, q[1])
+
+    def ratio(q: tuple[str, str]) -> float | None:  # per-sample cost of `mode` relative to `q`, on shared plans
+        shared = [slopes[at(mode, v.plan)] / slopes[v] for v in slopes if v.mode == q and at(mode, v.plan) in slopes]
         return statistics.median(shared) if shared else None
 
-    def along_shape(of: str) -> float | None:  # the recompute-share line of precision `of`, at this plan
+    def along_shape(of: tuple[str, str]) -> float | None:  # the recompute-share line of mode `of`, at this plan
         # The line is drawn through block plans (their share is exact); a selective plan's share is a prior. Plans
         # that offload keep a line of their own: what they keep (or their state) waits on the host.
-        mine = {s: a for (p, s), a in slopes.items() if p == of and Plan(s).offload_mode == Plan(name).offload_mode}
+        mine = {v.plan: a for v, a in slopes.items() if v.mode == of and Plan(v.plan).offload_mode == Plan(name).offload_mode}
         drawn = {s: a for s, a in mine.items() if not Plan(s).selective} or mine
         own = {Plan(s).recompute_share(blocks): a for s, a in drawn.items()}
         if not own:
@@ -217,16 +227,16 @@ def _borrowed_slope(variant: Variant, slopes: dict[Variant, float], blocks: int 
         value = _shape_fit(own)(Plan(name).recompute_share(blocks))
         return value if math.isfinite(value) and value > 0 else min(own.values())
 
-    for q in others:  # the same plan in another precision, scaled
-        if (q, name) in slopes and ratio(q) is not None:
-            return slopes[(q, name)] * ratio(q)
-    value = along_shape(precision)
+    for q in others:  # the same plan in another mode, scaled
+        if at(q, name) in slopes and ratio(q) is not None:
+            return slopes[at(q, name)] * ratio(q)
+    value = along_shape(mode)
     if value is not None:
         return value
     for q in others:  # no plan measured in both: scale by the activations' element size
-        scale = _ELEMENT_BYTES.get(precision, 4) / _ELEMENT_BYTES.get(q, 4)
-        if (q, name) in slopes:
-            return slopes[(q, name)] * scale
+        scale = _ELEMENT_BYTES.get(mode[0], 4) / _ELEMENT_BYTES.get(q[0], 4)
+        if at(q, name) in slopes:
+            return slopes[at(q, name)] * scale
         theirs = along_shape(q)
         if theirs is not None:
             return scale * theirs

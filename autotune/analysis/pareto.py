@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
-from autotune.vocabulary import HEADROOM, Plan, Status
+from autotune.vocabulary import HEADROOM, Plan, Status, Variant
 from autotune.records import Config, Measurement, ProbeResult, usable_bytes
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def implied_failures(measurements: Iterable[Measurement], limit: float | None, p
         if not _too_big(m, limit):
             continue
         for plan in plans:
-            config = Config(m.precision, plan, m.batch_size)
+            config = m.config.variant.with_plan(plan).at(m.batch_size)
             if (config not in measured and config not in implied and plan != m.config.plan
                     and m.config.plan.needs_no_more_memory_than(plan, blocks)):
                 implied[config] = m.config
@@ -160,7 +160,7 @@ def line_failures(measurements: Iterable[Measurement], limit: float | None, batc
     if rule is None or limit is None:
         return {}
     measured = {m.config: m for m in measurements}
-    peaks: dict[tuple[str, str], dict[int, float]] = {}
+    peaks: dict[Variant, dict[int, float]] = {}
     for m in measured.values():
         if m.status == Status.OK and m.peak_bytes:
             peaks.setdefault(m.config.variant, {})[m.batch_size] = float(m.peak_bytes)
@@ -174,14 +174,14 @@ def line_failures(measurements: Iterable[Measurement], limit: float | None, batc
         above = max((m.batch_size for m in measured.values() if m.config.variant == variant and m.fits(limit)), default=0)
         for b in sorted(batch_sizes):
             predicted = rule.state_bytes + slope * b
-            config = Config(*variant, b)
+            config = variant.at(b)
             if b > above and config not in measured and predicted >= rule.margin * limit:
                 implied[config] = round(predicted)
     return implied
 
 
 def confirmed(measurements: Iterable[Measurement], predictions: Mapping[Config, Measurement],
-              tolerance: float = PREDICTION_TOLERANCE) -> dict[tuple[str, str], Config]:
+              tolerance: float = PREDICTION_TOLERANCE) -> dict[Variant, Config]:
     """The variants whose predictions stand: {variant: the measured trial that confirms them}.
 
     A variant's predictions stand where it has a measured trial that ran to the end and whose peak lies within
@@ -189,7 +189,7 @@ def confirmed(measurements: Iterable[Measurement], predictions: Mapping[Config, 
     both read this one rule."""
     measurements = list(measurements)
     against = refuted(measurements, predictions, tolerance)
-    agree: dict[tuple[str, str], Config] = {}
+    agree: dict[Variant, Config] = {}
     for m in measurements:
         p = predictions.get(m.config)
         if (m.status == Status.OK and m.peak_bytes and p is not None and p.status == Status.OK and p.peak_bytes
@@ -199,7 +199,7 @@ def confirmed(measurements: Iterable[Measurement], predictions: Mapping[Config, 
 
 
 def refuted(measurements: Iterable[Measurement], predictions: Mapping[Config, Measurement],
-            tolerance: float = PREDICTION_TOLERANCE) -> set[tuple[str, str]]:
+            tolerance: float = PREDICTION_TOLERANCE) -> set[Variant]:
     """The variants a measured trial contradicts: it ran to the end where its prediction did not fit, failed, or
     missed its peak by more than ``tolerance`` (a model whose memory fake tensors miss: the variant is then searched,
     and reported, on measurements alone)."""
@@ -256,7 +256,7 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
                  batch_sizes: Sequence[int] | None = None, model: "MemoryModel | None" = None,
                  plans: Iterable[str] = (), blocks: int | None = None, line_rule: LineRule | None = None,
                  predictions: Mapping[Config, Measurement] | None = None) -> list[dict]:
-    """Per variant (precision, plan): the largest feasible batch size and the smallest infeasible one.
+    """Per variant (precision, plan, compile mode): the largest feasible batch size and the smallest infeasible one.
 
     The infeasible one is measured, or implied: by a measured failure of a plan that needs no
     more memory (``plans`` and ``blocks`` given; ``min_oom_implied_by`` names that trial,
@@ -269,28 +269,29 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
     ``predicted_max_batch_size`` for rows that are not.
     """
     measurements = list(measurements)
-    variants: dict[tuple[str, str], list[Measurement]] = {}
+    variants: dict[Variant, list[Measurement]] = {}
     for m in measurements:
         variants.setdefault(m.config.variant, []).append(m)
     by_variant = _implied_failing_sides(measurements, budget_bytes, batch_sizes, plans, blocks, line_rule, predictions)
     for variant in by_variant:  # a variant no trial ran, whose failing side another's failure implies: "none" fits
         variants.setdefault(variant, [])
-    fits_implied: dict[tuple[str, str], dict[int, tuple[int, Config]]] = {}
+    fits_implied: dict[Variant, dict[int, tuple[int, Config]]] = {}
     for config, implied in prediction_fits(measurements, budget_bytes, predictions).items():
         fits_implied.setdefault(config.variant, {})[config.batch_size] = implied
     rows = []
-    for (precision, segments), trials in variants.items():  # in the order the trials came
-        own_fits = fits_implied.get((precision, segments), {})
+    for variant, trials in variants.items():  # in the order the trials came
+        own_fits = fits_implied.get(variant, {})
         fitting = [m.batch_size for m in trials if m.fits(budget_bytes)] + list(own_fits)
         too_big: dict[int, dict | None] = {m.batch_size: None for m in trials if _too_big(m, budget_bytes)}
         above = max(fitting, default=0)
-        for b, source in by_variant.get((precision, segments), {}).items():
+        for b, source in by_variant.get(variant, {}).items():
             if b > above and all(b < t for t in too_big):
                 too_big[b] = source  # implied, and smaller than any measured failure
         smallest = min(too_big) if too_big else None
         row = {
-            "precision": precision,
-            "segments": segments,
+            "precision": variant.precision,
+            "segments": variant.plan,
+            "compile": variant.compile,
             "max_batch_size": max(fitting) if fitting else None,
             "min_oom_batch_size": smallest,
         }
@@ -305,8 +306,8 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
             outcomes.update({m.batch_size: m.fits(budget_bytes) for m in trials if m.batch_size in sizes})
             lo, hi = bracket(sizes, outcomes)
             row["bracketed"] = hi == lo + 1
-            if not row["bracketed"] and model is not None and (precision, segments) in model.lines:
-                open_ = [b for b in sizes[lo + 1:hi] if budget_bytes is None or model.predict((precision, segments), b) <= budget_bytes]
+            if not row["bracketed"] and model is not None and variant in model.lines:
+                open_ = [b for b in sizes[lo + 1:hi] if budget_bytes is None or model.predict(variant, b) <= budget_bytes]
                 row["predicted_max_batch_size"] = open_[-1] if open_ else row["max_batch_size"]
         rows.append(row)
     return rows
@@ -314,10 +315,10 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
 
 def _implied_failing_sides(measurements: list[Measurement], budget_bytes: int | None, batch_sizes: Sequence[int] | None,
                            plans: Iterable[str], blocks: int | None, line_rule: LineRule | None,
-                           predictions: Mapping[Config, Measurement] | None) -> dict[tuple[str, str], dict[int, dict]]:
+                           predictions: Mapping[Config, Measurement] | None) -> dict[Variant, dict[int, dict]]:
     """{variant: {batch size: how its failure is implied}}: by the memory line, by a confirmed prediction, or by a
     measured failure of a plan that needs no more memory (the last said wins: a measured trial first)."""
-    by_variant: dict[tuple[str, str], dict[int, dict]] = {}
+    by_variant: dict[Variant, dict[int, dict]] = {}
     line = line_failures(measurements, budget_bytes, batch_sizes or (), line_rule)
     for config, predicted in line.items():
         by_variant.setdefault(config.variant, {})[config.batch_size] = {

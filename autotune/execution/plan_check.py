@@ -12,6 +12,13 @@ The comparison is bitwise where the plan-free step is deterministic (two runs of
 bitwise, as they do on the CPU). Where they do not (some GPU kernels, a mixture of experts'
 scatter), a plan may differ by at most ``NOISE_MULTIPLE`` times the largest relative difference
 between those two plan-free runs. A plan that differs more, or whose step fails, is dropped.
+
+Under ``torch.compile`` (``--compile``) a plan is checked compiled against compiled: the reference is the compiled
+step without a plan. Inductor fuses a recomputed block's kernels otherwise than a kept one's, so a compiled plan is
+rarely bitwise equal to the compiled plan-free step; it may differ by ``NOISE_MULTIPLE`` times the larger of the
+run-to-run noise and what compile itself changes (the compiled plan-free step against the eager one): a plan may
+not change the step more than compiling it does. The compiled plan-free step is also the compile check: where it
+fails, the model does not compile in that mode (its check, plan ``0``, says why) and the search keeps eager only.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from autotune.plans.checkpointing import apply_plan
 from autotune.device import autocast_type, backend_for
 from autotune.errors import UsageError, first_line
 from autotune.execution.work import Place, Venue, Work
-from autotune.vocabulary import CheckStatus, Plan
+from autotune.training.compiled import compile_failure, compile_model, compiling
+from autotune.vocabulary import EAGER, CheckStatus, Plan
 from autotune.training.precision import keep_in_fp32
 from autotune.records import GuardRails, PlanCheck
 from autotune.training.workload import Workload, to_device
@@ -37,10 +45,10 @@ NOISE_MULTIPLE = 8.0  # a plan may differ by this many times the plan-free step'
 
 
 def _step(workload: Workload, plan: str, batch_size: int, device: torch.device, seed: int,
-          guard: GuardRails, blocks: dict[str, tuple[str, ...]] | None = None) -> dict[str, torch.Tensor]:
-    """One fp32 training step's loss, gradients and buffers (copied to the CPU), with ``plan`` applied.
-
-    The paths of the blocks the plan recomputes go to ``blocks[plan]``.
+          guard: GuardRails, blocks: dict[str, tuple[str, ...]] | None = None,
+          compile: str = EAGER) -> dict[str, torch.Tensor]:
+    """One fp32 training step's loss, gradients and buffers (copied to the CPU), with ``plan`` applied and the model
+    compiled in ``compile`` mode (``none``: eager). The paths of the blocks the plan recomputes go to ``blocks[plan]``.
     """
     model = workload.build_model(seed=seed)
     keep_in_fp32(model, guard.fp32_modules, autocast_type(device))
@@ -49,8 +57,12 @@ def _step(workload: Workload, plan: str, batch_size: int, device: torch.device, 
         blocks[plan] = tuple(applied.chain.blocks[i] for i in applied.recomputed)
     model.to(device)
     batch = to_device(workload.make_batch(model, batch_size), device)
-    loss = workload.loss(model, batch)
-    loss.backward()
+    try:
+        with compiling():
+            loss = workload.loss(compile_model(model, compile), batch)
+            loss.backward()
+    except Exception as exc:  # a dynamo or inductor error is the compile's, said so
+        raise (compile_failure(exc) or exc) from exc
     values = {"loss": loss.detach().float().cpu()}
     for name, p in model.named_parameters():
         if p.grad is not None:
@@ -92,43 +104,60 @@ def compare_steps(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tup
 
 
 def check_plans(workload: Workload, plans: Iterable[str], *, batch_size: int, device: torch.device | str,
-                seed: int = 0, guard: GuardRails = GuardRails()) -> list[PlanCheck]:
+                seed: int = 0, guard: GuardRails = GuardRails(), compile: str = EAGER) -> list[PlanCheck]:
     """Check every plan in ``plans`` that recomputes something; return one :class:`PlanCheck` per plan.
 
     Costs two plan-free steps (the reference and its noise) and one step per plan, all at
-    ``batch_size`` in fp32. A reference step that fails fails every plan's check.
+    ``batch_size`` in fp32. A reference step that fails fails every plan's check. Compiled (``compile`` not
+    ``none``): the steps run compiled, one eager plan-free step more says what compile itself changes, and the
+    first check is plan ``0``'s, the compile check (see the module's docstring).
     """
     device = torch.device(device)
     plans = [p for p in dict.fromkeys(map(Plan, plans)) if not p.off]
-    if not plans:
+    compiled = compile != EAGER
+    if not plans and not compiled:
         return []
     blocks: dict[str, tuple[str, ...]] = dict.fromkeys(plans, ())
     try:
-        reference = _step(workload, "0", batch_size, device, seed, guard)
-        noise = compare_steps(reference, _step(workload, "0", batch_size, device, seed, guard))[0]
+        reference = _step(workload, "0", batch_size, device, seed, guard, compile=compile)
+        noise = compare_steps(reference, _step(workload, "0", batch_size, device, seed, guard, compile=compile))[0]
+        by_compile = compare_steps(_step(workload, "0", batch_size, device, seed, guard), reference) if compiled else None
     except UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 - without a reference nothing can be checked
         error = f"the step without a plan failed: {type(exc).__name__}: {first_line(exc)}"
-        return [PlanCheck(p, CheckStatus.FAILED, batch_size, blocks[p], error=error) for p in plans]
+        return [PlanCheck(p, CheckStatus.FAILED, batch_size, blocks.get(p, ()), error=error, compile=compile)
+                for p in ([Plan("0")] if compiled else []) + plans]
     finally:
         backend_for(device).release()
-    tolerance = NOISE_MULTIPLE * noise
-    checks = []
+    compile_diff = by_compile[0] if by_compile else None
+    tolerance = NOISE_MULTIPLE * max(noise, compile_diff or 0.0)
+    checks = [] if not compiled else [PlanCheck(  # the compile check: compile's own difference, accepted
+        Plan("0"), CheckStatus.EXACT if compile_diff == 0.0 else CheckStatus.WITHIN_NOISE, batch_size, (),
+        compile_diff, by_compile[1], by_compile[2], noise, tolerance, compile=compile, compile_diff=compile_diff)]
     for plan in plans:
-        try:
-            rel, diff, where = compare_steps(reference, _step(workload, plan, batch_size, device, seed, guard, blocks))
-        except UsageError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a plan whose step fails is dropped, with the reason
-            checks.append(PlanCheck(plan, CheckStatus.FAILED, batch_size, blocks[plan], noise=noise, tolerance=tolerance,
-                                    error=f"{type(exc).__name__}: {first_line(exc)}"))
-            continue
-        finally:
-            backend_for(device).release()
-        status = CheckStatus.EXACT if rel == 0.0 else CheckStatus.WITHIN_NOISE if rel <= tolerance else CheckStatus.DIFFERS
-        checks.append(PlanCheck(plan, status, batch_size, blocks[plan], rel, diff, where, noise, tolerance))
+        checks.append(_checked(workload, plan, reference, batch_size, device, seed, guard, blocks, noise, tolerance,
+                               compile, compile_diff))
     return checks
+
+
+def _checked(workload: Workload, plan: Plan, reference: dict[str, torch.Tensor], batch_size: int,
+             device: torch.device, seed: int, guard: GuardRails, blocks: dict[str, tuple[str, ...]], noise: float,
+             tolerance: float, compile: str, compile_diff: float | None) -> PlanCheck:
+    """One plan's step against the reference: its :class:`PlanCheck`."""
+    extra = dict(compile=compile, compile_diff=compile_diff)
+    try:
+        rel, diff, where = compare_steps(reference, _step(workload, plan, batch_size, device, seed, guard, blocks,
+                                                          compile=compile))
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a plan whose step fails is dropped, with the reason
+        return PlanCheck(plan, CheckStatus.FAILED, batch_size, blocks[plan], noise=noise, tolerance=tolerance,
+                         error=f"{type(exc).__name__}: {first_line(exc)}", **extra)
+    finally:
+        backend_for(device).release()
+    status = CheckStatus.EXACT if rel == 0.0 else CheckStatus.WITHIN_NOISE if rel <= tolerance else CheckStatus.DIFFERS
+    return PlanCheck(plan, status, batch_size, blocks[plan], rel, diff, where, noise, tolerance, **extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +170,7 @@ class CheckWork(Work):
     seed: int
     guard: GuardRails
     limit_s: float | None = None
+    compile: str = EAGER
     name = "autotune-plan-check"
     every_rank = False
 
@@ -150,10 +180,12 @@ class CheckWork(Work):
 
     def run(self, workload: Workload, place: Place) -> list[PlanCheck]:
         return check_plans(workload, self.plans, batch_size=self.batch_size, device=place.device, seed=self.seed,
-                           guard=self.guard)
+                           guard=self.guard, compile=self.compile)
 
     def failed(self, status: str, error: str, seconds: float) -> list[PlanCheck]:
-        return [PlanCheck(p, CheckStatus.FAILED, self.batch_size, error=f"the check's {error}") for p in self.plans]
+        plans = ((Plan("0"),) if self.compile != EAGER else ()) + self.plans  # compiled: the compile check first
+        return [PlanCheck(p, CheckStatus.FAILED, self.batch_size, error=f"the check's {error}", compile=self.compile)
+                for p in plans]
 
     def encode(self, result: list[PlanCheck]) -> list[dict[str, Any]]:
         return [c.to_dict() for c in result]
@@ -163,9 +195,9 @@ class CheckWork(Work):
 
 
 def run_checks(workload: Workload, plans: Iterable[str], *, venue: Venue, batch_size: int, seed: int,
-               guard: GuardRails, timeout_s: float | None) -> list[PlanCheck]:
+               guard: GuardRails, timeout_s: float | None, compile: str = EAGER) -> list[PlanCheck]:
     """:func:`check_plans` where the search's trials run (``venue``)."""
     plans = tuple(p for p in dict.fromkeys(map(Plan, plans)) if not p.off)
-    if not plans:
+    if not plans and compile == EAGER:
         return []
-    return venue.run(workload, CheckWork(plans, batch_size, seed, guard, timeout_s))
+    return venue.run(workload, CheckWork(plans, batch_size, seed, guard, timeout_s, compile))

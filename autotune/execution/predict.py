@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune._log import logger
 from autotune.errors import UsageError, first_line
-from autotune.execution.trial import _measurement, _Run, run_trial
+from autotune.execution.trial import _compiled, _measurement, _Run, run_trial
 from autotune.execution.work import outcome
 from autotune.meters import TensorMeter
 from autotune.records import PREDICTED, Config, Measurement, TrialSettings
@@ -188,7 +188,8 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     except Exception as exc:  # noqa: BLE001 - as in a trial, the model's failures are outcomes
         status, error = outcome(exc)
     finally:
-        records = (run.plan, [], [], 0, [], [], (0.0, round(time.monotonic() - started, 4)), run.host_peak_bytes, None)
+        records = (run.plan, [], [], 0, [], [], (0.0, round(time.monotonic() - started, 4)), run.host_peak_bytes, None,
+                   _compiled(None, []))
         run.release()
         del run
     reading = None if handle is None else dataclasses.replace(handle.reading, source=PREDICTED)

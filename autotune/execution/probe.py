@@ -16,6 +16,7 @@ stability, and once timed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -33,6 +34,7 @@ from autotune.units import quantile
 from autotune.vocabulary import INIT_LOSS_SCALE, Status
 from autotune.execution.agreement import combine_probe, probe_left_early
 from autotune.execution.work import Place, Work, outcome
+from autotune.training.compiled import compile_failure, compiling
 from autotune.training.trainer import Trainer
 from autotune.training.workload import Workload, to_device
 
@@ -202,14 +204,16 @@ def run_probe(
         raise UsageError("the probe trains on --data: pass a dataset, or --no-probe")
     device = torch.device(device)
     backend = backend_for(device)
-    meter = meter if meter is not None else backend.meter(budget_bytes)
+    compiled = trial.config.compiled
+    meter = meter if meter is not None else backend.meter(budget_bytes, compiled=compiled)
     started = time.monotonic()
     deadline = started + settings.timeout_s if settings.timeout_s else None
     candidate = _Candidate(workload, trial, device, settings, guard, lr, budget_bytes, parallel, host_budget_bytes)
     try:
-        candidate.train(meter, deadline)
+        with compiling() if compiled else contextlib.nullcontext():
+            candidate.train(meter, deadline)
     except Exception as exc:  # noqa: BLE001 - the candidate's outcome
-        candidate.failed(exc)
+        candidate.failed(compile_failure(exc) or exc)
     finally:
         candidate.host_peak_bytes = candidate.trainer.host_peak_bytes
         candidate.trainer.release()
@@ -251,7 +255,8 @@ class ProbeWork(Work):
 
     def run(self, workload: Workload, place: Place) -> ProbeResult:
         budget = place.budget(self.budget_bytes)
-        return run_probe(workload, self.trial, device=place.device, meter=place.meter_for(self.budget_bytes),
+        return run_probe(workload, self.trial, device=place.device,
+                         meter=place.meter_for(self.budget_bytes, compiled=self.trial.config.compiled),
                          budget_bytes=budget, headroom=self.headroom, settings=self.settings, guard=self.guard,
                          parallel=place.parallel, host_budget_bytes=self.host_budget_bytes)
 

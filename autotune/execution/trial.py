@@ -17,11 +17,12 @@ import torch
 
 from autotune._log import logger
 from autotune.device import backend_for
-from autotune.errors import TrialTimeoutError
+from autotune.errors import TrialTimeoutError, UsageError
 from autotune.execution.agreement import combine
 from autotune.execution.work import Place, Work, outcome
 from autotune.meters import Meter
 from autotune.records import Config, Measurement, TrialSettings, settled, timing_fields
+from autotune.training.compiled import CompileCount, compile_failure, compiling
 from autotune.training.data import real_tokens
 from autotune.training.trainer import Trainer
 from autotune.training.workload import Workload, to_device
@@ -46,6 +47,7 @@ class _Run(Trainer):
         self.step_times: list[float] = []
         self.tokens: list[int | None] = []  # real tokens of each timed step's batch
         self.first_step_at: float | None = None  # time.time() when the model was ready and its first step began
+        self.warmup_times: list[float] = []  # each warm-up step's wall seconds (a compiled trial's first compiles)
 
     def build(self) -> None:
         super().build()
@@ -73,6 +75,14 @@ class _Run(Trainer):
                     seconds, deadline is not None and time.monotonic() + seconds > deadline)
             self.step_times.append(seconds)
             self._log_step("timed", self.step_times[-1])
+
+    def warm_up(self, steps: int, kind: str) -> None:
+        """``steps`` steps on the worst batch, each one's wall seconds kept (a compiled trial's first compiles)."""
+        for _ in range(steps):
+            began = time.monotonic()
+            self.step(self.batch)
+            self.warmup_times.append(time.monotonic() - began)
+            self._log_step(kind)
 
     def make_state(self) -> None:
         """For an optimizer that could not be primed: step until it holds state, then once more with it held."""
@@ -117,45 +127,63 @@ def run_trial(
     and ``KeyboardInterrupt`` propagate. Memory is released before returning.
     """
     device = torch.device(device)
+    _check_meter(config, meter, metered)
     asked_at = time.time() if asked_at is None else asked_at
     started = time.monotonic()
     deadline = started + settings.timeout_s if settings.timeout_s else None
     run = _Run(workload, config, device, settings, parallel)
     status, error, handle = Status.OK, None, None
-    # The tensor meter slows every op down: it sees one step (the optimizer's state primed: one step
-    # holds all a step holds), and the timed steps run after it without the meter.
-    warmup = 1 if meter.slows_steps else settings.warmup_steps
+    count = CompileCount(config.variant).start() if config.compiled else None
     timed_inside = timed and metered and not meter.slows_steps  # a meter that costs nothing times in its region
     workload.warm(settings.seed)  # the model built once per process, outside the meter: trials start from copies
     try:
-        with meter.measure(deadline=deadline) if metered else contextlib.nullcontext() as handle:
-            run.build()
-            run.first_step_at = time.time()
-            for _ in range(warmup):
-                run.step(run.batch)
-                run._log_step("warm-up (metered)" if metered and meter.slows_steps else "warm-up")
-            if run.unprimed is not None:  # no ballast: step until the optimizer holds state, then once with it
-                run.make_state()
-            if timed_inside:
+        with compiling() if config.compiled else contextlib.nullcontext():
+            with meter.measure(deadline=deadline) if metered else contextlib.nullcontext() as handle:
+                run.build()
+                run.first_step_at = time.time()
+                run.warm_up(_warmup_steps(meter, settings, config),
+                            "warm-up (metered)" if metered and meter.slows_steps else "warm-up")
+                if run.unprimed is not None:  # no ballast: step until the optimizer holds state, then once with it
+                    run.make_state()
+                if timed_inside:
+                    run.timed_steps(deadline)
+            if timed and not timed_inside:
                 run.timed_steps(deadline)
-        if timed and not timed_inside:
-            run.timed_steps(deadline)
     except Exception as exc:  # noqa: BLE001 - every failure of the user's code is an outcome
-        status, error = outcome(exc)
+        status, error = outcome(compile_failure(exc) or exc)
     finally:
         records = (run.plan, run.losses, list(run.scales), run.skipped, run.step_times, run.tokens,
                    _setup_and_steps(asked_at, run.first_step_at), run.host_peak_bytes,
-                   run.host_state.step_share(run.step_times) if run.host_state is not None else None)
+                   run.host_state.step_share(run.step_times) if run.host_state is not None else None,
+                   _compiled(count, run.warmup_times))
         run.release()
         del run  # model, optimizer, batch and activations go with it
         backend_for(device).release()
     return _measurement(config, status, error, records, handle.reading if handle is not None else None, started, timed)
 
 
+def _check_meter(config: Config, meter: Meter, metered: bool) -> None:
+    """Refuse to meter a compiled trial with a meter that cannot see compiled code: it would measure eager training."""
+    if config.compiled and metered and not meter.sees_compiled:
+        raise UsageError(f"{type(meter).__name__} cannot measure compiled training (dynamo runs the step eager under "
+                         f"it): measure {config} with the device's meter for compiled trials "
+                         f"(autotune.device.backend_for(device).meter(budget, compiled=True))")
+
+
+def _warmup_steps(meter: Meter, settings: TrialSettings, config: Config) -> int:
+    """The warm-up steps: one where the meter slows every op (the optimizer's state primed, one step holds all a step
+    holds; the timed steps run after it without the meter); compiled, two at least (the first compiles, the second
+    shows what a steady step takes)."""
+    steps = 1 if meter.slows_steps else settings.warmup_steps
+    return max(steps, 2) if config.compiled else steps
+
+
 def _measurement(config: Config, status: str, error: str | None, records: tuple, reading: Any,
                  started: float, timed: bool) -> Measurement:
     """The trial's :class:`Measurement` from its records and the meter's reading."""
-    plan, losses, scales, skipped, step_times, tokens, (setup_s, steps_s), host_peak, optimizer_share = records
+    plan, losses, scales, skipped, step_times, tokens, (setup_s, steps_s), host_peak, optimizer_share, compiled = records
+    if compiled["compile_s"] is not None:  # compiling is set-up: the steps are what training repeats
+        setup_s, steps_s = round(setup_s + compiled["compile_s"], 4), round(max(0.0, steps_s - compiled["compile_s"]), 4)
     ok = status == Status.OK
     real = sum(tokens) if tokens and None not in tokens else None
     return Measurement(
@@ -182,7 +210,16 @@ def _measurement(config: Config, status: str, error: str | None, records: tuple,
         setup_s=setup_s,
         steps_s=steps_s,
         timed=timed,
+        **compiled,
     )
+
+
+def _compiled(count: CompileCount | None, warmup_times: list[float]) -> dict[str, Any]:
+    """A compiled trial's compile seconds (its first step beyond its second), graphs compiled and graph breaks."""
+    if count is None:
+        return {"compile_s": None, "compiles": None, "graph_breaks": None}
+    compile_s = round(max(0.0, warmup_times[0] - warmup_times[1]), 4) if len(warmup_times) >= 2 else None
+    return {"compile_s": compile_s, "compiles": count.graphs, "graph_breaks": count.breaks}
 
 
 def _setup_and_steps(asked_at: float, first_step_at: float | None) -> tuple[float, float]:
@@ -212,7 +249,8 @@ class TrialWork(Work):
         return self.settings.timeout_s
 
     def run(self, workload: Workload, place: Place) -> Measurement:
-        return run_trial(workload, self.config, device=place.device, meter=place.meter_for(self.enforced_bytes),
+        return run_trial(workload, self.config, device=place.device,
+                         meter=place.meter_for(self.enforced_bytes, compiled=self.config.compiled),
                          settings=self.settings, timed=self.timed, metered=self.metered, parallel=place.parallel,
                          asked_at=self.asked_at)
 

@@ -60,13 +60,14 @@ class Place:
         """The budget this rank enforces: ``budget_bytes``, or the smaller one a rank may be given."""
         return budget_bytes if self.parallel is None else rank_budget(budget_bytes, self.parallel.job.rank)
 
-    def meter_for(self, budget_bytes: int | None) -> Meter:
-        """The meter to measure with, enforcing this rank's share of ``budget_bytes``."""
+    def meter_for(self, budget_bytes: int | None, *, compiled: bool = False) -> Meter:
+        """The meter to measure with, enforcing this rank's share of ``budget_bytes``; ``compiled``: one that sees
+        the memory of compiled code (:meth:`autotune.device.Backend.meter`)."""
         if self.meter is not None:
             return self.meter
         from autotune.device import backend_for
 
-        return backend_for(self.device).meter(self.budget(budget_bytes))
+        return backend_for(self.device).meter(self.budget(budget_bytes), compiled=compiled)
 
 
 class Work(abc.ABC):

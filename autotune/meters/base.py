@@ -48,6 +48,8 @@ class Meter(abc.ABC):
 
     #: True when metering slows the measured code down, so timing must run outside it.
     slows_steps: bool = False
+    #: False for a meter that cannot measure compiled code (a dispatch mode: dynamo runs the code eager under it).
+    sees_compiled: bool = True
 
     def __init__(self, *, budget_bytes: int | None = None) -> None:
         self.budget_bytes = budget_bytes

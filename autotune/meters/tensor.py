@@ -247,6 +247,7 @@ class TensorMeter(Meter):
     """
 
     slows_steps = True
+    sees_compiled = False  # under a dispatch mode dynamo does not compile: a compiled step would run eager
 
     def __init__(self, device: str | torch.device = "cpu", *, budget_bytes: int | None = None,
                  trace: bool = False) -> None:

@@ -196,10 +196,12 @@ def apply_plan(model: nn.Module, plan: str | int, chain: Chain | None = None, *,
     blocks = [model.get_submodule(chain.blocks[i]) for i in indices]
     if any(block in _APPLIED for block in blocks):
         raise UsageError(f"{type(model).__name__} already has a checkpoint plan: call remove_plan(model) first")
+    traced = None  # under torch.compile: torch's SAC contexts for a selective plan, none for a block plan
     if contexts is None:
         contexts = functools.partial(selective_contexts, name) if name.selective else restore_buffers
+        traced = _traced_contexts(name) if name.selective else None
     for block in blocks:
-        _Recompute(block, contexts).install()
+        _Recompute(block, contexts, traced).install()
     return AppliedPlan(name, chain, indices)
 
 
@@ -216,6 +218,44 @@ def remove_plan(model: nn.Module) -> None:
 
 _ABSENT = object()
 _APPLIED: "weakref.WeakKeyDictionary[nn.Module, _Recompute]" = weakref.WeakKeyDictionary()
+_CLASSES: dict[tuple[type, Any], type] = {}  # (block class, compiled context_fn) -> the class of its recomputed blocks
+
+
+@functools.lru_cache(maxsize=None)
+def _traced_contexts(name: str) -> Callable[[], Any]:
+    """A selective plan's context_fn under torch.compile: torch's SAC contexts around its policy, one object per plan
+    name, so that dynamo sees the same constant in every model the plan is applied to."""
+    return functools.partial(create_selective_checkpoint_contexts, make_policy(name))
+
+
+def _recomputed_class(cls: type, traced: Callable[[], Any] | None) -> type:
+    """The class a picked block takes while a plan is applied: its own, with :func:`_checkpointed_forward`.
+
+    A class, not an instance attribute: dynamo guards a module's instance ``forward`` by its identity, so every
+    fresh model (each trial's) would compile again; a class it guards by type, the same for every model and trial.
+    """
+    key = (cls, traced)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(cls.__name__, (cls,), {
+            "forward": _checkpointed_forward, "_autotune_base": cls, "_autotune_traced": traced,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _CLASSES[key]
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a block a plan recomputes. Under torch.compile, dynamo traces the checkpoint into the graph
+    (the partitioner recomputes inside the backward graph) with a context_fn it can hold as a constant: the buffer
+    restore's, made per call around a :class:`_Call`, would break the graph and run the block eager. Compiled, a
+    buffer's update is one mutation applied after the forward graph, which the recompute does not repeat: there is
+    nothing to restore (the plan checks compare the compiled plan with the compiled step without it, buffers
+    included). Eager, the block's :class:`_Recompute`."""
+    cls = type(self)
+    if torch.compiler.is_compiling() and torch.is_grad_enabled():
+        function = functools.partial(cls._autotune_base.forward, self, **kwargs)
+        if cls._autotune_traced is None:
+            return checkpoint(function, *args, use_reentrant=False)
+        return checkpoint(function, *args, use_reentrant=False, context_fn=cls._autotune_traced)
+    return self.__dict__["_autotune_recompute"](*args, **kwargs)
 
 
 class _Call:
@@ -299,36 +339,54 @@ class _Recompute:
     It holds its block weakly: a plan adds no reference cycle, so a dropped model is freed at once.
     """
 
-    def __init__(self, module: nn.Module, contexts: Contexts) -> None:
+    def __init__(self, module: nn.Module, contexts: Contexts, traced: Callable[[], Any] | None = None) -> None:
         self.module = weakref.ref(module)
         self.contexts = contexts
+        self.traced = traced  # under torch.compile: the context_fn dynamo traces (a selective plan's policy), or None
         self.previous = module.__dict__.get("forward", _ABSENT)  # an instance forward set before the plan
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module()
-        inner = self.previous if self.previous is not _ABSENT else type(module).forward.__get__(module)
+        base = getattr(type(module), "_autotune_base", type(module))  # the block's own class (see install)
+        inner = self.previous if self.previous is not _ABSENT else base.forward.__get__(module)
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)  # nothing to recompute without a backward pass
-        call = _Call(module)
         function = functools.partial(inner, **kwargs) if kwargs else inner
+        if torch.compiler.is_compiling():  # an instance forward set before the plan: see _checkpointed_forward
+            if self.traced is None:
+                return checkpoint(function, *args, use_reentrant=False)
+            return checkpoint(function, *args, use_reentrant=False, context_fn=self.traced)
+        call = _Call(module)
         out = checkpoint(function, *args, use_reentrant=False, context_fn=functools.partial(self.contexts, call))
         call.forward_done()
         return out
 
     def install(self) -> None:
+        """The block takes its recomputed class (:func:`_recomputed_class`); one with a forward of its own instance
+        (set before the plan) gets this object as its forward instead."""
         module = self.module()
-        module.forward = self
+        if self.previous is _ABSENT:
+            module.__dict__["_autotune_recompute"] = self
+            module.__class__ = _recomputed_class(type(module), self.traced)
+        else:
+            module.forward = self
         _APPLIED[module] = self
 
     def uninstall(self) -> None:
         module = self.module()
-        if module.__dict__.get("forward") is not self:
+        if self.previous is _ABSENT:
+            # the class it took (a library may wrap its forward as the class is made: transformers' layers do)
+            ours = type(module) in _CLASSES.values() and "forward" not in module.__dict__
+        else:
+            ours = module.__dict__.get("forward") is self
+        if not ours:
             raise AutotuneError(
                 f"cannot undo the checkpoint plan on a {type(module).__name__}: its forward was replaced after "
                 f"the plan was applied; undo that first"
             )
         if self.previous is _ABSENT:
-            del module.forward
+            module.__class__ = type(module)._autotune_base
+            del module.__dict__["_autotune_recompute"]
         else:
             module.forward = self.previous
         del _APPLIED[module]

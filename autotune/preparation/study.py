@@ -19,7 +19,7 @@ from autotune.records import PlanCheck
 from autotune.search.space import SearchSpace
 from autotune.search.store import default_storage, default_study_name, fingerprint, store_plan_checks, stored_plan_checks
 from autotune.training.workload import Workload
-from autotune.vocabulary import ALL, Offload, Plan, auto_plans, with_offload
+from autotune.vocabulary import ALL, EAGER, Offload, Plan, auto_plans, with_offload
 
 __all__ = ["Study", "plan_study", "describe"]
 
@@ -61,10 +61,12 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
                          _offload_modes(searching.offload, target.device, notices))
     compared = searching.compare_library and facts.library_checkpointing is not None and facts.chain is not None
     # The library comparison measures plan all beside the library's switch: it is checked too.
-    checks = _checked_plans(workload, (*plans, *((ALL,) if compared else ())), target, study_name=name,
-                            storage=storage, workload_key=workload_key)
+    checks = [check for mode in searching.compiles
+              for check in _checked_plans(workload, (*plans, *((ALL,) if compared else ())), target, study_name=name,
+                                          storage=storage, workload_key=workload_key, compile=mode)]
     space = SearchSpace(target.precisions, _surviving_plans(plans, checks, notices), searching.batch_sizes,
-                        blocks=facts.chain.length if facts.chain else None)
+                        blocks=facts.chain.length if facts.chain else None,
+                        compiles=_compiling(searching.compiles, checks, facts.model_class, notices))
     return Study(workload, space, name, storage, workload_key, tuple(checks), tuple(notices), compared)
 
 
@@ -104,33 +106,48 @@ def _offload_modes(modes: tuple[Offload, ...] | None, device: torch.device, noti
 
 
 def _checked_plans(workload: Workload, plans: Sequence[str], target: Target, *, study_name: str, storage: str,
-                   workload_key: str) -> list[PlanCheck]:
-    """Check every plan on the model (one step with and without it), or reuse the checks stored in the study."""
+                   workload_key: str, compile: str = EAGER) -> list[PlanCheck]:
+    """Check every plan on the model (one step with and without it), or reuse the checks stored in the study.
+    Compiled (``compile`` not ``none``): compiled against compiled, the compile check (plan 0's) first."""
     to_check = [p for p in dict.fromkeys(map(Plan, plans)) if not p.off]
-    if not to_check:
+    if not to_check and compile == EAGER:
         return []
     if target.searching.dry_run:  # a check compares real losses and gradients: the search checks before it trusts
         logger.info("the checkpoint plans are not checked in a dry run: a search checks each before it trusts it")
         return []
     settings, batch_size = target.trial_settings, min(target.searching.batch_sizes)
     key = fingerprint(plans=to_check, batch_size=batch_size, seed=settings.seed, guard=settings.guard,
-                      chain=workload.chain.to_dict() if workload.chain else None)
+                      chain=workload.chain.to_dict() if workload.chain else None,
+                      **({"compile": compile} if compile != EAGER else {}))  # eager: the key of before
     stored = stored_plan_checks(study_name, storage, workload_key=workload_key, key=key)
     if stored is not None:
         return [PlanCheck.from_dict(c) for c in stored]
-    logger.info("checking %d checkpoint plan(s) on %s: one step with and without each, batch %d, fp32",
-                len(to_check), workload.name, batch_size)
+    logger.info("checking %d checkpoint plan(s) on %s: one step with and without each, batch %d, fp32%s",
+                len(to_check), workload.name, batch_size, "" if compile == EAGER else f", compiled ({compile})")
     started = time.monotonic()
     checks = run_checks(workload, to_check, venue=target.venue, batch_size=batch_size, seed=settings.seed,
-                        guard=settings.guard, timeout_s=settings.timeout_s)
+                        guard=settings.guard, timeout_s=settings.timeout_s, compile=compile)
     logger.info("checked in %.1f s: %s", time.monotonic() - started, ", ".join(f"{c.plan} {c.status}" for c in checks))
     store_plan_checks(study_name, storage, workload_key=workload_key, key=key, checks=[c.to_dict() for c in checks])
     return checks
 
 
+def _compiling(modes: tuple[str, ...], checks: Sequence[PlanCheck], model_class: str, notices: list[str]) -> tuple[str, ...]:
+    """The compile modes to search: eager, and each mode whose compile check passed (a notice for each that failed)."""
+    failed = {c.compile: c for c in checks if c.plan.off and c.compile != EAGER and not c.ok}
+    for mode, check in failed.items():
+        notices.append(f"{model_class} does not compile under torch.compile (mode {mode}): {check.error}; its compiled "
+                       f"configurations are not searched, the eager ones are")
+        logger.warning(notices[-1])
+    kept = tuple(m for m in modes if m not in failed)
+    return kept or (EAGER,)
+
+
 def _surviving_plans(plans: Sequence[str], checks: Sequence[PlanCheck], notices: list[str]) -> tuple[str, ...]:
-    """The plans to search: those that recompute nothing or passed their check. Each dropped plan is a notice."""
-    failed = {c.plan: c for c in checks if not c.ok and c.plan in plans}
+    """The plans to search: those that recompute nothing or passed their check (eager and under each compile mode
+    whose compile check passed). Each dropped plan is a notice."""
+    no_compile = {c.compile for c in checks if c.plan.off and not c.ok}  # said once, by _compiling
+    failed = {c.plan: c for c in checks if not c.ok and c.plan in plans and c.compile not in no_compile}
     for check in failed.values():
         notices.append(f"{check.describe()}: dropped")
         logger.warning(notices[-1])

@@ -19,9 +19,10 @@ from autotune.execution.venue import venue_for
 from autotune.execution.work import Venue
 from autotune.options import Options
 from autotune.records import Budget, ProbeSettings, TrialSettings
+from autotune.training.compiled import require_compiler
 from autotune.training.data import scan_items, worst_indices
 from autotune.training.workload import Workload, parse_model_kwargs
-from autotune.vocabulary import Offload, Plan
+from autotune.vocabulary import EAGER, Offload, Plan
 
 if TYPE_CHECKING:
     from autotune.execution.job import Job
@@ -57,6 +58,7 @@ class Searching:
     batch_sizes: tuple[int, ...]
     plans: tuple[Plan, ...] | None  # --segments; None: auto, resolved against the model's blocks in stage 3
     offload: tuple[Offload, ...] | None  # --offload; None: auto, resolved against the device in stage 3
+    compiles: tuple[str, ...]  # --compile: "none" (eager) and torch.compile's modes
     strategy: str
     n_trials: int | None  # --strategy optuna's trial budget
     batch_multiple: int  # exact limits in steps of this (--batch-multiple, else the device's)
@@ -136,8 +138,10 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
 
 
 def _searching(options: Options, device: torch.device) -> Searching:
+    if any(mode != EAGER for mode in options.compile):
+        require_compiler(device)
     return Searching(
-        options.batch_sizes, options.segments, options.offload, options.strategy, options.n_trials,
+        options.batch_sizes, options.segments, options.offload, options.compile, options.strategy, options.n_trials,
         batch_multiple(options.batch_multiple, device), options.exact_limit,
         options.probe_settings if options.probe else None, options.target_batch_size, options.compare_library,
         options.dry_run, options.parallel, options.world_size)

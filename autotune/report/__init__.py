@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.analysis.memory_model import MemoryModel
 from autotune.analysis.pareto import LineRule, batch_limits, choose, pareto_front, recommend
-from autotune.vocabulary import Plan
+from autotune.vocabulary import EAGER, Plan, Variant
 from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan, usable_bytes
 from autotune.report.files import write_atomically
 
@@ -31,8 +31,11 @@ __all__ = ["SCHEMA_VERSION", "Report", "load"]
 # 4: the workload names its optimizer ("optimizer": name, kwargs, state_bytes), its "step" and the "fixed_bytes" a step
 #    holds whatever the batch (weights, gradients, optimizer state); older reports trained with AdamW. Trials hold
 #    setup_s and steps_s, and the search their sums.
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 5: compiled training (--compile): a trial's configuration names its "compile" mode ("none": eager) and a compiled
+#    trial its compile_s, compiles and graph_breaks; limits rows, memory lines and plan checks name the compile mode,
+#    the search's space lists its modes under "compile".
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 def _from_version_1(data: dict[str, Any]) -> dict[str, Any]:
@@ -76,9 +79,10 @@ class Report:
 
     @property
     def memory_model(self) -> MemoryModel:
-        """``peak = fixed + per_sample x batch`` per variant (precision, plan), fitted to the trials."""
+        """``peak = fixed + per_sample x batch`` per variant (precision, plan, compile mode), fitted to the trials."""
         space = self.search.get("space") or {}
-        variants = [(p, s) for p in space.get("precisions", ()) for s in space.get("segments", ())]
+        variants = [Variant(p, s, c) for c in space.get("compile") or (EAGER,) for p in space.get("precisions", ())
+                    for s in space.get("segments", ())]
         hint = self.workload.get("fixed_bytes")  # weights, gradients, optimizer state; before schema 4: AdamW's 4x
         if hint is None and self.workload.get("parameter_bytes"):
             hint = 4 * self.workload["parameter_bytes"]

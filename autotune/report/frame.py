@@ -9,7 +9,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TABLE_COLUMNS", "to_dataframe"]
 
-TABLE_COLUMNS = ["precision", "segments", "batch_size", "status", "peak_bytes", "step_s", "samples_per_s"]
+TABLE_COLUMNS = ["precision", "segments", "compile", "batch_size", "status", "peak_bytes", "step_s", "samples_per_s"]
 
 
 def to_dataframe(report: Any) -> "pandas.DataFrame":

@@ -11,7 +11,7 @@ from typing import Any
 from autotune.analysis.pareto import recommend
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
-from autotune.vocabulary import Status
+from autotune.vocabulary import EAGER, Status, compile_label
 
 __all__ = ["render"]
 
@@ -32,7 +32,10 @@ def render(report: Any) -> str:
 
 def _trial_rows(report: Any) -> list[str]:
     width = max([8, *(len(m.config.plan) for m in report.trials)])  # "sac-linear+offload" as wide as it is
-    lines = [f"{'precision':<9} {'segments':>{width}} {'batch':>6} {'status':<7} {'peak':>11} {'step_s':>8} {'samples/s':>10}  "]
+    compiled = any(m.config.compiled for m in report.trials)  # a compile column only where a trial was compiled
+    ways = max([7, *(len(compile_label(m.config.compile)) for m in report.trials)]) if compiled else 0
+    lines = [f"{'precision':<9} {'segments':>{width}} " + (f"{'compile':<{ways}} " if compiled else "")
+             + f"{'batch':>6} {'status':<7} {'peak':>11} {'step_s':>8} {'samples/s':>10}  "]
     pareto = {m.config for m in report.pareto}
     rec = report.recommendation
     for m in report.trials:
@@ -41,13 +44,25 @@ def _trial_rows(report: Any) -> list[str]:
             mark = "predicted (dry run: not run)"
         elif m.memory_only:
             mark = "memory trial (not timed)"
+        if m.graph_breaks:
+            mark = f"{mark}; {m.graph_breaks} graph break(s)".lstrip("; ")
         step = f"{m.step_s:.4f}" if m.step_s is not None else "-"
         sps = f"{m.samples_per_s:.1f}" if m.samples_per_s is not None else "-"
+        way = f"{compile_label(m.config.compile):<{ways}} " if compiled else ""
         lines.append(
-            f"{m.precision:<9} {m.config.plan:>{width}} {m.batch_size:>6} {m.status:<7} {format_bytes(m.peak_bytes):>11} "
-            f"{step:>8} {sps:>10}  {mark}".rstrip()
+            f"{m.precision:<9} {m.config.plan:>{width}} {way}{m.batch_size:>6} {m.status:<7} "
+            f"{format_bytes(m.peak_bytes):>11} {step:>8} {sps:>10}  {mark}".rstrip()
         )
+    if any(m.memory_source == "allocator" for m in report.trials):
+        lines.append("compiled trials on the CPU: peaks from the CPU allocator's own events (compiled kernels allocate "
+                     "where the tensor meter cannot see), the budget judged after each step, not enforced while it ran")
     return lines
+
+
+def _named(row: dict[str, Any]) -> str:
+    """A limits row's variant: ``fp32/all``, ``fp32/all/compiled``."""
+    compile = row.get("compile", EAGER)
+    return f"{row['precision']}/{row['segments']}" + ("" if compile == EAGER else f"/{compile_label(compile)}")
 
 
 def _search_lines(report: Any) -> list[str]:
@@ -86,7 +101,7 @@ def _limit_lines(report: Any) -> list[str]:
     limits = report.limits
     exact = " (predicted; the next size, in brackets, does not fit)" if report.dry_run else ""
     lines.append(f"largest batch that fits{exact}, per precision and segments: " + ", ".join(
-        f"{row['precision']}/{row['segments']}: {row['max_batch_size'] if row['max_batch_size'] is not None else 'none'}"
+        f"{_named(row)}: {row['max_batch_size'] if row['max_batch_size'] is not None else 'none'}"
         + (f" ({row['min_oom_batch_size']})" if exact and row["min_oom_batch_size"] is not None else "")
         for row in limits
     ))
@@ -120,7 +135,7 @@ def _implied(lines: list[str], rows: list[dict], says: str, each: Any) -> None:
     """One line for the limits ``rows`` whose side was implied, not measured: how many, ``says`` why, and ``each``
     row's variant with what ``each`` says of it."""
     if rows:
-        lines.append(f"{len(rows)} {says}: " + ", ".join(f"{row['precision']}/{row['segments']} {each(row)}"
+        lines.append(f"{len(rows)} {says}: " + ", ".join(f"{_named(row)} {each(row)}"
                                                          for row in rows))
 
 
@@ -153,7 +168,8 @@ def _recommendation_lines(report: Any) -> list[str]:
     peak, speed, where = (rec.peak_bytes, rec.samples_per_s, "peak") if probed is None else (
         probed.peak_bytes_max, probed.samples_per_s, "worst-case peak in the probe")
     share = f" ({peak / report.budget_bytes:.0%} of the {budget} budget)" if report.budget_bytes else ""
-    lines = [f"recommendation: {rec.precision}, segments {rec.config.plan}, batch size {rec.batch_size}: "
+    way = f", {compile_label(rec.config.compile)} (torch.compile)" if rec.config.compiled else ""
+    lines = [f"recommendation: {rec.precision}, segments {rec.config.plan}{way}, batch size {rec.batch_size}: "
              f"{speed:.1f} samples/s, {where} {format_bytes(peak)}{share}"]
     accumulation = report.accumulation
     if accumulation and accumulation["target_batch_size"]:
@@ -167,11 +183,12 @@ def _budget_lines(report: Any) -> list[str]:
     lines = []
     for budget in report.budgets:
         other = recommend(report.trials, budget, report.headroom)
-        limits = ", ".join(f"{r['precision']}/{r['segments']}: {r['max_batch_size'] or 'none'}"
+        limits = ", ".join(f"{_named(r)}: {r['max_batch_size'] or 'none'}"
                            + ("" if r.get("bracketed", True) else f" (model: {r.get('predicted_max_batch_size') or 'none'})")
                            for r in report.for_budget(budget)["limits"])
         lines.append(f"budget {format_bytes(budget)}: " + (
-            f"{other.precision}, segments {other.config.plan}, batch size {other.batch_size}: {other.samples_per_s:.1f} "
+            f"{other.precision}, segments {other.config.plan}{', compiled' if other.config.compiled else ''}, batch size "
+            f"{other.batch_size}: {other.samples_per_s:.1f} "
             f"samples/s, peak {format_bytes(other.peak_bytes)}" if other else "nothing fits") + f"; largest batch: {limits}")
     return lines
 

@@ -24,7 +24,7 @@ from autotune.analysis.pareto import bracket
 from autotune.errors import first_line
 from autotune.records import Config, Measurement, TrialSettings
 from autotune.search.space import SearchSpace
-from autotune.vocabulary import Status
+from autotune.vocabulary import EAGER, Status
 
 if TYPE_CHECKING:
     import torch
@@ -50,13 +50,15 @@ def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], 
     """
     sizes = sorted(space.batch_sizes)
     predictions: dict[Config, Measurement] = {}
-    variants = space.variants()
+    # Compiled variants are not predicted: fake tensors run the eager step (dynamo does not compile under the meter's
+    # dispatch mode), and what inductor's kernels hold is known only by running them. They are searched on trials.
+    variants = [v for v in space.variants() if v.compile == EAGER]
     for variant in variants:
         # The space's middle size first: where the search checks a plan's predictions with a trial (cheap, and
         # large enough that activations weigh in), and a point of the plan's line
         if deadline is not None and time.monotonic() > deadline:
             return predictions
-        middle = Config(*variant, sizes[len(sizes) // 2])
+        middle = variant.at(sizes[len(sizes) // 2])
         predictions[middle] = predict(middle)
         for limit in limits:
             while True:
@@ -67,7 +69,7 @@ def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], 
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     return predictions
-                predictions[Config(*variant, b)] = predict(Config(*variant, b))
+                predictions[variant.at(b)] = predict(variant.at(b))
     return predictions
 
 

@@ -1,4 +1,4 @@
-"""The search space: precision modes x checkpoint plans x batch sizes, and the parsers for its flags."""
+"""The search space: precision modes x checkpoint plans x compile modes x batch sizes, and the parsers for its flags."""
 
 from __future__ import annotations
 
@@ -6,23 +6,24 @@ import dataclasses
 import re
 
 from autotune.errors import UsageError
-from autotune.vocabulary import PRECISION_NAMES, Plan, plan_order
-from autotune.records import Config
+from autotune.vocabulary import EAGER, PRECISION_NAMES, Config, Plan, Variant, parse_compile, plan_order
 
 __all__ = ["Config", "SearchSpace", "parse_batch_sizes", "parse_precisions"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SearchSpace:
-    """Every combination of the given precisions, checkpoint plans and batch sizes."""
+    """Every combination of the given precisions, checkpoint plans, compile modes and batch sizes."""
 
     precisions: tuple[str, ...]
     plans: tuple[Plan, ...]  # the checkpoint plans (ordered_plans() sorts them by recompute); the JSON's "segments"
     batch_sizes: tuple[int, ...]
     blocks: int | None = None  # L, the model's repeated blocks the plans count in (None: no blocks)
+    compiles: tuple[str, ...] = (EAGER,)  # torch.compile modes ("none": eager), the JSON's "compile"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "plans", tuple(Plan(s) for s in self.plans))
+        object.__setattr__(self, "compiles", parse_compile(self.compiles))
         for name, values in (("precisions", self.precisions), ("checkpoint plans", self.plans),
                              ("batch sizes", self.batch_sizes)):
             if not values:
@@ -32,25 +33,32 @@ class SearchSpace:
         """The space's plans from the least recompute to the most."""
         return plan_order(self.plans, self.blocks)
 
-    def configs(self) -> list[Config]:
-        """Return every configuration, by precision, then plan as given, then ascending batch size."""
-        return [Config(p, s, b) for p in self.precisions for s in self.plans for b in sorted(self.batch_sizes)]
+    @property
+    def compiled(self) -> bool:
+        """Whether any configuration trains compiled."""
+        return any(c != EAGER for c in self.compiles)
 
-    def variants(self) -> list[tuple[str, str]]:
-        """Return every (precision, plan) pair, in the order of :meth:`configs`."""
-        return [(p, s) for p in self.precisions for s in self.plans]
+    def configs(self) -> list[Config]:
+        """Return every configuration: by compile mode, precision, then plan as given, then ascending batch size."""
+        return [v.at(b) for v in self.variants() for b in sorted(self.batch_sizes)]
+
+    def variants(self) -> list[Variant]:
+        """Return every (precision, plan, compile mode), in the order of :meth:`configs` (a compile mode's together:
+        a worker compiles each variant once and keeps it)."""
+        return [Variant(p, s, c) for c in self.compiles for p in self.precisions for s in self.plans]
 
     def __len__(self) -> int:
-        return len(self.precisions) * len(self.plans) * len(self.batch_sizes)
+        return len(self.precisions) * len(self.plans) * len(self.batch_sizes) * len(self.compiles)
 
     @classmethod
     def from_dict(cls, data: dict) -> "SearchSpace":
         """The inverse of :meth:`to_dict` (a report's ``search.space``)."""
-        return cls(tuple(data["precisions"]), tuple(data["segments"]), tuple(data["batch_sizes"]), data.get("blocks"))
+        return cls(tuple(data["precisions"]), tuple(data["segments"]), tuple(data["batch_sizes"]), data.get("blocks"),
+                   tuple(data.get("compile") or (EAGER,)))
 
     def to_dict(self) -> dict[str, list]:
         return {"precisions": list(self.precisions), "segments": list(self.plans), "batch_sizes": list(self.batch_sizes),
-                "blocks": self.blocks}
+                "blocks": self.blocks, "compile": list(self.compiles)}
 
 
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")

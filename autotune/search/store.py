@@ -25,7 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune._log import logger
 from autotune.errors import UsageError, first_line
-from autotune.vocabulary import Plan, Status
+from autotune.vocabulary import Status
 from autotune.records import Config, Measurement
 from autotune.search.space import SearchSpace
 
@@ -122,7 +122,7 @@ def open_study(study_name: str, storage: str, *, workload_key: str, space: Searc
             f"study {study_name!r} in {storage} holds trials of a different model, data, loss or device: "
             f"pass another --study name (or --storage) to start a new one"
         )
-    if space is not None and known.get("space", space.to_dict()) != space.to_dict():
+    if space is not None and "space" in known and SearchSpace.from_dict(known["space"]).to_dict() != space.to_dict():
         old = known["space"]
         raise UsageError(
             f"study {study_name!r} was made for another search space (precisions {','.join(old['precisions'])}, "
@@ -133,11 +133,12 @@ def open_study(study_name: str, storage: str, *, workload_key: str, space: Searc
 
 
 def distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDistribution]:
-    """The Optuna distributions of ``space``'s three parameters, as the store and the sampler declare them."""
+    """The Optuna distributions of ``space``'s four parameters, as the store and the sampler declare them."""
     return {
         "precision": optuna.distributions.CategoricalDistribution(space.precisions),
         "segments": optuna.distributions.CategoricalDistribution(space.plans),
         "batch_size": optuna.distributions.CategoricalDistribution(space.batch_sizes),
+        "compile": optuna.distributions.CategoricalDistribution(space.compiles),
     }
 
 
@@ -182,9 +183,9 @@ def config_of(trial: FrozenTrial) -> Config | None:
     A trial popped from the queue is RUNNING a moment before its parameters are written; its
     queued parameters say what it will run.
     """
-    params = trial.params if len(trial.params) == 3 else trial.system_attrs.get("fixed_params", {})
+    params = trial.params if len(trial.params) >= 3 else trial.system_attrs.get("fixed_params", {})  # 3: before compile
     try:
-        return Config(params["precision"], Plan(params["segments"]), int(params["batch_size"]))
+        return Config.from_dict(params)
     except (KeyError, TypeError, ValueError, UsageError):
         return None
 

@@ -23,7 +23,8 @@ from torch._subclasses.fake_tensor import is_fake  # private, and in every torch
 from autotune._log import logger
 from autotune.plans.checkpointing import Chain, apply_plan
 from autotune.errors import UsageError
-from autotune.vocabulary import CheckStatus, Plan
+from autotune.training.compiled import compile_model
+from autotune.vocabulary import EAGER, CheckStatus, Plan
 from autotune.training.precision import get_mode, keep_in_fp32
 from autotune.records import GuardRails, Measurement, accumulation_plan
 from autotune.device import autocast_type
@@ -49,6 +50,7 @@ class Applied:
     loss_scales: list[float] = dataclasses.field(default_factory=list)
     skipped_steps: int = 0  # steps the GradScaler skipped because gradients held inf/NaN
     grad_norms: list[float] = dataclasses.field(default_factory=list)  # after unscaling, before clipping
+    compile: str = EAGER  # the torch.compile mode ``model`` is compiled in ("none": eager)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The autocast context for the forward pass and the loss (a no-op for fp32)."""
@@ -128,11 +130,12 @@ _DRY_RUN = "a dry run's report has no recommendation (it predicts memory, not ti
 _NOTHING = "the report has no recommendation: nothing fitted the budget"
 
 
-def _require_checked(plan: str, checks: list | None) -> None:
-    """Refuse a plan whose check on the model failed; say so when there is no check to go by."""
+def _require_checked(plan: str, checks: list | None, compile: str = EAGER) -> None:
+    """Refuse a plan whose check on the model failed (compiled: its check under that compile mode); say so when there
+    is no check to go by."""
     if Plan(plan).off:
         return
-    check = next((c for c in checks or () if c.get("plan") == plan), None)
+    check = next((c for c in checks or () if c.get("plan") == plan and (c.get("compile") or EAGER) == compile), None)
     if check is None:
         logger.warning("checkpoint plan %s was not checked on this model (a report from before the checks, or a bare "
                        "trial): autotune cannot vouch that it trains the same model", plan)
@@ -155,7 +158,8 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
 
     ``recommendation`` is a :class:`~autotune.report.Report` (its recommendation, accumulation
     plan and guard rails are used), a :class:`~autotune.execution.trial.Measurement`, or the JSON dict of
-    either. ``device_type`` defaults to where the model's parameters are.
+    either. ``device_type`` defaults to where the model's parameters are. A recommendation measured compiled
+    (``compile`` not ``none``) returns ``run.model`` compiled so (``torch.compile`` of the prepared ``model``).
     """
     source = _recommendation_fields(recommendation)
     fields, accumulation = source.trial, source.accumulation
@@ -164,7 +168,7 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
         first = next(model.parameters(), None)
         device_type = autocast_type(first.device) if first is not None else "cpu"
     plan = Plan(fields["segments"])
-    _require_checked(plan, source.checks)
+    _require_checked(plan, source.checks, fields.get("compile") or EAGER)
     chain = Chain.from_dict(source.chain) if source.chain else None
     missing = [path for path in (chain.blocks if chain else ()) if not _has_submodule(model, path)]
     if missing:
@@ -174,9 +178,13 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
     if plan.state:  # the wrapper's part of the plan: apply() cannot do it for the caller
         logger.warning("plan %s was measured with the training state in host memory: wrap the model as it was, FSDP2's "
                        "fully_shard on each block and the root with offload_policy=CPUOffloadPolicy()", plan)
-    return prepare(model, precision=fields["precision"], plan=plan, chain=chain, guard=guard,
-                   device_type=device_type, micro_batch_size=micro,
-                   accumulation_steps=int(accumulation.get("accumulation_steps") or 1))
+    applied = prepare(model, precision=fields["precision"], plan=plan, chain=chain, guard=guard,
+                      device_type=device_type, micro_batch_size=micro,
+                      accumulation_steps=int(accumulation.get("accumulation_steps") or 1))
+    mode = fields.get("compile") or EAGER
+    if mode != EAGER:  # measured compiled: train the compiled model, the plan inside it (run.model; same parameters)
+        applied.model, applied.compile = compile_model(model, mode), mode
+    return applied
 
 
 def prepare(model: nn.Module, *, precision: str, plan: str, chain: Chain | None, guard: GuardRails,

@@ -14,6 +14,7 @@ from autotune.training.host_state import HostState, OnHost, built_on_host, wrap_
 from autotune.plans.offload import offloader_of
 from autotune.records import Config, GuardRails
 from autotune.training.applied import Applied, prepare
+from autotune.training.compiled import compile_model, mark_batch_dynamic
 from autotune.training.optimizer import prime as prime_optimizer
 from autotune.training.workload import Workload, move_model
 
@@ -88,6 +89,7 @@ class Trainer:
         self.module = model  # the user's module (batches come from its example_batch), under any wrapper
         if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
             self.run.model = self.parallel.wrap(model, blocks, offload_state=host is not None)
+        self.run.model = compile_model(self.run.model, self.config.compile)  # compiled outermost, as users do
         return model
 
     @property
@@ -138,6 +140,8 @@ class Trainer:
 
     def step(self, batch: Any) -> None:
         """One optimizer step on ``batch`` (already on the device)."""
+        if self.config.compiled:  # one graph for every batch size: its batch dimension dynamic from the first step
+            mark_batch_dynamic(batch, self.config.batch_size)
         with self.run.autocast():
             loss = self.workload.loss(self.run.model, batch)
         self.run.backward(loss)

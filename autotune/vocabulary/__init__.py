@@ -3,6 +3,9 @@
 * :mod:`~autotune.vocabulary.plan`: checkpoint plans (:class:`Plan`), their modifiers and offload modes
   (:class:`Offload`), the selective plans;
 * :mod:`~autotune.vocabulary.precision`: the precision modes by name;
+* :mod:`~autotune.vocabulary.compile`: ``torch.compile``'s modes by name (``none``: eager);
+* :mod:`~autotune.vocabulary.config`: a configuration of the search (:class:`Config`) and its
+  :class:`Variant` (all but the batch size);
 * :mod:`~autotune.vocabulary.status`: how a trial ended (:class:`Status`) and how a plan's check did
   (:class:`CheckStatus`);
 * :data:`HEADROOM`: the share of a budget a recommendation leaves free by default.
@@ -13,6 +16,8 @@ these names from here; ``tests/test_house.py`` checks that no part imports a par
 
 from autotune.vocabulary.plan import (ALL, MODIFIERS, NONE, SELECTIVE, Modifier, Offload, Plan, Selective, auto_plans,
                                       parse_offload, parse_plans, plan_order, with_offload)
+from autotune.vocabulary.compile import COMPILE_MODES, EAGER, compile_label, parse_compile
+from autotune.vocabulary.config import Config, Variant
 from autotune.vocabulary.precision import GROWTH_INTERVAL, HALF, INIT_LOSS_SCALE, PRECISION_NAMES, PRECISIONS, Precision
 from autotune.vocabulary.status import CheckStatus, Status
 
@@ -20,4 +25,5 @@ HEADROOM = 0.1  # the share of the budget a recommendation leaves free (--headro
 
 __all__ = ["Plan", "Selective", "Offload", "Modifier", "MODIFIERS", "NONE", "ALL", "SELECTIVE", "parse_plans",
            "parse_offload", "plan_order", "auto_plans", "with_offload", "Precision", "PRECISIONS", "PRECISION_NAMES",
-           "HALF", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "Status", "CheckStatus", "HEADROOM"]
+           "HALF", "INIT_LOSS_SCALE", "GROWTH_INTERVAL", "Status", "CheckStatus", "HEADROOM", "EAGER", "COMPILE_MODES",
+           "compile_label", "parse_compile", "Config", "Variant"]

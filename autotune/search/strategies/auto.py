@@ -1,6 +1,6 @@
 """Auto: bracket each plan's largest batch with the memory model, then climb throughput.
 
-For a fixed precision and checkpoint plan, peak memory is monotone and close to linear in the
+For a fixed precision, compile mode and checkpoint plan, peak memory is monotone and close to linear in the
 batch size (:mod:`autotune.analysis.memory_model`). The strategy works in four phases, each a function of
 the measurements alone, so a resumed search or a second worker picks up where the store stands:
 
@@ -48,12 +48,20 @@ from typing import Iterable, Mapping
 from autotune.analysis.memory_model import MemoryModel, fit_line
 from autotune.analysis.pareto import (LineRule, bracket, confirmed, implied_failures, line_failures, prediction_failures,
                                       prediction_fits, refuted)
-from autotune.vocabulary import HEADROOM, Plan, Status
+from autotune.vocabulary import EAGER, HEADROOM, Plan, Status, Variant
 from autotune.records import Config, Measurement, usable_bytes
 from autotune.search.space import SearchSpace
 from autotune.search.strategies.base import Proposal, Strategy
 
 __all__ = ["AutoStrategy", "next_in_bracket"]
+
+Mode = tuple[str, str]  # (precision, compile mode): a variant's all but its plan, what envelopes and dominance compare
+
+
+def _of(mode: Mode | str, plan: str) -> Variant:
+    """The variant of ``mode`` with ``plan`` (a precision alone: its eager mode)."""
+    precision, compile = (mode, EAGER) if isinstance(mode, str) else mode
+    return Variant(precision, plan, compile)
 
 _BISECT_AFTER = 3  # trials of one plan after which the model is not trusted to close its bracket
 
@@ -83,17 +91,17 @@ def next_in_bracket(sizes: list[int], outcomes: Mapping[int, bool], predicted: M
     return sizes[fitting[-1] if fitting else open_[0]]
 
 
-def _dominates(fast: str, slow: str, measured: Mapping[Config, Measurement], model: MemoryModel,
-               variants: list[tuple[str, str]], smallest: int, largest: int) -> bool:
-    """Whether precision ``fast`` beats ``slow`` on both axes: faster in every configuration measured in both
-    (at least one), and predicted to need no more memory in any plan at any batch size."""
-    pairs = [(m.samples_per_s, measured[Config(fast, c.plan, c.batch_size)].samples_per_s)
-             for c, m in measured.items() if c.precision == slow and m.samples_per_s is not None
-             and Config(fast, c.plan, c.batch_size) in measured]
+def _dominates(fast: Mode, slow: Mode, measured: Mapping[Config, Measurement], model: MemoryModel,
+               variants: list[Variant], smallest: int, largest: int) -> bool:
+    """Whether mode ``fast`` (precision, compile mode) beats ``slow`` on both axes: faster in every configuration
+    measured in both (at least one), and predicted to need no more memory in any plan at any batch size."""
+    pairs = [(m.samples_per_s, measured[_of(fast, c.plan).at(c.batch_size)].samples_per_s)
+             for c, m in measured.items() if c.variant.mode == slow and m.samples_per_s is not None
+             and _of(fast, c.plan).at(c.batch_size) in measured]
     if not pairs or any(q is None or q <= s for s, q in pairs):
         return False
-    for _, segments in (pl for pl in variants if pl[0] == slow):
-        a, b = model.lines.get((fast, segments)), model.lines.get((slow, segments))
+    for v in (v for v in variants if v.mode == slow):
+        a, b = model.lines.get(_of(fast, v.plan)), model.lines.get(v)
         if a is None or b is None or any(a.predict(n) > b.predict(n) * (1 + 1e-9) for n in (smallest, largest)):
             return False  # two lines: no higher at both ends, no higher anywhere between
     return True
@@ -118,7 +126,7 @@ def step_time_bound(config: Config, measured: Mapping[Config, Measurement], bloc
     """
     plan = config.plan
     # Plans that keep the state in host memory step the optimizer on the CPU: a line of their own (0+state's)
-    kind = [c for c in measured if c.precision == config.precision and c.plan.state == plan.state]
+    kind = [c for c in measured if c.variant.mode == config.variant.mode and c.plan.state == plan.state]
     steps = {c.batch_size: measured[c].step_s for c in kind
              if c.plan.without_state.off and measured[c].step_s and measured[c].timed}
     if len(steps) < 2 or (plan.without_state.off and min(steps) <= config.batch_size <= max(steps)):
@@ -147,11 +155,12 @@ class _View:
         self.ordered = space.ordered_plans()  # least recompute first
         # Bracketed from the most recompute down: a plan's failure implies the failures of the plans that
         # recompute a subset of its blocks. Precisions alternate, so a precision's ratio is learnt early.
-        self.variants = [(p, s) for s in reversed(self.ordered) for p in space.precisions]
+        self.variants = [Variant(p, s, c) for c in space.compiles for s in reversed(self.ordered) for p in space.precisions]
+        self.modes: list[Mode] = [(p, c) for c in space.compiles for p in space.precisions]
         self.model = MemoryModel.fit(measured.values(), self.variants, fixed_bytes_hint=fixed_bytes_hint,
                                      blocks=space.blocks)
         self.busy = {c.variant for c in pending}
-        self.by_variant: dict[tuple[str, str], dict[int, Measurement]] = {}
+        self.by_variant: dict[Variant, dict[int, Measurement]] = {}
         for c, m in measured.items():
             self.by_variant.setdefault(c.variant, {})[c.batch_size] = m
         self._implied: dict[float | None, tuple[dict[Config, object], dict[Config, object]]] = {}
@@ -159,7 +168,7 @@ class _View:
         # Variants whose predictions a measured trial contradicted: searched on measurements alone
         self.refuted = refuted(measured.values(), self.predictions)
 
-    def outcomes(self, variant: tuple[str, str], limit: float | None) -> dict[int, bool]:
+    def outcomes(self, variant: Variant, limit: float | None) -> dict[int, bool]:
         """Batch size -> fits ``limit``: measured, or implied not to by a plan that needs no more memory, by the
         variant's memory line (:class:`~autotune.analysis.pareto.LineRule`) or by its confirmed predictions, or
         implied to by its confirmed predictions (clear of ``limit``)."""
@@ -175,7 +184,7 @@ class _View:
         known.update({b: m.fits(limit) for b, m in self.by_variant.get(variant, {}).items()})
         return known
 
-    def predicted(self, variant: tuple[str, str]) -> dict[int, float] | None:
+    def predicted(self, variant: Variant) -> dict[int, float] | None:
         """Batch size -> the peak bytes expected: the search's prediction of the size (a size above the variant's
         first predicted failure: none fits), or, without predictions or where a measurement refuted them, the
         memory model's line; None where neither knows anything."""
@@ -185,20 +194,20 @@ class _View:
                 return guesses
         return None if variant not in self.model.lines else {b: self.model.predict(variant, b) for b in self.sizes}
 
-    def by_prediction(self, variant: tuple[str, str]) -> bool:
+    def by_prediction(self, variant: Variant) -> bool:
         """Whether ``variant``'s expected peaks are its predictions."""
         return variant not in self.refuted and any(
-            Config(*variant, b) in self.predictions and self.predictions[Config(*variant, b)].status.measured_memory
+            variant.at(b) in self.predictions and self.predictions[variant.at(b)].status.measured_memory
             for b in self.sizes)
 
-    def guess(self, variant: tuple[str, str], b: int) -> float | None:
+    def guess(self, variant: Variant, b: int) -> float | None:
         """The peak bytes expected at ``b``: predicted (infinite where predicted out of memory, or above a size
         predicted so), else the memory model's line."""
         if not self.by_prediction(variant):
             return self.model.predict(variant, b)
         points: dict[int, float] = {}
         for size in self.sizes:
-            p = self.predictions.get(Config(*variant, size))
+            p = self.predictions.get(variant.at(size))
             if p is None or not p.status.measured_memory:  # a prediction that failed says nothing of memory
                 continue
             if p.status == Status.OOM or not p.peak_bytes:
@@ -206,7 +215,7 @@ class _View:
             points[size] = float(p.peak_bytes)
         return self._between(points, b, variant)
 
-    def _between(self, points: dict[int, float], b: int, variant: tuple[str, str]) -> float | None:
+    def _between(self, points: dict[int, float], b: int, variant: Variant) -> float | None:
         """At a size not predicted: the line through the variant's predicted peaks (the memory model's with fewer
         than two). A guess that picks the next trial; only a prediction of the size itself implies anything."""
         if b in points:
@@ -234,7 +243,7 @@ class _View:
         m = self.measured.get(config)
         return m is not None and m.samples_per_s is not None
 
-    def envelopes(self, precision: str, limit: float | None) -> list[list[Config]]:
+    def envelopes(self, mode: Mode, limit: float | None) -> list[list[Config]]:
         """The envelope of each chain of plans (:meth:`envelope`): the block plans, and each selective or offloading
         plan after no checkpointing; plans with the state in host memory (+state) in chains of their own. Time orders
         the plans of a chain, not a selective plan against a block plan, nor a plan whose copies to the host cost time
@@ -248,27 +257,27 @@ class _View:
         chains = [*blocks, *([*off(Plan(own).state), own] for own in unordered)]
         envelopes: list[list[Config]] = []
         for chain in chains:
-            envelope = self.envelope(precision, limit, chain)
+            envelope = self.envelope(mode, limit, chain)
             if envelope and envelope not in envelopes:
                 envelopes.append(envelope)
         return envelopes
 
-    def envelope(self, precision: str, limit: float | None, chain: list[str]) -> list[Config]:
+    def envelope(self, mode: Mode, limit: float | None, chain: list[str]) -> list[Config]:
         """Per batch size, the plan of ``chain`` (least recompute first) that fits ``limit`` (measured, implied or
         predicted) first: the fastest of the chain there, since checkpointing more blocks only adds recompute."""
         envelope: list[Config] = []
-        outcomes = {s: self.outcomes((precision, s), limit) for s in chain}
+        outcomes = {s: self.outcomes(_of(mode, s), limit) for s in chain}
         for b in self.sizes:
             for s in chain:
                 known = outcomes[s]
                 if b in known:
                     fits = known[b]
                 else:  # not measured: not if a smaller size of the plan failed the limit, else as predicted
-                    guess = self.guess((precision, s), b)
+                    guess = self.guess(_of(mode, s), b)
                     fits = (guess is not None and (limit is None or guess <= limit)
                             and all(ok for size, ok in known.items() if size < b))
                 if fits:
-                    envelope.append(Config(precision, s, b))
+                    envelope.append(_of(mode, s).at(b))
                     break
         return envelope
 
@@ -318,24 +327,24 @@ class AutoStrategy(Strategy):
             if variant in view.busy:
                 waiting = True
                 continue
-            config = Config(*variant, b)
+            config = variant.at(b)
             # Timed at once only where the climb (3.) starts: the largest batch of the plan without recompute on an
             # envelope (as predicted now), not a point the bracket passes on its way there.
             wanted = variant[1] == view.ordered[0] and any(
                 config == max((c for c in envelope if c.plan == variant[1]), key=lambda c: c.batch_size, default=None)
-                for limit in self._limits(enforced_bytes) for envelope in view.envelopes(config.precision, limit))
+                for limit in self._limits(enforced_bytes) for envelope in view.envelopes(config.variant.mode, limit))
             return Proposal(config, timed=wanted)
         return _WAIT if waiting else None
 
     @staticmethod
-    def _confirming_size(view: _View, variant: tuple[str, str], own: Mapping[int, Measurement]) -> int | None:
+    def _confirming_size(view: _View, variant: Variant, own: Mapping[int, Measurement]) -> int | None:
         """Where a plan with recompute checks its predictions: the space's middle size, cheap to measure and large
         enough that activations weigh in the comparison; once a trial there agrees, the predictions close the plan's
         bracket (:func:`~autotune.analysis.pareto.prediction_fits`). None where the plan has no predictions, has them
         confirmed or contradicted already, is the plan without recompute (its bracket begins at its predicted limit,
         where the climb starts), or is predicted not to fit there."""
         middle = view.sizes[len(view.sizes) // 2]
-        p = view.predictions.get(Config(*variant, middle))
+        p = view.predictions.get(variant.at(middle))
         if (not view.by_prediction(variant) or variant in view.standing or variant[1] == view.ordered[0] or own
                 or p is None or p.status != Status.OK):
             return None
@@ -347,8 +356,8 @@ class AutoStrategy(Strategy):
         for limit in (b for b in self.budgets if enforced_bytes is None or b < enforced_bytes):
             for variant in view.variants:
                 b = self._uncertain(view.sizes, view.outcomes(variant, limit), view.predicted(variant), limit, margin)
-                if b is not None and Config(*variant, b) not in view.pending:
-                    return Proposal(Config(*variant, b), timed=False)
+                if b is not None and variant.at(b) not in view.pending:
+                    return Proposal(variant.at(b), timed=False)
         return None
 
     def _throughput(self, view: _View, enforced_bytes: int | None) -> Proposal | None:
@@ -356,14 +365,14 @@ class AutoStrategy(Strategy):
         wherever both were measured, and needing more memory in every plan, is skipped."""
         for limit in self._limits(enforced_bytes):
             # The precision with the fastest timed trial first: a slower one is often dominated once both are timed.
-            fastest = {p: max((m.samples_per_s for c, m in view.measured.items() if c.precision == p
+            fastest = {p: max((m.samples_per_s for c, m in view.measured.items() if c.variant.mode == p
                                and m.samples_per_s is not None and m.fits(limit)), default=0.0)
-                       for p in view.space.precisions}
-            for precision in sorted(view.space.precisions, key=lambda p: -fastest[p]):
-                if any(_dominates(other, precision, view.measured, view.model, view.variants, view.sizes[0], view.sizes[-1])
-                       for other in view.space.precisions if other != precision):
+                       for p in view.modes}
+            for mode in sorted(view.modes, key=lambda p: -fastest[p]):
+                if any(_dominates(other, mode, view.measured, view.model, view.variants, view.sizes[0], view.sizes[-1])
+                       for other in view.modes if other != mode):
                     continue
-                for envelope in view.envelopes(precision, limit):
+                for envelope in view.envelopes(mode, limit):
                     config = self._climb(envelope, view, view.best(limit))
                     if config is not None and config not in view.pending:
                         return Proposal(config)  # a memory trial of it is completed by this timing

@@ -55,7 +55,7 @@ class OptunaStrategy(Strategy):
                 self._shadow.tell(trial, self._values(m, enforced_bytes))
             else:
                 self._shadow.add_trial(optuna.trial.create_trial(
-                    params={"precision": config.precision, "segments": config.plan, "batch_size": config.batch_size},
+                    params=config.to_dict(),
                     distributions=distributions, values=self._values(m, enforced_bytes)))
         if len(measured) >= limit or len(measured.keys() | pending) >= len(space):  # pending: measured ones too
             return None
