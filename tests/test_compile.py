@@ -15,6 +15,10 @@ from autotune.export import export
 from autotune.records import Config, TrialSettings
 from autotune.training.workload import Workload
 
+# A cold compile of the search's two graphs (plans 0 and all, forward and backward) takes one to two minutes beside
+# the rest of the suite on two cores, and five on a machine loaded four times over: the module's limit is the latter's.
+pytestmark = pytest.mark.timeout(900)
+
 TINY = {"n_layer": 2, "block_size": 16, "n_embd": 32, "n_head": 2, "vocab_size": 64}
 SEARCH = dict(device="cpu", budget="1GiB", precisions="fp32", segments="0,all", batch_sizes="4,8", strategy="grid",
               compile="none,default", probe=False, compare_library=False, measure_steps=3)
