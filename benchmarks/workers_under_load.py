@@ -6,11 +6,13 @@
 For each strategy and worker count, starts that many workers at once, each of which runs
 ``python -m autotune``'s ``main`` on a fresh study ``--runs`` times in a row (one process per worker
 for all runs: a run costs its trials, not an interpreter's start), beside ``--hogs`` processes that
-spin on the CPU. Each run is checked as a user would: every worker's exit code is 0, no
-configuration is measured twice as the same kind of trial (memory, timing, a near tie's second
-timing), the workers' reports agree, and the trials that measured nothing (claims lost, abandoned)
-are counted. Prints a table of those counts; ``--out`` writes it as
-``workers_under_load-cpu.{json,md}``. ``tests/test_workers_under_load.py`` runs the same cases.
+spin on the CPU (a worker takes its cases on its stdin, ``Workers``: the test keeps three workers
+for all its cases, so that a case costs its studies, not the workers' start). Each run is checked
+as a user would: every worker's exit code is 0, no configuration is measured twice as the same kind
+of trial (memory, timing, a near tie's second timing), the workers' reports agree, and the trials
+that measured nothing (claims lost, abandoned) are counted. Prints a table of those counts; ``--out``
+writes it as ``workers_under_load-cpu.{json,md}``. ``tests/test_workers_under_load.py`` runs the
+same cases.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -53,19 +56,70 @@ def storage_url(kind: str, folder: str, postgres: str | None = None) -> str:
     return {"sqlite": f"sqlite:///{folder}/load.db", "journal": f"journal://{folder}/load.log"}.get(kind) or postgres
 
 
-def start_workers(n: int, *, strategy: str, runs: int, storage: str, prefix: str, folder: str,
-                  track: list | None = None) -> list[subprocess.Popen]:
-    """Start ``n`` worker processes, each running the search on studies ``PREFIX-0`` .. ``PREFIX-(runs-1)``."""
-    procs = []
-    for w in range(n):
-        argv = [*SEARCH, "--strategy", strategy, "--storage", storage]
-        command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(
-            {"argv": argv, "prefix": prefix, "runs": runs, "out": os.path.join(folder, f"w{w}")})]
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-        procs.append(proc)
-        if track is not None:
-            track.append(proc)
-    return procs
+class Workers:
+    """``n`` worker processes, started on the first case and kept for the next ones (``close`` ends them).
+
+    A worker reads a case from its stdin, one JSON line: ``main`` on studies ``PREFIX-0`` .. ``PREFIX-(runs-1)``,
+    one after another, what they print in the case's files (``OUT.stdout``, ``OUT.stderr``), and answers with one
+    line on its stdout, the studies' exit codes. A case cut short (a time-out, an exception) ends every worker: the
+    next case starts fresh ones, never a worker still busy with the last case."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.procs = n, []
+
+    def _start(self) -> None:
+        self.procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                      for _ in range(self.n)]
+
+    def run(self, workers: int, *, argv: list[str], runs: int, prefix: str, folder: str,
+            timeout_s: float) -> tuple[list[list[int]], list[str]]:
+        """Run one case on the first ``workers`` workers; return each one's exit codes and what it wrote on stderr."""
+        if not self.procs or any(p.poll() is not None for p in self.procs):
+            self.close()
+            self._start()
+        outs = [os.path.join(folder, f"w{w}") for w in range(workers)]
+        try:
+            for proc, out in zip(self.procs, outs):
+                proc.stdin.write(json.dumps({"argv": argv, "prefix": prefix, "runs": runs, "out": out}) + "\n")
+                proc.stdin.flush()
+            deadline = time.monotonic() + timeout_s
+            answers = [self._answer(proc, runs, deadline) for proc in self.procs[:workers]]
+        except BaseException:
+            self.close(kill=True)
+            raise
+        errors = []
+        for (codes, said), out in zip(answers, outs):
+            if os.path.exists(f"{out}.stderr"):
+                with open(f"{out}.stderr") as f:
+                    said = f.read() + said
+            errors.append(said)
+        return [codes for codes, _ in answers], errors
+
+    @staticmethod
+    def _answer(proc: subprocess.Popen, runs: int, deadline: float) -> tuple[list[int], str]:
+        """A worker's exit codes for the case, and what it wrote on stderr outside the case (where it died)."""
+        while select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            line = proc.stdout.readline()
+            if not line:  # the worker died: its stderr says why
+                proc.wait()
+                return [proc.returncode] * runs, proc.stderr.read()
+            if line.startswith(ANSWER):
+                return json.loads(line[len(ANSWER):]), ""
+        raise TimeoutError(f"a worker did not finish its studies in time (pid {proc.pid})")
+
+    def close(self, *, kill: bool = False) -> None:
+        for proc in self.procs:
+            if not kill:
+                proc.stdin.close()  # the worker's loop ends
+            try:
+                proc.wait(timeout=0 if kill else 60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                pipe.close()
+        self.procs = []
 
 
 def check_run(storage: str, study: str, reports: list[dict]) -> dict:
@@ -111,19 +165,19 @@ def _differences(reports: list[dict]) -> list[str]:
 
 
 def run_case(*, strategy: str, workers: int, runs: int, storage_kind: str, folder: str, postgres: str | None = None,
-             track: list | None = None, timeout_s: float = 900) -> tuple[list[dict], list[str]]:
-    """Run one case (``runs`` studies, ``workers`` workers each); return one check per run, and what workers
-    wrote on stderr."""
+             timeout_s: float = 900, pool: Workers | None = None) -> tuple[list[dict], list[str]]:
+    """Run one case (``runs`` studies, ``workers`` workers each): on the first workers of ``pool``, or on workers
+    started for it; return one check per run, and what workers wrote on stderr."""
     storage = storage_url(storage_kind, folder, postgres)
     prefix = f"load-{strategy}-{workers}-{os.getpid()}-{time.time_ns()}"  # a server keeps its studies between runs
-    procs = start_workers(workers, strategy=strategy, runs=runs, storage=storage, prefix=prefix, folder=folder,
-                          track=track)
-    codes, errors = [], []
-    for proc in procs:
-        out, err = proc.communicate(timeout=timeout_s)
-        lines = out.strip().splitlines()
-        codes.append(json.loads(lines[-1]) if proc.returncode == 0 and lines else [proc.returncode] * runs)
-        errors.append(err)
+    argv = [*SEARCH, "--strategy", strategy, "--storage", storage]
+    own = pool is None
+    pool = Workers(workers) if own else pool
+    try:
+        codes, errors = pool.run(workers, argv=argv, runs=runs, prefix=prefix, folder=folder, timeout_s=timeout_s)
+    finally:
+        if own:
+            pool.close()
     checks = []
     for i in range(runs):
         study = f"{prefix}-{i}"
@@ -138,13 +192,29 @@ def run_case(*, strategy: str, workers: int, runs: int, storage_kind: str, folde
     return checks, [e for e in errors if e.strip()]
 
 
-def _worker(spec: dict) -> None:
-    """One worker: the CLI's main on each study in turn; prints the runs' exit codes as JSON (its errors on stderr)."""
+ANSWER = "codes: "  # a worker's answer to a case, on its stdout; what the case prints goes to the case's files
+
+
+def _worker() -> None:
+    """One worker: case after case from stdin, the CLI's main on each of the case's studies in turn; answers with
+    the studies' exit codes (what main prints goes to the case's files, its errors to OUT.stderr)."""
     from autotune.__main__ import main
 
-    codes = [main([*spec["argv"], "--study", f"{spec['prefix']}-{i}", "--out", f"{spec['out']}-{spec['prefix']}-{i}.json"])
-             for i in range(spec["runs"])]
-    print(json.dumps(codes))
+    pipes = os.dup(1), os.dup(2)  # to the parent: the answers, and what is said outside a case
+    for line in sys.stdin:
+        spec = json.loads(line)
+        with open(f"{spec['out']}.stdout", "w") as out, open(f"{spec['out']}.stderr", "w") as err:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            try:
+                codes = [main([*spec["argv"], "--study", f"{spec['prefix']}-{i}",
+                               "--out", f"{spec['out']}-{spec['prefix']}-{i}.json"]) for i in range(spec["runs"])]
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(pipes[0], 1)
+                os.dup2(pipes[1], 2)
+        print(ANSWER + json.dumps(codes), flush=True)
 
 
 def table(rows: list[dict]) -> str:
@@ -164,7 +234,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--workers", default="2,3")
     parser.add_argument("--strategies", default="grid,auto")
@@ -174,7 +244,7 @@ def main() -> None:
     parser.add_argument("--out", help="a folder for workers_under_load-cpu.{json,md}")
     args = parser.parse_args()
     if args.worker:
-        return _worker(json.loads(args.worker))
+        return _worker()
     rows = []
     started = time.monotonic()
     with cpu_hogs(args.hogs):

@@ -23,9 +23,12 @@ from autotune.training.workload import Workload
 
 from tests import procs
 
-# Run alone (marker serial): searches are caught mid-way by a signal, and parallel workers split a study; CI runs
-# these tests in a pytest call of their own, after the rest runs on two processes (.ci/run).
-pytestmark = pytest.mark.serial
+# Run alone (marker serial): the tests whose searches are caught mid-way by a signal; CI runs them in a pytest call of
+# their own, after the rest runs on two processes (.ci/run). The rest share the machine: the isolated trials' tests
+# as tests/test_isolation.py's workers do (killed, hung, timed out), and the two workers on one study assert nothing
+# a load changes (tests/test_workers_under_load.py checks the same beside three CPU hogs; beside one, auto measured 6
+# of the 16 configurations in each of 3 runs, as alone).
+serial = pytest.mark.serial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = '{"n_layer": 2, "block_size": 16, "n_embd": 16, "n_head": 2, "vocab_size": 32}'
@@ -94,10 +97,11 @@ def test_a_warm_worker_killed_between_two_trials_of_a_search_costs_no_trial(tmp_
     import multiprocessing
 
     killed = []
+    before = set(multiprocessing.active_children())  # none but the search's, in a process that ran other tests too
 
     def kill_the_waiting_worker(measurement, reused):
         if len(killed) < 3:
-            for child in multiprocessing.active_children():
+            for child in set(multiprocessing.active_children()) - before:
                 os.kill(child.pid, signal.SIGKILL)
                 killed.append(child.pid)
 
@@ -137,6 +141,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+@serial
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process groups from /proc")
 def test_a_search_killed_with_sigkill_leaves_no_worker_training(tmp_path, cli):
     # SIGKILL cannot be handled: the search cannot kill its worker, so the worker must notice and exit on its own
@@ -195,6 +200,7 @@ def test_an_isolated_trial_logs_its_steps_with_verbose(capfd):
     assert err.count("fp32 segments=0 batch=2 timed step") == 2 and "warm-up (metered) step 1" in err
 
 
+@serial
 def test_search_killed_with_sigkill_resumes_without_measuring_twice(tmp_path, cli):
     storage, out = f"sqlite:///{tmp_path}/r.db", tmp_path / "r.json"
     # A search that is never killed, for its answer: on a store of its own, beside the one killed and resumed
@@ -228,6 +234,7 @@ def test_search_killed_with_sigkill_resumes_without_measuring_twice(tmp_path, cl
     assert data["recommendation"]["feasible"] and data["recommendation"]["peak_bytes"] <= 0.9 * data["budget_bytes"]
 
 
+@serial
 def test_ctrl_c_writes_a_partial_report_and_exits_130(tmp_path, cli):
     storage, out = f"sqlite:///{tmp_path}/i.db", tmp_path / "i.json"
     proc = cli(*SEARCH, "--storage", storage, "--study", "i", "--out", str(out))
@@ -246,6 +253,7 @@ def test_ctrl_c_writes_a_partial_report_and_exits_130(tmp_path, cli):
     assert resumed.search["n_reused"] == data["search"]["n_trials"] and not resumed.search["partial"]
 
 
+@serial
 @pytest.mark.parametrize("isolation", ["none", "process"])
 def test_sigterm_is_handled_as_ctrl_c_and_exits_143(tmp_path, cli, isolation):
     # torchrun, SLURM, Kubernetes and systemd stop a job with SIGTERM and a grace period.
@@ -365,6 +373,7 @@ def _ignore_ctrl_c_and_hangups() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
+@serial
 def test_the_stopping_tests_pass_under_a_runner_that_ignores_int_and_hup():
     # pytest in a child that starts with SIGINT and SIGHUP ignored, as `bash -c 'trap "" INT HUP; pytest ...'` or a
     # background job would start it; its own plugins (the cache, the benchmark plugin) off, so it writes nothing here

@@ -1,7 +1,8 @@
 """Parallel workers while CPU-bound processes compete for the cores: no crash, no duplicate, no spinning.
 
-Each case starts its workers once; each worker runs the CLI's ``main`` on RUNS fresh studies in a row
-(benchmarks/workers_under_load.py, which prints the same checks as a table, ten studies a case).
+The module starts three workers once, beside the hogs, and keeps them for every case (a case costs its studies, not
+three interpreters' start and imports): each case's two or three workers run the CLI's ``main`` on RUNS fresh
+studies in a row (benchmarks/workers_under_load.py, which prints the same checks as a table, ten studies a case).
 Before the claim protocol was one write (issue 23), three auto workers under this load crashed
 (``UpdateFinishedTrialError``) in 2 studies of 10, measured a configuration twice in 4, disagreed in
 3, and left a median of 27 trials that measured nothing per study (46 at most): two studies of auto with
@@ -15,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-from workers_under_load import cpu_hogs, run_case  # noqa: E402
+from workers_under_load import Workers, cpu_hogs, run_case  # noqa: E402
 
 # Run alone (marker serial): its workers compete with CPU hogs on purpose; CI runs these tests in a pytest call
 # of their own, after the rest runs on two processes (.ci/run).
@@ -35,15 +36,26 @@ def load():
         yield
 
 
+@pytest.fixture(scope="module")
+def pool(load):
+    """The cases' workers, started under the load by the first case; a case that fails midway ends them all, and the
+    next case starts its own (benchmarks/workers_under_load.py's Workers)."""
+    pool = Workers(3)
+    try:
+        yield pool
+    finally:
+        pool.close(kill=True)
+
+
 # Both strategies, two and three workers, the three kinds of storage (the benchmark runs every pair on SQLite).
 @pytest.mark.parametrize("strategy, workers, storage", [
     ("grid", 3, "sqlite"), ("auto", 2, "sqlite"), ("auto", 3, "journal"),
     pytest.param("auto", 3, "postgres", marks=pytest.mark.skipif(
         not POSTGRES_URL, reason="set AUTOTUNE_TEST_POSTGRES_URL (`.ci/postgres.sh` starts a server and prints it)")),
 ])
-def test_workers_under_load_never_crash_duplicate_or_spin(tmp_path, processes, load, strategy, workers, storage):
+def test_workers_under_load_never_crash_duplicate_or_spin(tmp_path, pool, strategy, workers, storage):
     checks, errors = run_case(strategy=strategy, workers=workers, runs=RUNS, storage_kind=storage,
-                              folder=str(tmp_path), postgres=POSTGRES_URL, track=processes)
+                              folder=str(tmp_path), postgres=POSTGRES_URL, pool=pool)
     for check in checks:
         assert check["codes"] == [0] * workers, (check, errors)
         assert check["running"] == 0 and check["duplicates"] == 0, check
