@@ -15,7 +15,7 @@ from autotune.analysis.pareto import (PREDICTION_TOLERANCE, batch_limits, confir
                                       prediction_fits)
 from autotune.records import PREDICTED, Config, Measurement
 from autotune.search.predicted import predict_space
-from autotune.search.strategies import AutoStrategy, GridStrategy
+from autotune.search.strategies import AutoStrategy
 
 from tests.test_strategies import BUDGET, MiB, SPACE, grid_limits, limits, linear, measure, noisy, run
 

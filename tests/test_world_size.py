@@ -198,9 +198,10 @@ def test_the_predicted_rank_is_a_real_gloo_ranks_peak_to_the_byte(tmp_path, wrap
     * Rank 1 holds 256 bytes less under FSDP2. The 101 token rows split unevenly: FSDP2 pads every rank's shard of
       the weight (and of its gradient) to 51 rows, but AdamW's two moments are made like the rank's own shard, 50
       rows on rank 1: 2 x 32 x 4 bytes less wherever the moments are live at the peak.
-    * A real rank sometimes holds more, by less than one unit's flat buffer (here a block's weights, 50,816 bytes in
+    * A real rank sometimes holds more, by one unit's flat buffer at most (here a block's weights, 50,816 bytes in
       fp32): the same configuration's peak differs between two identical real runs (up to 46,720 bytes, at batch 2,
-      on either rank, in 1 or 2 of 24 configurations a run), so it is timing, not the trial: a gloo collective runs
+      on either rank, in 1 or 2 of 24 configurations a run; once the whole 50,816, fp32 plan all batch 2 under
+      FSDP2), so it is timing, not the trial: a gloo collective runs
       on gloo's own thread and holds its buffers until it is done, where the fake group's collectives are done at
       once, so a buffer FSDP2 has let go may still be counted when the step's peak comes.
     """
@@ -224,7 +225,7 @@ def test_the_predicted_rank_is_a_real_gloo_ranks_peak_to_the_byte(tmp_path, wrap
         first, second = m.distributed["ranks"]
         assert (m.status, first["status"], second["status"], m.host_peak_bytes) == (
             p.status, p.status, p.status, p.host_peak_bytes), m.config
-        assert 0 <= first["peak_bytes"] - p.peak_bytes < unit, (m.config, first, p.peak_bytes)
-        assert -moments_row <= second["peak_bytes"] - p.peak_bytes < unit, (m.config, second, p.peak_bytes)
+        assert 0 <= first["peak_bytes"] - p.peak_bytes <= unit, (m.config, first, p.peak_bytes)
+        assert -moments_row <= second["peak_bytes"] - p.peak_bytes <= unit, (m.config, second, p.peak_bytes)
         exact += first["peak_bytes"] == p.peak_bytes
     assert exact >= len(measured.trials) // 2, exact
