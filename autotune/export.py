@@ -20,7 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from autotune.errors import UsageError
-from autotune.vocabulary import EAGER, GROWTH_INTERVAL, INIT_LOSS_SCALE, Plan
+from autotune.vocabulary import EAGER, GROWTH_INTERVAL, INIT_LOSS_SCALE, Plan, compile_mode, is_static
 
 if TYPE_CHECKING:
     from autotune.report import Report
@@ -56,7 +56,9 @@ class _Context:
     @property
     def compile_call(self) -> str:
         """The call that compiles the model as measured (after the plan is applied: autotune.apply's model)."""
-        return "model = torch.compile(model" + ("" if self.compile == "default" else f", mode={self.compile!r}") + ")"
+        mode = compile_mode(self.compile)
+        return ("model = torch.compile(model" + ("" if mode == "default" else f", mode={mode!r}")
+                + (", dynamic=False" if is_static(self.compile) else "") + ")")
 
     @property
     def block_types(self) -> list[str]:
@@ -186,8 +188,12 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
                                **({"transformer_layer_cls_to_wrap": ctx.block_types} if ctx.block_types else {})}
     if ctx.compile != EAGER:
         args["torch_compile"] = True
-        if ctx.compile != "default":
-            args["torch_compile_mode"] = ctx.compile
+        if compile_mode(ctx.compile) != "default":
+            args["torch_compile_mode"] = compile_mode(ctx.compile)
+        if is_static(ctx.compile):  # the Trainer's compile keeps the batch static while its size does not change
+            notes.append("measured compiled static (torch.compile(model, dynamic=False)) at this batch size: the "
+                         "Trainer's torch_compile builds the same graph while every batch has this size (drop the "
+                         "last, shorter batch: dataloader_drop_last=True); a batch of another size compiles again")
     return {"training_arguments": args}
 
 

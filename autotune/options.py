@@ -105,7 +105,12 @@ class Options:
         group=SPACE, metavar="MODES")
     compile: str | Sequence[str] = option(
         "none", "none,default: also search every configuration trained under torch.compile (a mode: default, "
-        "reduce-overhead, max-autotune, max-autotune-no-cudagraphs); none: eager only", group=SPACE, metavar="MODES")
+        "reduce-overhead, max-autotune, max-autotune-no-cudagraphs; MODE+static compiles for each batch size alone, "
+        "dynamic=False); none: eager only", group=SPACE, metavar="MODES")
+    static_compile: bool = option(
+        True, "skip timing a compiled recommendation again compiled static at its batch size (torch.compile(model, "
+        "dynamic=False), the graph plain torch.compile builds for a fixed batch size), beside the search's dynamic "
+        "one; the faster that fits is recommended", group=SPACE, negate="--no-static-compile")
     host_budget: str | int | None = option(
         None, "host memory offloaded activations and state may hold, such as 64GiB; a trial past it is the host's out-of-memory",
         group=SPACE, metavar="SIZE", default_text="half the host memory available when the search starts")

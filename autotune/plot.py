@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autotune.errors import UsageError
-from autotune.vocabulary import Plan, Status, Variant, plan_order
+from autotune.vocabulary import EAGER, Plan, Status, Variant, compile_label, plan_order
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
 
@@ -109,8 +109,8 @@ def memory_figure(report: Report) -> Figure:
     import numpy as np
     from matplotlib.lines import Line2D
 
-    precisions = _precisions(report) or ["fp32"]
-    fig, axes = _figure(len(precisions), width=max(4.6 * len(precisions) + 2.2, 9.0))
+    modes = _modes(report) or [("fp32", EAGER)]  # a panel per precision, and per compile mode where compiled
+    fig, axes = _figure(len(modes), width=max(4.6 * len(modes) + 2.2, 9.0))
     unit, scale = _unit(report)
     colors = _segment_colors(report)
     model = report.memory_model
@@ -120,29 +120,31 @@ def memory_figure(report: Report) -> Figure:
     blocks = (report.search.get("space") or {}).get("blocks")
     rec = report.recommendation
     budget_handles: list[Any] = []
-    for ax, p in zip(axes, precisions):
-        trials = [m for m in measured if m.precision == p]
-        for s in plan_order({m.config.plan for m in trials} | {v.plan for v in model.lines if v.precision == p}, blocks):
+    for ax, (p, c) in zip(axes, modes):
+        trials = [m for m in measured if m.config.variant.mode == (p, c)]
+        name = p if c == EAGER else f"{p} {compile_label(c)}"  # the panel's title, and its series' gids
+        for s in plan_order({m.config.plan for m in trials} | {v.plan for v in model.lines if v.mode == (p, c)}, blocks):
             kw = dict(marker=_marker(p), color=colors[s], markersize=6, linestyle="none")
             ok = [m for m in trials if m.config.plan == s and m.status == Status.OK]
             oom = [m for m in trials if m.config.plan == s and m.status == Status.OOM]
             if ok:
-                ax.plot([m.batch_size for m in ok], [m.peak_bytes / scale for m in ok], gid=f"measured:{p}:{s}", **kw)
+                ax.plot([m.batch_size for m in ok], [m.peak_bytes / scale for m in ok], gid=f"measured:{name}:{s}", **kw)
             if oom:
                 ax.plot([m.batch_size for m in oom], [m.peak_bytes / scale for m in oom], markerfacecolor="none",
-                        markeredgewidth=1.4, gid=f"oom:{p}:{s}", **kw)
-            line = model.lines.get(Variant(p, s))
+                        markeredgewidth=1.4, gid=f"oom:{name}:{s}", **kw)
+            line = model.lines.get(Variant(p, s, c))
             if line is not None and all_sizes:  # over the whole search: a one-point plan's line shows too
                 b = np.geomspace(min(all_sizes), max(all_sizes), 64)
                 ax.plot(b, (line.fixed_bytes + line.per_sample_bytes * b) / scale, linestyle="--", linewidth=1.2,
-                        color=colors[s], alpha=0.8, gid=f"fit:{p}:{s}")
+                        color=colors[s], alpha=0.8, gid=f"fit:{name}:{s}")
         budget_handles = _budget_lines(ax, report, scale, vertical=False)
-        if rec is not None and rec.precision == p and rec.peak_bytes:
+        if rec is not None and rec.config.variant.mode == (p, c) and rec.peak_bytes:
             ax.scatter([rec.batch_size], [rec.peak_bytes / scale], s=300, facecolors="none", edgecolors="crimson",
                        linewidths=2, zorder=4, gid="recommendation")
         if not trials:
-            ax.text(0.96, 0.04, f"no {p} trial measured", transform=ax.transAxes, ha="right", va="bottom", color="0.35")
-        _batch_axes(ax, all_sizes, p)
+            ax.text(0.96, 0.04, f"no {name} trial measured", transform=ax.transAxes, ha="right", va="bottom",
+                    color="0.35")
+        _batch_axes(ax, all_sizes, name)
     peaks = [m.peak_bytes / scale for m in measured] + [b / scale for b in (report.budget_bytes, *report.budgets) if b]
     if peaks:  # extrapolated fits may run off the top; the measurements and budgets decide the range
         axes[0].set_ylim(min(peaks) / 1.3, max(peaks) * 1.3)
@@ -190,6 +192,14 @@ def _precisions(report: Report) -> list[str]:
     """Precisions in the space's order, then any other a trial used."""
     space = (report.search.get("space") or {}).get("precisions") or []
     return list(dict.fromkeys([*space, *(m.precision for m in report.trials)]))
+
+
+def _modes(report: Report) -> list[tuple[str, str]]:
+    """(precision, compile mode) pairs: the precisions in :func:`_precisions`' order, each in the compile modes its
+    trials ran, eager first (eager alone where none ran: its panel says so)."""
+    modes = {p: sorted({m.config.compile for m in report.trials if m.precision == p}, key=lambda c: (c != EAGER, c))
+             for p in _precisions(report)}
+    return [(p, c) for p in modes for c in (modes[p] or [EAGER])]
 
 
 def _marker(precision: str) -> str:

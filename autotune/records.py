@@ -328,6 +328,8 @@ class PlanCheck:
     compile: str = EAGER  # the torch.compile mode both steps ran under (compiled against compiled)
     compile_diff: float | None = None  # compiled: the step without a plan against the same step eager (what compile
     # itself changes, the scale a plan's own difference is judged on); for plan 0, the compile check's one figure
+    compiles: int | None = None  # compiled: the graphs dynamo compiled for this check's steps (plan 0: the reference
+    # and its second run), its batch dimension dynamic as in a trial: the search's fp32 trials of the plan reuse them
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "plan", Plan(self.plan))

@@ -8,11 +8,12 @@
             -> search -> SearchResult     trials in the Optuna study (autotune.search.loop)
             -> analyse -> Report          front, limits and recommendation derive from the trials
             -> exact_limit -> Report      --exact-limit: the recommended variant's limit made exact by real trials
+            -> static_compile -> Report   a compiled recommendation timed again compiled for its batch size alone
             -> probe -> Report            the best candidates train an epoch over a slice of the data
             -> compare_library -> Report  the library's own checkpointing beside autotune's plan
 
 A dry run (``--dry-run``) predicts instead of searching (:mod:`autotune.dry_run`) and stops after the analysis.
-The first three stages live in :mod:`autotune.preparation`; where trials, probe candidates and
+The first three stages live in :mod:`autotune.preparation`, the two after the analysis in :mod:`autotune.refine`; where trials, probe candidates and
 plan checks run (this process, a worker, every rank) is the Target's venue, chosen once in
 ``resolve``.
 
@@ -33,13 +34,14 @@ from autotune.device import resolve_device
 from autotune.errors import Interrupted, first_line
 from autotune.options import Options
 from autotune.preparation import ModelFacts, Study, Target, floor_facts, plan_study, preflight, resolve
-from autotune.analysis.pareto import LineRule, bisect_limit, probe_candidates
+from autotune.analysis.pareto import LineRule, probe_candidates
 from autotune.dry_run import predict, with_dry_run
-from autotune.vocabulary import ALL, EAGER, Plan, Variant
+from autotune.refine import exact_limit, static_compile
+from autotune.vocabulary import ALL, Plan
 from autotune.execution.predict import fake_buildable, fake_tensors
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
-from autotune.records import Config, Measurement, ProbeResult, completed, usable_bytes
+from autotune.records import Config, Measurement, ProbeResult
 from autotune.report import Report
 from autotune.search.space import SearchSpace
 from autotune.search.loop import SearchInterrupted, SearchResult, run_search
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
     from autotune.execution.job import Job
 
 __all__ = ["tune", "run", "Target", "ModelFacts", "Study", "resolve", "preflight", "plan_study", "search", "analyse",
-           "exact_limit", "probe", "compare_library"]
+           "exact_limit", "static_compile", "probe", "compare_library"]
 
 
 def tune(model: str | type | Callable[[], nn.Module], *, progress: Any = None,
@@ -117,6 +119,7 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
         report = _with_floor(report, target, facts)
         try:
             report = exact_limit(report, target, study, events)
+            report = static_compile(report, target, study, events)
             report = probe(report, target, study, events)
             return compare_library(report, target, facts, study)
         except KeyboardInterrupt:
@@ -232,61 +235,6 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             **target.job.describe(), "isolation": "each rank's trial in its own process (--isolation none)",
             "batch_size": "per rank (micro-batch); samples/s count every rank's"},
     )
-
-
-# -- stage 5b: the recommended variant's limit, exact --------------------------------------------------------------
-
-
-def exact_limit(report: Report, target: Target, study: Study, events: "_Events") -> Report:
-    """Stage 5b (``--exact-limit``): the recommended variant's limit made exact by real trials, and the recommendation
-    reconsidered at it.
-
-    Between the largest batch that fits and the smallest that does not (measured, or implied by a memory line or a
-    plan that needs no more), memory trials bisect in steps of ``--batch-multiple``, and the size above the limit is
-    measured failing. The largest size within the budget less its headroom is found the same way and timed, so the
-    recommendation considers training at it. These trials are the report's, not the study's (their sizes are not
-    the space's): workers sharing a study each run them, and a resumed search runs them again.
-    """
-    rec = report.recommendation
-    if rec is None or not target.searching.exact_limit:
-        return report
-    row = next(r for r in report.limits if Variant(r["precision"], r["segments"], r.get("compile", EAGER)) == rec.config.variant)
-    lo, hi = row["max_batch_size"], row["min_oom_batch_size"]
-    step = target.searching.batch_multiple
-    measured = {m.config: m for m in report.trials}
-    if lo is None or hi is None or (hi - lo <= step and rec.config.variant.at(hi) in measured):
-        return report  # the space's top fits, or the limit is exact and measured already
-    added: list[Measurement] = []
-
-    def run(b: int, timed: bool = False, metered: bool = True) -> Measurement:
-        config = rec.config.variant.at(b)
-        if config in measured and not timed:
-            return measured[config]
-        events.trial_started(config)
-        m = target.venue.run(study.workload, TrialWork(config, target.trial_settings, target.budget.enforced,
-                                                       timed=timed, metered=metered))
-        if timed and target.venue.slows_steps:
-            m = completed(measured[config], m, None)  # the memory trial's peaks, this run's steps
-        measured[config] = m
-        added.append(m)
-        events.trial_done(m, False)
-        return m
-
-    limit, above = bisect_limit(lambda b: run(b).fits(target.budget.bytes), lo, hi, step)
-    run(above)  # measured failing, not implied
-    # The recommendation leaves headroom: the largest size within it, bisected from the trials so far, is timed
-    usable = usable_bytes(target.budget.bytes, target.budget.headroom)
-    sizes = {c.batch_size: m for c, m in measured.items() if c.variant == rec.config.variant}
-    lo_usable = max(b for b, m in sizes.items() if m.fits(usable))  # the recommendation's own size at least
-    hi_usable = min(b for b, m in sizes.items() if b > lo_usable and not m.fits(usable))  # the limit's next at most
-    best, _ = bisect_limit(lambda b: run(b).fits(usable), lo_usable, hi_usable, step)
-    if measured[rec.config.variant.at(best)].memory_only:
-        run(best, timed=True, metered=not target.venue.slows_steps)
-    kept = {m.config: m for m in report.trials} | {m.config: m for m in added}  # a timing replaces its memory trial
-    return dataclasses.replace(report, trials=tuple(kept.values()), search={
-        **report.search, "exact_limit": {"precision": rec.precision, "segments": str(rec.config.plan), "max_batch_size": limit,
-                                         "min_oom_batch_size": above, "max_batch_size_within_headroom": best,
-                                         "batch_multiple": step, "trials": len(added)}})
 
 
 # -- stage 6: the probe ------------------------------------------------------------------------------------------

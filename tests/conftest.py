@@ -19,14 +19,14 @@ TINY_GPT = {"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_si
 
 
 # The modules that take longest on CI's two processes, most first (after each, its CPU seconds in one run of
-# `-m "not serial"`; for test_compile.py, on its way, an estimate). pytest-xdist's loadscope hands modules out by
+# `-m "not serial"`; test_compile.py's alone). pytest-xdist's loadscope hands modules out by
 # test count, most first, which left modules of few but slow tests (test_integrations, test_world_size,
 # test_end_to_end) to the end, where one process finished its last module alone while the other sat idle. Here the
 # processes take these modules first, then the rest in file order, where the quick ones even out the end. A module
 # missing here only runs later; a list out of date costs seconds, never a test.
 SLOWEST_FIRST = ("test_dry_run.py",  # 148
-                 "test_compile.py",  # 60-90
                  "test_reliability.py",  # 75: the tests not marked serial
+                 "test_compile.py",  # 50
                  "test_zoo.py",  # 49
                  "test_integrations.py",  # 36
                  "test_isolation.py",  # 35

@@ -453,3 +453,28 @@ class CompileHangs(nn.Module):
 
     def example_batch(self, batch_size):
         return torch.randn(batch_size, 4)
+
+
+class _NormedBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin, self.norm, self.drop = nn.Linear(width, width), nn.BatchNorm1d(width), nn.Dropout(0.25)
+
+    def forward(self, x):
+        return x + self.drop(torch.relu(self.norm(self.lin(x))))
+
+
+class BatchNormDropout(nn.Module):
+    """Two residual blocks with BatchNorm (running statistics: buffers a recompute must not move twice) and dropout
+    (random masks a recompute must draw again alike): small enough to compile in seconds."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_NormedBlock(width), _NormedBlock(width))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x)).square().mean()
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 8)

@@ -32,6 +32,19 @@ def test_compare_steps():
     assert compare_steps(a, {"loss": torch.tensor(1.0)})[2] == "grad:w"  # a gradient missing on one side
 
 
+def test_a_difference_in_a_gradient_that_is_rounding_noise_is_measured_against_the_models_gradients():
+    # ResNetish's convolution weights before a batch norm: gradients about 1e-6 of the model's largest, which compiling
+    # changes by a quarter of their own size. Measured against 1e-3 of the largest gradient, not their own size.
+    a = {"loss": torch.tensor(2.0), "grad:w": torch.tensor([0.25, -0.1]), "grad:scale_invariant": torch.tensor([1e-6])}
+    b = {**a, "grad:scale_invariant": torch.tensor([1.25e-6])}
+    rel, diff, where = compare_steps(a, b)
+    assert where == "grad:scale_invariant" and abs(diff - 0.25e-6) < 1e-12
+    assert abs(rel - 0.25e-6 / (1e-3 * 0.25)) < 1e-9
+    c = {**a, "grad:w": torch.tensor([0.25, -0.05])}  # a gradient of real size: its own largest entry
+    rel, diff, where = compare_steps(a, c)
+    assert where == "grad:w" and abs(rel - 0.05 / 0.25) < 1e-6 and abs(diff - 0.05) < 1e-6
+
+
 def test_the_tuner_drops_a_plan_that_differs_says_so_and_keeps_the_checks(tmp_path, caplog):
     common = dict(device="cpu", budget="64MiB", precisions="fp32", segments="0,all", batch_sizes="1,2",
                   measure_steps=1, storage=f"sqlite:///{tmp_path}/s.db", study="s", probe=False)

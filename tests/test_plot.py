@@ -191,3 +191,19 @@ def test_missing_matplotlib_is_a_usage_error(tmp_path, monkeypatch, quickstart):
     with pytest.raises(UsageError, match="pip install matplotlib"):
         write_plots(quickstart, tmp_path / "r.json")
     assert not list(tmp_path.iterdir())
+
+
+def test_compiled_trials_get_panels_of_their_own():
+    # Eager and compiled trials of one precision hold other memory: one panel per precision and compile mode, each
+    # with its own trials and memory lines (results/compile-TinyGPT-cpu.json: fp32 and bf16, eager and compiled).
+    report = load("compile-TinyGPT-cpu.json")
+    fig = memory_figure(report)
+    assert [ax.get_title() for ax in fig.axes] == ["fp32", "fp32 compiled", "bf16", "bf16 compiled"]
+    for ax, (precision, compile) in zip(fig.axes, [("fp32", "none"), ("fp32", "default"), ("bf16", "none"),
+                                                   ("bf16", "default")]):
+        name = ax.get_title()
+        for plan in ("0", "all"):
+            measured = by_gid(ax, f"measured:{name}:{plan}")[f"measured:{name}:{plan}"]
+            trials = sorted((m.batch_size, m.peak_bytes / MiB) for m in report.trials if m.status == "ok"
+                            and (m.precision, m.config.compile, str(m.config.plan)) == (precision, compile, plan))
+            np.testing.assert_allclose(np.column_stack([measured.get_xdata(), measured.get_ydata()]), trials)

@@ -63,6 +63,7 @@ class Searching:
     n_trials: int | None  # --strategy optuna's trial budget
     batch_multiple: int  # exact limits in steps of this (--batch-multiple, else the device's)
     exact_limit: bool  # stage 5b: the recommended variant's limit made exact by real trials
+    static_compile: bool  # stage 5c: a compiled recommendation timed again compiled static (--no-static-compile)
     probe: ProbeSettings | None  # None: --no-probe
     target_batch_size: int | None
     compare_library: bool
@@ -142,7 +143,7 @@ def _searching(options: Options, device: torch.device) -> Searching:
         require_compiler(device)
     return Searching(
         options.batch_sizes, options.segments, options.offload, options.compile, options.strategy, options.n_trials,
-        batch_multiple(options.batch_multiple, device), options.exact_limit,
+        batch_multiple(options.batch_multiple, device), options.exact_limit, options.static_compile,
         options.probe_settings if options.probe else None, options.target_batch_size, options.compare_library,
         options.dry_run, options.parallel, options.world_size)
 

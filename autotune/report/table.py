@@ -171,6 +171,14 @@ def _recommendation_lines(report: Any) -> list[str]:
     way = f", {compile_label(rec.config.compile)} (torch.compile)" if rec.config.compiled else ""
     lines = [f"recommendation: {rec.precision}, segments {rec.config.plan}{way}, batch size {rec.batch_size}: "
              f"{speed:.1f} samples/s, {where} {format_bytes(peak)}{share}"]
+    static = report.search.get("static_compile")
+    if static and static.get("static_over_dynamic"):
+        lines.append(f"compiled static (dynamic=False) at batch {static['batch_size']}: step "
+                     f"{static['static_over_dynamic']:.3f}x the dynamic graph's ({static['static_step_s']:.4g} s against "
+                     f"{static['dynamic_step_s']:.4g} s, run one after the other), peak "
+                     f"{format_bytes(static['static_peak_bytes'])} against {format_bytes(static['dynamic_peak_bytes'])}")
+    elif static:
+        lines.append(f"compiled static (dynamic=False) at batch {static['batch_size']}: {static['static_status']}")
     accumulation = report.accumulation
     if accumulation and accumulation["target_batch_size"]:
         ranks = f" x {accumulation['world_size']} ranks" if accumulation.get("world_size", 1) > 1 else ""

@@ -24,7 +24,7 @@ from autotune._log import logger
 from autotune.plans.checkpointing import Chain, apply_plan
 from autotune.errors import UsageError
 from autotune.training.compiled import compile_model
-from autotune.vocabulary import EAGER, CheckStatus, Plan
+from autotune.vocabulary import EAGER, CheckStatus, Plan, compile_mode
 from autotune.training.precision import get_mode, keep_in_fp32
 from autotune.records import GuardRails, Measurement, accumulation_plan
 from autotune.device import autocast_type
@@ -168,7 +168,7 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
         first = next(model.parameters(), None)
         device_type = autocast_type(first.device) if first is not None else "cpu"
     plan = Plan(fields["segments"])
-    _require_checked(plan, source.checks, fields.get("compile") or EAGER)
+    _require_checked(plan, source.checks, compile_mode(fields.get("compile") or EAGER))  # +static: its mode's check
     chain = Chain.from_dict(source.chain) if source.chain else None
     missing = [path for path in (chain.blocks if chain else ()) if not _has_submodule(model, path)]
     if missing:

@@ -26,7 +26,7 @@ from torch import nn
 
 from autotune.device import autocast_type
 from autotune.errors import UsageError, first_line
-from autotune.vocabulary import EAGER
+from autotune.vocabulary import EAGER, compile_mode, is_static
 
 __all__ = ["compile_model", "CompileCount", "compiling", "CompileFailed", "compile_failure", "cxx_compiler",
            "require_compiler", "mark_batch_dynamic"]
@@ -39,11 +39,13 @@ class CompileFailed(RuntimeError):
     fails, the eager one stands."""
 
 
-def compile_model(model: nn.Module, mode: str) -> nn.Module:
-    """``torch.compile(model)`` in ``mode`` (``default``: torch's default); ``none``: the model itself."""
-    if mode == EAGER:
+def compile_model(model: nn.Module, value: str) -> nn.Module:
+    """``torch.compile(model)`` in the compile value's mode (``default``: torch's default; ``MODE+static``:
+    ``dynamic=False``, one graph per batch size); ``none``: the model itself."""
+    if value == EAGER:
         return model
-    return torch.compile(model, mode=None if mode == "default" else mode)
+    mode = compile_mode(value)
+    return torch.compile(model, mode=None if mode == "default" else mode, dynamic=False if is_static(value) else None)
 
 
 def mark_batch_dynamic(batch: Any, batch_size: int) -> None:
