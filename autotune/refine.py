@@ -91,11 +91,17 @@ def static_compile(report: Report, target: Target, study: Study, events: Any) ->
     its kernels to the size) and hold other memory. The static trial joins the report's trials, the search's
     configuration its second timing (pooled with the search's, as a near tie's is), so the recommendation is the
     static one where that is faster and fits within the headroom. ``search.static_compile`` keeps the two runs side by
-    side.
+    side. Where the data's batches may differ in shape (``--data``, its profile's ``shapes_vary``), a static graph
+    would compile again for each: the stage is skipped, with a notice.
     """
     rec = report.recommendation
     if rec is None or not rec.config.compiled or is_static(rec.config.compile) or not target.searching.static_compile:
         return report
+    if (target.data_profile or {}).get("shapes_vary"):
+        notice = ("the compiled recommendation was not timed static (dynamic=False): the batches of --data may differ "
+                  "in shape, and a static graph compiles again for every new shape")
+        logger.info(notice)
+        return dataclasses.replace(report, notices=report.notices + (notice,))
     static = dataclasses.replace(rec.config, compile=static_of(rec.config.compile))
     logger.info("timing %s again compiled static (dynamic=False) at batch %d, beside the search's dynamic graph",
                 rec.config, rec.batch_size)

@@ -222,3 +222,29 @@ def test_a_static_compile_is_named_mode_plus_static():
     for bad in ("none+static", "fastest+static"):
         with pytest.raises(autotune.UsageError, match="unknown --compile mode"):
             parse_compile(bad)
+
+
+def test_a_warm_worker_keeps_its_compiled_graph_from_trial_to_trial(tmp_path, cheap_compile):
+    # --isolation process: the plan check and the trials run in a worker process kept warm; the graph compiled there
+    # serves the next batch sizes (the "compiles" of a later trial is 0), as in one process.
+    search = {**SEARCH, "segments": "0", "batch_sizes": "2,4,8", "compile": "default", "isolation": "process"}
+    report = autotune.tune("tests.models:NoChain", storage=f"sqlite:///{tmp_path}/s.db", **search)
+    compiled = sorted(report.trials, key=lambda m: m.batch_size)
+    assert [m.status for m in compiled] == ["ok"] * 3, [m.error for m in compiled]
+    assert report.search["workers_started"] == 1, report.search
+    assert [m.compiles for m in compiled][1:] == [0, 0], [(m.batch_size, m.compiles) for m in compiled]
+
+
+def test_no_static_timing_where_the_datas_batches_differ_in_shape():
+    # A static graph compiles again for every new shape: with --data whose batches may differ in shape (its profile's
+    # shapes_vary), the stage leaves the report as searched and says why. No trial runs (no venue is needed).
+    from types import SimpleNamespace
+
+    from autotune.refine import static_compile
+
+    report = autotune.load(os.path.join(os.path.dirname(__file__), os.pardir, "results", "compile-TinyGPT-cpu.json"))
+    assert report.recommendation.config.compiled
+    target = SimpleNamespace(data_profile={"shapes_vary": True}, searching=SimpleNamespace(static_compile=True))
+    out = static_compile(report, target, study=None, events=None)
+    assert out.trials == report.trials and "static_compile" not in out.search
+    assert any("not timed static" in n and "differ in shape" in n for n in out.notices), out.notices
