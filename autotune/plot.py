@@ -68,6 +68,10 @@ def pareto_figure(report: Report) -> Figure:
                 ax.scatter([m.peak_bytes / scale for m in sel], [m.samples_per_s for m in sel], s=45 if on_front else 30,
                            marker=_marker(p), c=[colors[m.config.plan] for m in sel], alpha=alpha, edgecolors=edge,
                            linewidths=0.8, zorder=3 if on_front else 2, gid=f"{'front' if on_front else 'trials'}:{p}")
+    compiled = [m for m in fits if m.config.compiled]
+    if compiled:  # a compiled configuration: a dot inside its marker
+        ax.scatter([m.peak_bytes / scale for m in compiled], [m.samples_per_s for m in compiled], marker=".", s=18,
+                   color="black", zorder=3.5, gid="compiled")
     if report.pareto:
         ax.plot([m.peak_bytes / scale for m in report.pareto], [m.samples_per_s for m in report.pareto],
                 drawstyle="steps-post", color="black", linewidth=1.2, zorder=2.5, gid="front")
@@ -92,13 +96,16 @@ def pareto_figure(report: Report) -> Figure:
     ax.grid(True, which="major", alpha=0.3)
     ax.set_title(_title(report, "throughput vs peak memory"))
     if rec is not None and rec.peak_bytes and rec.samples_per_s is not None:  # after the limits: it reads them
-        _annotate(ax, rec.peak_bytes / scale, rec.samples_per_s, f"{rec.precision}, seg {rec.config.plan}, batch "
+        way = f", {compile_label(rec.config.compile)}" if rec.config.compiled else ""
+        _annotate(ax, rec.peak_bytes / scale, rec.samples_per_s, f"{rec.precision}, seg {rec.config.plan}{way}, batch "
                   f"{rec.batch_size}\n{rec.samples_per_s:.1f} samples/s, {format_bytes(rec.peak_bytes)}")
     _legend(ax, _style_handles(report, colors)
           + ([Line2D([], [], color="black", marker="o", markeredgecolor="black", markerfacecolor="0.8",
                      label="Pareto front")] if report.pareto else [])
           + ([Line2D([], [], linestyle="none", marker="x", color="0.45", label="did not fit (OOM: on the floor)")]
              if over else [])
+          + ([Line2D([], [], linestyle="none", marker=".", color="black", label="compiled (a dot inside the marker)")]
+             if compiled else [])
           + budget_handles + _ring_handle(rec))
     return fig
 

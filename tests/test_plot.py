@@ -207,3 +207,10 @@ def test_compiled_trials_get_panels_of_their_own():
             trials = sorted((m.batch_size, m.peak_bytes / MiB) for m in report.trials if m.status == "ok"
                             and (m.precision, m.config.compile, str(m.config.plan)) == (precision, compile, plan))
             np.testing.assert_allclose(np.column_stack([measured.get_xdata(), measured.get_ydata()]), trials)
+    # The throughput plot marks each compiled configuration that fits with a dot inside its marker
+    ax = pareto_figure(report).axes[0]
+    dots = by_gid(ax, "compiled")["compiled"].get_offsets()
+    fits = sorted((m.peak_bytes / MiB, m.samples_per_s) for m in report.trials
+                  if m.config.compiled and m.fits(report.budget_bytes) and m.samples_per_s)
+    np.testing.assert_allclose(sorted(map(tuple, dots)), fits)
+    assert "compiled (a dot inside the marker)" in [t.get_text() for t in ax.get_legend().get_texts()]
