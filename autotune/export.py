@@ -56,9 +56,8 @@ class _Context:
     @property
     def compile_call(self) -> str:
         """The call that compiles the model as measured (after the plan is applied: autotune.apply's model)."""
-        mode = compile_mode(self.compile)
-        return ("model = torch.compile(model" + ("" if mode == "default" else f", mode={mode!r}")
-                + (", dynamic=False" if is_static(self.compile) else "") + ")")
+        mode = compile_mode(self.compile)  # a static measurement too: see STATIC_NOTE
+        return "model = torch.compile(model" + ("" if mode == "default" else f", mode={mode!r}") + ")"
 
     @property
     def block_types(self) -> list[str]:
@@ -94,6 +93,14 @@ def parse_frameworks(text: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+# A static measurement (MODE+static) is trained with plain torch.compile: at one batch size it builds the same graph
+# as dynamic=False, and where a batch of another size comes it compiles one dynamic graph, not one more per size.
+STATIC_NOTE = ("measured compiled static (torch.compile(model, dynamic=False)) at batch size {batch}: plain "
+               "torch.compile builds that graph while every batch has this size, so drop the last, shorter batch "
+               "({drop}); a batch of another size compiles again (a dynamic graph, slower or faster: the report's "
+               "search.static_compile compares the two)")
+
+
 def export(report: Report, framework: str) -> dict[str, Any]:
     """Return ``report``'s recommendation as ``framework``'s configuration, a JSON-safe dict with ``notes``."""
     if framework not in FRAMEWORKS:
@@ -124,6 +131,9 @@ def export(report: Report, framework: str) -> dict[str, Any]:
         notes.append(f"measured compiled: {ctx.compile_call} after the checkpoint plan is applied (autotune.apply(model, "
                      f"report) compiles run.model so), before the framework wraps it"
                      + ("; in a LightningModule, compile in configure_model" if framework == "lightning" else ""))
+    if is_static(ctx.compile):
+        notes.append(STATIC_NOTE.format(batch=rec.batch_size, drop="dataloader_drop_last=True" if framework == "hf"
+                                        else "DataLoader(..., drop_last=True)"))
     notes += _common_notes(ctx, report, framework)
     if accumulation.get("lr_note"):
         notes.append(accumulation["lr_note"])
@@ -190,10 +200,6 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         args["torch_compile"] = True
         if compile_mode(ctx.compile) != "default":
             args["torch_compile_mode"] = compile_mode(ctx.compile)
-        if is_static(ctx.compile):  # the Trainer's compile keeps the batch static while its size does not change
-            notes.append("measured compiled static (torch.compile(model, dynamic=False)) at this batch size: the "
-                         "Trainer's torch_compile builds the same graph while every batch has this size (drop the "
-                         "last, shorter batch: dataloader_drop_last=True); a batch of another size compiles again")
     return {"training_arguments": args}
 
 

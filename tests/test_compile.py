@@ -7,6 +7,7 @@ module-scoped fixture, its inductor cache in a temporary directory) and reads ev
 import os
 
 import pytest
+import torch
 
 import autotune
 from autotune.execution import spawn as isolation
@@ -203,9 +204,22 @@ def test_a_compiled_recommendation_is_timed_again_static_and_the_faster_that_fit
     static_only = autotune.Report.from_dict({**data, "trials": [t for t in data["trials"] if t["compile"] == "default+static"]})
     run = autotune.apply(NoChain(), {**data, "recommendation": static.to_dict()})
     assert run.compile == "default+static"
-    assert any("torch.compile(model, dynamic=False)" in note for note in export(static_only, "lightning")["notes"])
+    # Trained with plain torch.compile (docs/compile.md): a batch of another size compiles one dynamic graph, and a
+    # third size none (dynamic=False would compile a graph for every size)
+    from autotune.training.compiled import CompileCount
+
+    graphs = []
+    for size in (static.batch_size, 3, 5):
+        count = CompileCount().start()
+        run.model(torch.randn(size, 16)).backward()
+        graphs.append(count.graphs)
+    assert graphs[2] == 0, graphs
+    notes = export(static_only, "lightning")["notes"]
+    assert any(f"compiled static (torch.compile(model, dynamic=False)) at batch size {static.batch_size}" in note
+               and "drop_last=True" in note for note in notes), notes
     hf = export(static_only, "hf")
     assert hf["training_arguments"]["torch_compile"] is True and "torch_compile_mode" not in hf["training_arguments"]
+    assert any("dataloader_drop_last=True" in note for note in hf["notes"]), hf["notes"]
 
     skipped = autotune.tune("tests.models:NoChain", storage=f"sqlite:///{tmp_path}/s.db",
                             **{**search, "static_compile": False})

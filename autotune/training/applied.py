@@ -183,7 +183,9 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
                       accumulation_steps=int(accumulation.get("accumulation_steps") or 1))
     mode = fields.get("compile") or EAGER
     if mode != EAGER:  # measured compiled: train the compiled model, the plan inside it (run.model; same parameters)
-        applied.model, applied.compile = compile_model(model, mode), mode
+        # MODE+static: plain torch.compile, whose graph at a fixed batch size is the static one measured, and which
+        # compiles one dynamic graph where another size comes, not one graph per size (export.STATIC_NOTE)
+        applied.model, applied.compile = compile_model(model, compile_mode(mode)), mode
     return applied
 
 
