@@ -17,7 +17,7 @@ from autotune._log import logger
 from autotune.analysis.pareto import bisect_limit
 from autotune.execution.trial import TrialWork
 from autotune.preparation import Study, Target
-from autotune.records import Measurement, completed, retimed, usable_bytes
+from autotune.records import Measurement, completed, usable_bytes
 from autotune.report import Report
 from autotune.vocabulary import EAGER, Status, Variant, compile_label, is_static, static_of
 
@@ -88,9 +88,10 @@ def static_compile(report: Report, target: Target, study: Study, events: Any) ->
 
     The search's compiled trials mark the batch dimension dynamic, so that one graph serves every batch size. Training
     at one batch size, plain ``torch.compile(model)`` builds a static graph, which can be faster (inductor specialises
-    its kernels to the size) and hold other memory. The static trial joins the report's trials, the search's
-    configuration its second timing (pooled with the search's, as a near tie's is), so the recommendation is the
-    static one where that is faster and fits within the headroom. ``search.static_compile`` keeps the two runs side by
+    its kernels to the size) and hold other memory. The static trial joins the report's trials, and the search's
+    configuration keeps its memory figures with the timing run beside it (not pooled with the search's older one:
+    the two runs side by side decide), so the recommendation is the static one where that is faster and fits within
+    the headroom. ``search.static_compile`` keeps the two runs side by
     side. Where the data's batches may differ in shape (``--data``, its profile's ``shapes_vary``), a static graph
     would compile again for each: the stage is skipped, with a notice.
     """
@@ -113,8 +114,8 @@ def static_compile(report: Report, target: Target, study: Study, events: Any) ->
         events.trial_done(runs[metered], False)
     dynamic, fixed = runs[False], runs[True]
     kept = {m.config: m for m in report.trials} | {fixed.config: fixed}
-    if dynamic.status == Status.OK:
-        kept[rec.config] = retimed(kept[rec.config], dynamic)
+    if dynamic.status == Status.OK:  # the two timed side by side decide between them, not one pooled with an older run
+        kept[rec.config] = completed(kept[rec.config], dynamic, None)
     side = {"precision": rec.precision, "segments": str(rec.config.plan), "batch_size": rec.batch_size,
             "compile": rec.config.compile, "static": static.compile,
             "dynamic_step_s": dynamic.step_s, "static_step_s": fixed.step_s, "static_peak_bytes": fixed.peak_bytes,

@@ -8,6 +8,9 @@ region, per-step allocated peaks, an OOM's held and needed bytes, the NVML devic
 bf16 offered only with hardware support, a device-side assert recorded as ``crashed``, activation
 offload's device and host peaks, copy rate and step time against the same plans without it.
 
+Section 7 runs a compiled search (``--compile none,default``): every configuration eager and compiled, measured by
+the CUDA meter, at most 2 graphs per variant, no graph break, the static re-timing of a compiled recommendation.
+
 Section 6 checks the model of the caching allocator (autotune/meters/caching_allocator.py): raw allocation
 patterns replayed against the real allocator in a fresh process (exact), then every configuration the sections
 above measured, predicted under fake tensors with a traced tensor meter and replayed, against its measured
@@ -159,6 +162,7 @@ def main() -> int:
 
     offload_checks(dev, names)
     prediction_checks(dev)
+    compile_checks(names)
 
     print("4. A small tune: isolated trials (the CUDA default), then the probe on token_dataset")
     start = time.monotonic()
@@ -189,6 +193,44 @@ def main() -> int:
     report.to_json(os.path.join(out, "gpu_check.json"))
     print(json.dumps({"failures": failures}))
     return 1 if failures else 0
+
+
+def compile_checks(names: list[str]) -> None:
+    """Section 7: compiled training on CUDA, every configuration eager and compiled, measured by the CUDA meter (the
+    caching allocator sees what compiled kernels allocate), one graph per variant, no graph break, the static
+    re-timing of a compiled recommendation."""
+    print("7. Compiled training: --compile none,default on TinyGPT (4 blocks, width 128, 64 tokens), grid")
+    precisions = ",".join(p for p in ("fp32", "bf16") if p in names)
+    start = time.monotonic()
+    report = autotune.tune("autotune.examples:TinyGPT", model_kwargs={"n_layer": 4, "n_embd": 128, "block_size": 64},
+                           device="cuda", budget="4GiB", precisions=precisions, segments="0,all", batch_sizes="8,16,32",
+                           strategy="grid", compile="none,default", probe=False, compare_library=False,
+                           storage="sqlite:///gpu_check.db", study=f"gpu-check-compile-{int(time.time())}")
+    print(report.table())
+    print(f"  tune took {time.monotonic() - start:.1f} s")
+    trials = {(m.config.variant, m.batch_size): m for m in report.trials if not m.config.compile.endswith("+static")}
+    compiled = [m for m in trials.values() if m.config.compiled]
+    check(all(m.status == "ok" for m in report.trials), "every configuration ran, eager and compiled")
+    check(len(compiled) * 2 == len(trials), "every configuration measured both ways")
+    check(all(m.memory_source == "cuda" and m.peak_allocated_bytes for m in compiled),
+          "compiled trials measured by the CUDA meter (allocated, reserved and NVML)")
+    checks = {str(c.plan): c.compiles or 0 for c in report.plan_checks if c.compile == "default"}
+    for variant in {m.config.variant for m in compiled}:
+        graphs = sum(m.compiles or 0 for m in compiled if m.config.variant == variant)
+        graphs += checks.get(str(variant.plan), 0) if variant.precision == "fp32" else 0  # the fp32 check's graph
+        breaks = max(m.graph_breaks or 0 for m in compiled if m.config.variant == variant)
+        print(f"  {variant}: {graphs} graphs compiled, {breaks} graph breaks")
+        check(graphs <= 2, f"{variant}: at most 2 graphs compiled")
+    check(all(m.graph_breaks == 0 for m in compiled), "no graph break in any compiled trial")
+    for m in compiled:  # compiled against eager, the same configuration
+        eager = trials[(m.config.variant._replace(compile="none"), m.batch_size)]
+        print(f"  {m.config}: allocated {m.peak_allocated_bytes / MiB:.1f} MiB compiled, "
+              f"{eager.peak_allocated_bytes / MiB:.1f} MiB eager; {m.samples_per_s:.0f} against "
+              f"{eager.samples_per_s:.0f} samples/s")
+    rec = report.recommendation
+    if rec is not None and rec.config.compiled:
+        check("static_compile" in report.search, "a compiled recommendation was re-timed static")
+        print(f"  static re-timing: {report.search.get('static_compile')}")
 
 
 def offload_checks(dev: torch.device, names: list[str]) -> None:
