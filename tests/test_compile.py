@@ -51,10 +51,13 @@ def searched(tmp_path_factory):
 
 
 def _cheap_inductor(patch: pytest.MonkeyPatch, cache) -> None:
-    """Inductor's cache in ``cache``; scalar kernels, no precompiled header, no pool of compile workers."""
+    """Inductor's cache in ``cache``; scalar kernels, no precompiled header, no pool of compile workers (here, and
+    by the environment in a worker process this test starts)."""
     import torch._inductor.config as inductor
 
     patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    for name, value in (("VEC_ISA_OK", "0"), ("CPP_CACHE_PRECOMPILE_HEADERS", "0"), ("COMPILE_THREADS", "1")):
+        patch.setenv(f"TORCHINDUCTOR_{name}", value)
     patch.setattr(inductor.cpp, "vec_isa_ok", False)
     patch.setattr(inductor, "cpp_cache_precompile_headers", False)
     patch.setattr(inductor, "compile_threads", 1)
@@ -181,10 +184,15 @@ def test_a_compile_mode_is_one_of_torch_compiles():
 
 
 def test_a_compiled_recommendation_is_timed_again_static_and_the_faster_that_fits_is_recommended(tmp_path, cheap_compile):
-    # A model that compiles in seconds: the search's compiled trials share one dynamic graph, the stage after the
-    # analysis times the recommendation's configuration again beside a static graph at its batch size.
-    search = {**SEARCH, "segments": "0", "batch_sizes": "4,8", "compile": "default", "static_compile": True}
+    # A model that compiles in seconds, in a worker process kept warm (--isolation process): the plan check and the
+    # search's compiled trials share one dynamic graph there (later batch sizes compile nothing), and the stage after
+    # the analysis times the recommendation's configuration again beside a static graph at its batch size.
+    search = {**SEARCH, "segments": "0", "batch_sizes": "2,4,8", "compile": "default", "static_compile": True,
+              "isolation": "process"}
     report = autotune.tune("tests.models:NoChain", storage=f"sqlite:///{tmp_path}/s.db", **search)
+    searched = sorted((m for m in report.trials if m.config.compile == "default"), key=lambda m: m.batch_size)
+    assert [m.status for m in searched] == ["ok"] * 3 and report.search["workers_started"] == 1, report.search
+    assert [m.compiles for m in searched][1:] == [0, 0], [(m.batch_size, m.compiles) for m in searched]
     side = report.search["static_compile"]
     dynamic = next(m for m in report.trials if m.config.compile == "default" and m.batch_size == side["batch_size"])
     static = [m for m in report.trials if m.config.compile == "default+static"]
@@ -222,7 +230,7 @@ def test_a_compiled_recommendation_is_timed_again_static_and_the_faster_that_fit
     assert any("dataloader_drop_last=True" in note for note in hf["notes"]), hf["notes"]
 
     skipped = autotune.tune("tests.models:NoChain", storage=f"sqlite:///{tmp_path}/s.db",
-                            **{**search, "static_compile": False})
+                            **{**search, "static_compile": False, "isolation": "none"})
     assert "static_compile" not in skipped.search and all(m.config.compile == "default" for m in skipped.trials)
 
 
@@ -236,17 +244,6 @@ def test_a_static_compile_is_named_mode_plus_static():
     for bad in ("none+static", "fastest+static"):
         with pytest.raises(autotune.UsageError, match="unknown --compile mode"):
             parse_compile(bad)
-
-
-def test_a_warm_worker_keeps_its_compiled_graph_from_trial_to_trial(tmp_path, cheap_compile):
-    # --isolation process: the plan check and the trials run in a worker process kept warm; the graph compiled there
-    # serves the next batch sizes (the "compiles" of a later trial is 0), as in one process.
-    search = {**SEARCH, "segments": "0", "batch_sizes": "2,4,8", "compile": "default", "isolation": "process"}
-    report = autotune.tune("tests.models:NoChain", storage=f"sqlite:///{tmp_path}/s.db", **search)
-    compiled = sorted(report.trials, key=lambda m: m.batch_size)
-    assert [m.status for m in compiled] == ["ok"] * 3, [m.error for m in compiled]
-    assert report.search["workers_started"] == 1, report.search
-    assert [m.compiles for m in compiled][1:] == [0, 0], [(m.batch_size, m.compiles) for m in compiled]
 
 
 def test_no_static_timing_where_the_datas_batches_differ_in_shape():
