@@ -91,9 +91,9 @@ def static_compile(report: Report, target: Target, study: Study, events: Any) ->
     its kernels to the size) and hold other memory. The static trial joins the report's trials, and the search's
     configuration keeps its memory figures with the timing run beside it (not pooled with the search's older one:
     the two runs side by side decide), so the recommendation is the static one where that is faster and fits within
-    the headroom. ``search.static_compile`` keeps the two runs side by
-    side. Where the data's batches may differ in shape (``--data``, its profile's ``shapes_vary``), a static graph
-    would compile again for each: the stage is skipped, with a notice.
+    the headroom. ``search.static_compile`` keeps the two runs side by side. Where the data's batches may differ in
+    shape (``--data``, its profile's ``shapes_vary``), a static graph would compile again for each: the stage is
+    skipped, with a notice.
     """
     rec = report.recommendation
     if rec is None or not rec.config.compiled or is_static(rec.config.compile) or not target.searching.static_compile:

@@ -427,32 +427,32 @@ def _(x):
 _slow_to_trace.register_autograd(lambda ctx, grad: grad * 2)
 
 
-class DoesNotCompile(nn.Module):
+class _ThroughOneOp(nn.Module):
+    """A linear layer, then ``op``, a custom operator that eager code runs and dynamo traces its own way."""
+
+    op = staticmethod(lambda x: x)
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.op(self.lin(x)).square().mean()
+
+    def example_batch(self, batch_size):
+        return torch.randn(batch_size, 4)
+
+
+class DoesNotCompile(_ThroughOneOp):
     """Trains eager; under torch.compile, dynamo fails while tracing its operator."""
 
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return _not_traceable(self.lin(x)).square().mean()
-
-    def example_batch(self, batch_size):
-        return torch.randn(batch_size, 4)
+    op = staticmethod(_not_traceable)
 
 
-class CompileHangs(nn.Module):
+class CompileHangs(_ThroughOneOp):
     """Trains eager; its compile never ends (dynamo tracing its operator sleeps)."""
 
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return _slow_to_trace(self.lin(x)).square().mean()
-
-    def example_batch(self, batch_size):
-        return torch.randn(batch_size, 4)
+    op = staticmethod(_slow_to_trace)
 
 
 class _NormedBlock(nn.Module):

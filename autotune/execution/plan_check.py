@@ -44,7 +44,7 @@ from autotune.device import autocast_type, backend_for
 from autotune.errors import UsageError, first_line
 from autotune.execution.work import Place, Venue, Work
 from autotune.training.compiled import CompileCount, compile_failure, compile_model, compiling, mark_batch_dynamic
-from autotune.vocabulary import EAGER, CheckStatus, Plan, is_static
+from autotune.vocabulary import EAGER, CheckStatus, Plan
 from autotune.training.precision import keep_in_fp32
 from autotune.records import GuardRails, PlanCheck
 from autotune.training.workload import Workload, to_device
@@ -69,8 +69,7 @@ def _step(workload: Workload, plan: str, batch_size: int, device: torch.device, 
         blocks[plan] = tuple(applied.chain.blocks[i] for i in applied.recomputed)
     model.to(device)
     batch = to_device(workload.make_batch(model, batch_size), device)
-    if compile != EAGER and not is_static(compile):  # as a trial marks it: this graph serves the search's trials
-        mark_batch_dynamic(batch, batch_size)
+    mark_batch_dynamic(batch, batch_size, compile)  # as a trial marks it: this graph serves the search's trials
     try:
         with compiling():
             loss = workload.loss(compile_model(model, compile), batch)

@@ -48,13 +48,14 @@ def compile_model(model: nn.Module, value: str) -> nn.Module:
     return torch.compile(model, mode=None if mode == "default" else mode, dynamic=False if is_static(value) else None)
 
 
-def mark_batch_dynamic(batch: Any, batch_size: int) -> None:
-    """Mark the batch dimension of ``batch``'s tensors (those with ``batch_size`` rows) dynamic, so that the graph
-    compiled at one batch size serves every other. ``maybe``: dynamo may still specialise it (code that branches on
-    the size), and then recompiles once, as without the mark."""
+def mark_batch_dynamic(batch: Any, batch_size: int, value: str) -> None:
+    """Under compile value ``value``, mark the batch dimension of ``batch``'s tensors (those with ``batch_size`` rows)
+    dynamic, so that the graph compiled at one batch size serves every other; eager (``none``) and ``MODE+static``
+    (one graph per size) mark nothing. ``maybe``: dynamo may still specialise it (code that branches on the size), and
+    then recompiles once, as without the mark."""
     from torch.utils._pytree import tree_leaves
 
-    if batch_size < 2:  # dynamo specialises sizes 0 and 1 whatever is marked
+    if value == EAGER or is_static(value) or batch_size < 2:  # dynamo specialises sizes 0 and 1 whatever is marked
         return
     for t in tree_leaves(batch):
         if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == batch_size:

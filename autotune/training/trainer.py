@@ -17,7 +17,6 @@ from autotune.training.applied import Applied, prepare
 from autotune.training.compiled import compile_model, mark_batch_dynamic
 from autotune.training.optimizer import prime as prime_optimizer
 from autotune.training.workload import Workload, move_model
-from autotune.vocabulary import is_static
 
 if TYPE_CHECKING:
     from autotune.training.wrapping import Wrapping
@@ -141,8 +140,7 @@ class Trainer:
 
     def step(self, batch: Any) -> None:
         """One optimizer step on ``batch`` (already on the device)."""
-        if self.config.compiled and not is_static(self.config.compile):  # one graph for every batch size
-            mark_batch_dynamic(batch, self.config.batch_size)
+        mark_batch_dynamic(batch, self.config.batch_size, self.config.compile)  # compiled: one graph for every size
         with self.run.autocast():
             loss = self.workload.loss(self.run.model, batch)
         self.run.backward(loss)
