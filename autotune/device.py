@@ -28,19 +28,23 @@ from autotune.vocabulary import HALF, PRECISIONS
 
 __all__ = ["Backend", "CudaBackend", "backend_for", "make_meter", "resolve_device", "ram_bytes", "available_ram_bytes",
            "slowdown_vs_fp32", "SLOW_FACTOR", "autocast_type", "on_host", "host_memory_apart", "rank_device",
-           "device_ids", "collective_backend", "batch_multiple", "predictable"]
+           "device_ids", "collective_backend", "batch_multiple", "predictable", "PlannedCudaBackend",
+           "follows_cuda", "measurable_here"]
 
 SLOW_FACTOR = 8.0  # a mode whose matmuls run this many times slower than fp32 leaves the defaults
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """Return ``device`` as a ``torch.device`` (default: CUDA when available, else the CPU)."""
+def resolve_device(device: str | torch.device | None, *, planned: bool = False) -> torch.device:
+    """Return ``device`` as a ``torch.device`` (default: CUDA when available, else the CPU). ``planned``: for a dry
+    run, where CUDA is planned for, not used: it need not be here."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise UsageError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N ({exc})") from None
+    if device.type == "cuda" and planned and not torch.cuda.is_available():
+        return torch.device("cuda", device.index or 0)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: this torch sees no CUDA GPU (install a CUDA build of torch, or use --device cpu)")
@@ -143,10 +147,22 @@ def batch_multiple(asked: int | None, device: torch.device) -> int:
     return asked if asked is not None else (8 if device.type == "cuda" else 1)
 
 
-def predictable(device: torch.device) -> bool:
-    """Whether a dry run predicts for ``device``: the CPU's rules only so far (CUDA's allocator, autocast lists and
-    attention kernels are not modelled yet)."""
+def follows_cuda(device: torch.device) -> bool:
+    """Whether work for ``device`` follows CUDA's rules (its autocast lists, its caching allocator), whether or not
+    this machine has a GPU: a dry run for it predicts with them (:mod:`autotune.execution.cuda_rules`)."""
+    return device.type == "cuda"
+
+
+def measurable_here(device: torch.device) -> bool:
+    """Whether a trial for ``device`` can be measured by this process's tensor meter on the CPU instead of predicted
+    (a dry run for the CPU can; one for CUDA cannot)."""
     return device.type == "cpu"
+
+
+def predictable(device: torch.device) -> bool:
+    """Whether a dry run predicts for ``device``: the CPU's rules, and CUDA's (:mod:`autotune.execution.cuda_rules`),
+    also on a machine without a GPU."""
+    return device.type in ("cpu", "cuda")
 
 
 class Backend:
@@ -157,6 +173,11 @@ class Backend:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    @property
+    def here(self) -> torch.device:
+        """Where this process's tensors of the device live: the device, except where it is only planned for."""
+        return self.device
 
     @property
     def kind(self) -> str:
@@ -366,10 +387,36 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
+class PlannedCudaBackend(Backend):
+    """A CUDA GPU planned for on a machine without one (``--device cuda --dry-run``): nothing runs on it, so it has
+    no memory size of its own (``--budget`` says the card's), and every precision is offered (bf16 needs compute
+    capability 8.0 or more, which the plan assumes)."""
+
+    @property
+    def here(self) -> torch.device:
+        return torch.device("cpu")  # a prediction's fake tensors: the CPU's, with CUDA's rules
+
+    def total_bytes(self) -> int | None:
+        return None
+
+    def supported_precisions(self) -> list[str]:
+        return ["fp32", "fp16", "bf16"]
+
+    def default_precisions(self) -> list[str]:
+        return self.supported_precisions()
+
+    def describe(self) -> dict[str, Any]:
+        return {"device_name": "CUDA GPU (planned on a machine without one)", "total_memory_bytes": None,
+                "planned_on": _cpu_name()}
+
+
 def backend_for(device: str | torch.device) -> Backend:
-    """Return the backend of ``device``: :class:`CudaBackend` on CUDA, :class:`Backend` elsewhere."""
+    """Return the backend of ``device``: :class:`CudaBackend` on CUDA (:class:`PlannedCudaBackend` where this machine
+    has none: a dry run plans for it), :class:`Backend` elsewhere."""
     device = torch.device(device)
-    return CudaBackend(device) if device.type == "cuda" else Backend(device)
+    if device.type != "cuda":
+        return Backend(device)
+    return CudaBackend(device) if torch.cuda.is_available() else PlannedCudaBackend(device)
 
 
 def make_meter(device: str | torch.device, *, budget_bytes: int | None = None) -> Meter:

@@ -13,6 +13,11 @@ measurement a later search may reuse), and the report's default name ends in ``-
 of time, so it recommends nothing: its answer is the limits, the state and the predicted peaks; it exits 0 where
 some configuration is predicted to fit the budget less its headroom, and 3 where none is.
 
+With ``--device cuda`` each trial is predicted with CUDA's rules (:mod:`autotune.execution.cuda_rules`): on fake
+CUDA tensors where this machine has a GPU, else on the CPU's with CUDA's autocast lists; reserved bytes from a model
+of the caching allocator, which the budget holds; NVML's figure with an assumed CUDA context. The notices say what
+was assumed, and the report's ``search.cuda`` records it.
+
 With ``--parallel ddp|fsdp --world-size N`` (no torchrun) each trial is one rank's part of an N-rank job: this
 process joins PyTorch's fake process group as rank 0 for the predictions (:mod:`autotune.execution.one_rank`), the
 trial trains under the job's wrapper, and the report's ``distributed`` says it is a prediction of one rank.
@@ -26,7 +31,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from autotune.analysis.pareto import bisect_limit, bracket
-from autotune.device import available_ram_bytes
+from autotune.device import available_ram_bytes, follows_cuda
+from autotune.execution.cuda_rules import CudaRules
 from autotune.execution.predict import Predictor
 from autotune.records import Config, Measurement
 from autotune.search.loop import SearchResult
@@ -48,19 +54,25 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
     ``--batch-multiple`` (up to the space's top): the search's result, what the report's ``search`` adds for a dry
     run, and its notices. ``mode``: the fake tensors the workload's models are built in (:func:`fake_buildable`)."""
     multiple = target.searching.batch_multiple
-    with _ranks(target.searching, target.device) as ranks:
-        predictor = Predictor(study.workload, device=target.device, budget_bytes=target.budget.enforced,
+    cuda = CudaRules.for_this_machine() if follows_cuda(target.device) else None
+    with _ranks(target.searching, target.here) as ranks:
+        predictor = Predictor(study.workload, device=target.here, budget_bytes=target.budget.enforced,
                               settings=target.trial_settings, model_name=facts.model_class,
                               state_bytes=facts.fixed_bytes, real_limit_bytes=available_ram_bytes(), mode=mode,
-                              ranks=ranks)
+                              ranks=ranks, cuda=cuda)
         result = _predicted(predictor, target, study, events, multiple)
     measured = predictor.why is not None
+    meter = ("tensor, under fake tensors (predicted)" if cuda is None else
+             "CUDA's caching allocator modelled over the tensor meter's allocation trace, under fake tensors (predicted)")
     search = {"strategy": "dry-run", "dry_run": True, "batch_multiple": multiple, "storage": None,
-              "memory_meter": "tensor, under fake tensors (predicted)" if not measured else
+              "memory_meter": meter if not measured else
               "tensor (measured on the CPU: the model cannot run under fake tensors)"}
     if ranks is not None:  # the report's distributed, not its search (with_dry_run)
         search["distributed"] = ranks.describe()
-    return result, search, (DRY_RUN_NOTICE, *_rank_notice(ranks), *predictor.notices)
+    if cuda is not None:
+        search["cuda"] = cuda.describe()
+    return result, search, (DRY_RUN_NOTICE, *_rank_notice(ranks), *(cuda.notices() if cuda else ()),
+                            *predictor.notices)
 
 
 def _ranks(searching: Any, device: Any) -> Any:

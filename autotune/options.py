@@ -151,7 +151,8 @@ class Options:
     dry_run: bool = option(
         False, "predict instead of measuring: every configuration's trial runs under PyTorch's fake tensors (shapes, "
         "no memory, no arithmetic), counted by the tensor meter with the budget's rules; seconds for a model of any "
-        "size, no step times, no recommendation; each variant's limit found exactly (--batch-multiple)",
+        "size, no step times, no recommendation; each variant's limit found exactly (--batch-multiple); with --device "
+        "cuda, CUDA's autocast lists and caching allocator, also on a machine without a GPU (say the card's --budget)",
         group=TRIALS, switch=True)
     world_size: int | None = option(
         None, "with --dry-run and --parallel ddp|fsdp (no torchrun): predict one rank of a job of N ranks in this "

@@ -30,12 +30,15 @@ import torch
 
 import autotune
 from autotune.device import backend_for
+from autotune.execution.cuda_rules import CudaRules
 from autotune.execution.spawn import Spawned
 from autotune.meters import TensorMeter
 from autotune.meters.caching_allocator import (CUDA_CONTEXT_BYTES, AllocatorSettings, cublas_workspace_bytes,
                                                nvml_bytes, replay, workspace_trace)
 from autotune.meters.cuda import CudaMeter, nvml_handle
 from autotune.records import Config, Measurement, TrialSettings
+from autotune.report import Report
+from autotune.report import load as load_report
 from autotune.execution.trial import TrialWork, run_trial
 from autotune.units import format_bytes
 from autotune.training.workload import Workload
@@ -191,8 +194,39 @@ def main() -> int:
     out = os.environ.get("OUT", ".")
     os.makedirs(out, exist_ok=True)
     report.to_json(os.path.join(out, "gpu_check.json"))
+    dry_run_checks(report, out)
     print(json.dumps({"failures": failures}))
     return 1 if failures else 0
+
+
+def dry_run_checks(measured: Report, out: str) -> None:
+    """4b. ``--device cuda --dry-run`` of section 4's space, both ways (this GPU's fake CUDA tensors in this process;
+    the CPU's with CUDA's rules in a process that sees no GPU), against section 4's measured trials."""
+    argv = ["--model", "autotune.examples:TinyGPT", "--data", "autotune.examples:token_dataset", "--device", "cuda",
+            "--budget", "4GiB", "--precisions", "fp32,fp16,bf16", "--segments", "0,3,every2,all", "--batch-sizes",
+            "8..512", "--dry-run", "--quiet"]
+    runs = {}
+    for way, hide in (("fake CUDA tensors", None), ("no GPU: the CPU's with CUDA's rules", "")):
+        path = os.path.join(out, f"gpu_check-dry-run-{'cpu' if hide == '' else 'cuda'}.json")
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": hide} if hide is not None else {})}
+        done = subprocess.run([sys.executable, "-m", "autotune", *argv, "--out", path], env=env, capture_output=True,
+                              text=True, timeout=600)
+        check(done.returncode == 0, f"4b. the dry run on {way} exits 0 ({done.stderr[-300:]})")
+        runs[way] = load_report(path) if done.returncode == 0 else None
+    real = {m.config: m for m in measured.trials if m.status == "ok" and m.memory_source == "cuda"}
+    for way, report in runs.items():
+        if report is None:
+            continue
+        pairs = [(m, real[m.config]) for m in report.trials if m.status == "ok" and m.config in real]
+        worst_a = max((abs(relative(p.peak_allocated_bytes, r.peak_allocated_bytes)) for p, r in pairs), default=0.0)
+        worst_r = max((abs(relative(p.peak_reserved_bytes, r.peak_reserved_bytes)) for p, r in pairs), default=0.0)
+        print(f"4b. dry run on {way}: {len(pairs)} configurations also measured; worst allocated {worst_a:.2%}, "
+              f"worst reserved {worst_r:.2%}; limits {[(d['precision'], d['segments'], d['max_batch_size']) for d in report.limits]}")
+        for p, r in pairs:
+            print(f"    {p.config}: allocated {format_bytes(p.peak_allocated_bytes)} vs {format_bytes(r.peak_allocated_bytes)}, "
+                  f"reserved {format_bytes(p.peak_reserved_bytes)} vs {format_bytes(r.peak_reserved_bytes)}")
+        check(bool(pairs) and worst_a <= ALLOCATED_TOLERANCE, f"4b. {way}: predicted allocated within 1% of measured")
+        check(bool(pairs) and worst_r <= RESERVED_TOLERANCE, f"4b. {way}: predicted reserved within 5% of measured")
 
 
 def compile_checks(names: list[str]) -> None:
@@ -348,15 +382,17 @@ def run_allocator_patterns() -> int:
 
 
 def predict_traced(workload: Workload, config: Config, device: torch.device, settings: TrialSettings,
-                   steps: int) -> tuple[tuple[int, int], ...]:
+                   steps: int, rules: CudaRules) -> tuple[tuple[int, int], ...]:
     """The allocation trace of a trial run under fake tensors, stepped ``steps`` times: predict_trial's run
-    (autotune/execution/predict.py) mirrored until predict_trial takes a meter (``meter=TensorMeter(trace=True)``)."""
+    (autotune/execution/predict.py) mirrored until predict_trial takes a meter (``meter=TensorMeter(trace=True)``).
+    ``rules``: CUDA's, on fake CUDA tensors (``device`` cuda) or on the CPU's (``device`` cpu), as a dry run on a
+    machine without a GPU predicts."""
     from autotune.execution import predict
 
     run = predict._Predicted(workload.unwarmed(), config, device, settings)
     meter = TensorMeter(device, trace=True)
     try:
-        with predict.fake_tensors(), predict._AsTheKernelsDo(), meter.measure():
+        with predict.fake_tensors(), predict._AsTheKernelsDo(), rules.applied(), meter.measure():
             run.build()
             for _ in range(steps):
                 run.step(run.batch)
@@ -407,17 +443,22 @@ def prediction_checks(dev: torch.device) -> None:
     print(f"6b. Predicted (fake tensors, traced, replayed) vs measured. Held now {format_bytes(held)}"
           f" (modelled: 2 cuBLAS workspaces of {format_bytes(workspace)}); NVML less reserved now "
           f"{format_bytes(context)} (assumed default {format_bytes(CUDA_CONTEXT_BYTES)})")
-    before = len(failures)
-    for item in measured:
-        predict_checks(item, dev, prelude, context)
-    print(f"  {len(failures) - before} prediction check(s) failed of {len(measured)} configurations")
+    # both ways a dry run predicts for CUDA: on fake CUDA tensors (a machine with a GPU), and on the CPU's with CUDA's
+    # autocast lists (a machine without one: --device cuda --dry-run on a laptop or in CI)
+    for way, rules in (("fake CUDA tensors", CudaRules(dev, fake_cuda=True)),
+                       ("the CPU's fake tensors with CUDA's rules", CudaRules(torch.device("cpu")))):
+        print(f"  predicted on {way}:")
+        before = len(failures)
+        for item in measured:
+            predict_checks(item, rules, prelude, context)
+        print(f"  {len(failures) - before} prediction check(s) failed of {len(measured)} configurations ({way})")
 
 
-def predict_checks(item: Measured, dev: torch.device, prelude: list[tuple[int, int]], context: int) -> None:
+def predict_checks(item: Measured, rules: CudaRules, prelude: list[tuple[int, int]], context: int) -> None:
     """Predict one measured configuration and compare: outcome, allocated, reserved (counted), NVML (printed)."""
     m = item.measurement
     start = time.monotonic()
-    trace = predict_traced(item.workload, m.config, dev, item.settings, item.metered_steps)
+    trace = predict_traced(item.workload, m.config, rules.here, item.settings, item.metered_steps, rules)
     r = replay(prelude + list(trace), capacity_bytes=item.budget_bytes)
     took = time.monotonic() - start
     if r.oom or m.status == "oom":

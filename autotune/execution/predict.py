@@ -19,6 +19,7 @@ run says so; where they cannot run for real here, one line names the op.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune._log import logger
+from autotune.device import measurable_here
 from autotune.errors import UsageError, first_line
 from autotune.execution.trial import _compiled, _measurement, _Run, run_trial
 from autotune.execution.work import outcome
@@ -36,10 +38,10 @@ from autotune.meters import TensorMeter
 from autotune.records import PREDICTED, Config, Measurement, TrialSettings
 from autotune.training.workload import Workload, _copy_model
 from autotune.units import format_bytes
-from autotune.device import predictable
 from autotune.vocabulary import Status
 
 if TYPE_CHECKING:
+    from autotune.execution.cuda_rules import CudaRules
     from autotune.execution.one_rank import OneRank
     from autotune.training.wrapping import Wrapping
 
@@ -164,7 +166,8 @@ class _Predicted(_Run):
 
 def predict_trial(workload: Workload, config: Config, *, device: torch.device | str = "cpu",
                   budget_bytes: int | None = None, settings: TrialSettings = TrialSettings(),
-                  mode: FakeTensorMode | None = None, parallel: "Wrapping | None" = None) -> Measurement:
+                  mode: FakeTensorMode | None = None, parallel: "Wrapping | None" = None,
+                  cuda: "CudaRules | None" = None) -> Measurement:
     """Predict the peak memory of a memory trial of ``config`` (:func:`autotune.execution.trial.run_trial` with
     ``timed=False``) under ``budget_bytes``, without running it: status ``ok`` or ``oom`` (or ``failed``, the model's
     own error), ``memory_source`` :data:`PREDICTED`, no step time.
@@ -172,13 +175,17 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     Raises :class:`Unpredictable` where the model cannot run under fake tensors, and bad input as a trial does.
     ``mode``: the fake tensors to run under (those of a model :func:`fake_buildable` made), else new ones.
     ``parallel``: one rank's part of a distributed trial, on a fake process group (:mod:`autotune.execution.one_rank`).
+    ``cuda``: predict for CUDA (:mod:`autotune.execution.cuda_rules`): run where its rules say (``device`` is then
+    ignored), and read the allocator's reserved bytes from the allocation trace; the budget holds those.
     """
-    device = torch.device(device)
+    device = torch.device(device) if cuda is None else cuda.here
     started = time.monotonic()
     run = _Predicted(workload.unwarmed(), config, device, settings, parallel)
     status, error, handle = Status.OK, None, None
     try:
-        with mode or fake_tensors(), _AsTheKernelsDo(), TensorMeter(device, budget_bytes=budget_bytes).measure() as handle:
+        meter = TensorMeter(device, budget_bytes=budget_bytes, trace=cuda is not None)
+        rules = cuda.applied() if cuda else contextlib.nullcontext()
+        with mode or fake_tensors(), _AsTheKernelsDo(), rules, meter.measure() as handle:
             run.build()
             run.step(run.batch)  # the optimizer's state primed: one step holds all a step holds
             if run.unprimed is not None:
@@ -193,6 +200,10 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
         run.release()
         del run
     reading = None if handle is None else dataclasses.replace(handle.reading, source=PREDICTED)
+    if cuda is not None and reading is not None:
+        reading, allocator_error = cuda.read(reading, handle.trace or (), budget_bytes)
+        if allocator_error is not None and status == Status.OK:
+            status, error = Status.OOM, allocator_error
     return _measurement(config, status, error, records, reading, started, timed=False)
 
 
@@ -220,8 +231,10 @@ class Predictor:
 
     def __init__(self, workload: Workload, *, device: torch.device, budget_bytes: int | None, settings: TrialSettings,
                  model_name: str, state_bytes: int, real_limit_bytes: int | None,
-                 mode: FakeTensorMode | None = None, ranks: "OneRank | None" = None) -> None:
+                 mode: FakeTensorMode | None = None, ranks: "OneRank | None" = None,
+                 cuda: "CudaRules | None" = None) -> None:
         self.workload, self.device, self.budget_bytes, self.settings = workload, device, budget_bytes, settings
+        self.cuda = cuda  # --device cuda: CUDA's rules
         self.mode = mode  # the fake tensors of the workload's models (fake_buildable), if it has its own
         self.ranks = ranks
         self.model_name, self.state_bytes, self.real_limit_bytes = model_name, state_bytes, real_limit_bytes
@@ -234,7 +247,8 @@ class Predictor:
         try:
             predicted = predict_trial(self.workload, config, device=self.device, budget_bytes=self.budget_bytes,
                                       settings=self.settings, mode=self.mode,
-                                      parallel=self.ranks.wrapping() if self.ranks is not None else None)
+                                      parallel=self.ranks.wrapping() if self.ranks is not None else None,
+                                      cuda=self.cuda)
         except Unpredictable as exc:
             self._cannot_predict(str(exc))
             return self._measured(config)
@@ -266,7 +280,7 @@ class Predictor:
                     f"{job.wrapper} job cannot be measured for real in this process instead (the fake process "
                     f"group's collectives move nothing): run the job under torchrun --nproc-per-node "
                     f"{job.world_size} without --dry-run")
-        if not predictable(self.device):
+        if not measurable_here(self.device):
             return (f"{self.model_name} cannot run under fake tensors ({why}), and a dry run for {self.device} "
                     f"cannot measure it on the CPU instead: run it without --dry-run")
         if self.real_limit_bytes is not None and 2 * self.state_bytes > self.real_limit_bytes:

@@ -64,7 +64,7 @@ def preflight(target: Target) -> ModelFacts:
     Hugging Face model and any model after ``--fp32-modules`` holds its weights in one) before the
     trials measure.
     """
-    workload, device, batch_size = target.workload, target.device, min(target.searching.batch_sizes)
+    workload, device, batch_size = target.workload, target.here, min(target.searching.batch_sizes)
     model = workload.build_model()
     keep_in_fp32(model, target.trial_settings.guard.fp32_modules, autocast_type(device))  # --fp32-modules names the model lacks fail here
     params = list(model.parameters())

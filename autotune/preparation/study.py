@@ -58,7 +58,7 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
     storage = key.storage or default_storage(name, key.results_dir)
     notices: list[str] = []
     plans = with_offload(_plans(searching.plans, facts.chain, facts.model_class, notices),
-                         _offload_modes(searching.offload, target.device, notices))
+                         _offload_modes(searching.offload, target.here, notices))
     compared = searching.compare_library and facts.library_checkpointing is not None and facts.chain is not None
     # The library comparison measures plan all beside the library's switch: it is checked too.
     checks = [check for mode in searching.compiles

@@ -102,22 +102,30 @@ class Target:
     def device(self) -> torch.device:
         return self.backend.device
 
+    @property
+    def here(self) -> torch.device:
+        """Where this process's tensors live: the device, or the CPU where CUDA is planned for without a GPU."""
+        return self.backend.here
+
 
 def resolve(options: Options, job: "Job | None" = None) -> Target:
     """Stage 1: the device, the workload (with the data's worst batch of every size), budgets and precisions."""
-    device = resolve_device(options.device)
+    device = resolve_device(options.device, planned=options.dry_run)
     backend = backend_for(job.device(device) if job else device)
     workload = Workload.from_specs(options.model, model_kwargs=options.model_kwargs, data=options.data, loss=options.loss,
                                    optimizer=options.optimizer, optimizer_kwargs=options.optimizer_kwargs,
                                    step=options.step)
+    if options.budget is None and backend.total_bytes() is None and options.dry_run:
+        raise UsageError(f"--device {options.device} --dry-run on a machine without a GPU: say the card's memory with "
+                         f"--budget (e.g. --budget 24GiB)")
     budget = options.memory if options.budget is not None else Budget(backend.total_bytes(), (), options.headroom)
     isolation = backend.default_isolation if options.isolation == "auto" else options.isolation
     if job is not None or options.dry_run:
         isolation = "none"  # each rank runs its part of a trial in its own process (options refuse "process"); a
         # dry run's trials hold no memory: nothing to isolate
     if options.dry_run and not predictable(backend.device):
-        raise UsageError(f"--dry-run predicts for the CPU's rules only so far (CUDA's allocator, autocast lists and "
-                         f"attention kernels are not modelled yet): run it with --device cpu")
+        raise UsageError(f"--dry-run predicts for the CPU and CUDA, not {backend.device.type}: run it with --device cpu "
+                         f"or --device cuda")
     venue = venue_for(isolation, backend.device, job, trials_per_worker=options.trials_per_worker)
     venue.admit(workload)  # one clear line now, not every trial crashed later
     workload, profile = _with_data(workload, options.batch_sizes)

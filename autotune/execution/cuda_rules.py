@@ -1,0 +1,285 @@
+"""CUDA's rules for a prediction made where no GPU is: ``--device cuda --dry-run`` on a CPU-only machine.
+
+A fake CUDA tensor needs a GPU once autograd runs: on a CPU build of torch the engine aborts the process as it
+makes the first gradient edge ("PyTorch is not linked with support for cuda devices"), and on a CUDA build without
+a GPU backward raises ("hasPrimaryContext expects a valid device index"); both seen with torch 2.13 and 2.14. So
+where this machine has no GPU, a CUDA prediction runs the trial on fake CPU tensors (as a CPU dry run does) with
+CUDA's rules wherever they differ from the CPU's and change what is held:
+
+- **autocast's op lists.** CUDA's differ from the CPU's: under CUDA's autocast a LayerNorm, a softmax, a
+  ``pow`` or a loss runs in float32 and keeps float32 outputs, which the CPU's leaves in bf16 or fp16. For the
+  prediction, each op this torch registers for CUDA's autocast gets CUDA's policy on the CPU's autocast key
+  (:data:`CUDA_POLICIES`, read from ``aten/src/ATen/autocast_mode.cpp``), and each op only the CPU casts falls
+  through, as on CUDA. The casts are autocast's own ``to``; what the policies cannot do in Python is the cache
+  of weight casts, so an op that only CUDA casts down (``einsum``, ``mv``, an RNN cell) casts a weight again at
+  each use where CUDA would cast it once per forward. The ops both lists cast down (``linear``, ``matmul``,
+  convolutions, attention) keep the CPU's autocast, cache included.
+- **what the caching allocator reserves**, from the trial's allocation trace by
+  :mod:`autotune.meters.caching_allocator` (two cuBLAS workspaces first); the budget holds the reserved
+  prediction, as CUDA's meter holds the reserved figure;
+- **what NVML adds**: the CUDA context, an assumption (:data:`~autotune.meters.caching_allocator.CUDA_CONTEXT_BYTES`);
+- **the attention kernel**: the CPU's fused kernel saves O(T) for backward, as CUDA's flash and memory-efficient
+  kernels do; where the CPU ran the math kernel (it saves the T x T scores), the prediction says it may be high.
+
+Where this machine has a GPU, a CUDA prediction runs on fake CUDA tensors instead, with CUDA's own autocast; the
+allocator's model and the NVML assumption apply the same way. ``benchmarks/gpu_check.py`` compares both with
+measurements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autotune.meters.caching_allocator import (CUDA_CONTEXT_BYTES, AllocatorSettings, Replay, cublas_workspace_bytes,
+                                               nvml_bytes, replay, workspace_trace)
+from autotune.meters.base import MemoryReading
+from autotune.units import format_bytes
+
+__all__ = ["CUDA_POLICIES", "CudaRules", "cuda_autocast_on_cpu", "ASSUMED_CAPABILITY"]
+
+_LOWER = ("_convolution", "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+          "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "cudnn_convolution",
+          "cudnn_convolution_transpose", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv",
+          "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
+          "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+          "_scaled_dot_product_flash_attention", "scaled_dot_product_attention")
+_FP32 = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+         "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
+         "native_layer_norm", "rms_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim",
+         "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+         "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+         "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+         "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+         "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
+         "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+         "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa")
+_FP32_SET_OPT_DTYPE = ("prod", "prod.dim_int", "prod.dim_Dimname", "softmax.int", "softmax.Dimname",
+                       "log_softmax.int", "log_softmax.Dimname", "cumprod", "cumprod.dimname", "cumsum",
+                       "cumsum.dimname", "linalg_vector_norm", "linalg_matrix_norm", "linalg_matrix_norm.str_ord",
+                       "sum", "sum.dim_IntList", "sum.dim_DimnameList")
+_FP32_APPEND_DTYPE = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype",
+                      "norm.names_ScalarOpt_dim": "names_ScalarOpt_dim_dtype"}  # redispatched to the overload after
+_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
+            "tensordot", "scatter_add")
+
+# CUDA's autocast policy of each op (aten/src/ATen/autocast_mode.cpp, torch 2.4-2.13: AT_FORALL_LOWER_PRECISION_FP,
+# AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE, AT_FORALL_PROMOTE and the
+# banned binary_cross_entropy), by the op's name and overload as the dispatcher names them without "aten::"
+CUDA_POLICIES: dict[str, str] = {**{name: "lower" for name in _LOWER}, **{name: "fp32" for name in _FP32},
+                                 **{name: "fp32_set_opt_dtype" for name in _FP32_SET_OPT_DTYPE},
+                                 **{name: "fp32_append_dtype" for name in _FP32_APPEND_DTYPE},
+                                 **{name: "promote" for name in _PROMOTE}, "binary_cross_entropy": "banned"}
+
+# The ops the CPU's autocast casts down as CUDA's does (its KERNEL_CPU lower_precision_fp list): their CPU kernels
+# stay, with autocast's cache of weight casts
+_CPU_LOWER = frozenset(("conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "addbmm",
+                        "linear", "_convolution.deprecated", "matmul", "conv_tbc", "conv_transpose1d",
+                        "conv_transpose2d.input", "conv_transpose3d.input", "prelu", "scaled_dot_product_attention"))
+
+# What a plan for a GPU not at hand assumes of it: compute capability 9.0 (Hopper), whose cuBLAS workspace is the
+# largest torch takes (32 MiB a handle, against 8 MiB and 128 KiB before Hopper): the assumption that errs high
+ASSUMED_CAPABILITY = (9, 0)
+
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+_BANNED = ("torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast (CUDA's autocast "
+           "refuses them): use torch.nn.functional.binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss")
+_registering = threading.Lock()
+
+
+def _eligible(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype is not torch.float64
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if _eligible(value):
+        return value.to(dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value
+
+
+def _widest(values: Any, lower: torch.dtype) -> torch.dtype:
+    """autocast's ``promote_type``: float32 if any eligible tensor among ``values`` is, else the lower precision."""
+    flat = [v for value in values for v in (value if isinstance(value, (list, tuple)) else (value,))]
+    return torch.float32 if any(_eligible(v) and v.dtype == torch.float32 for v in flat) else lower
+
+
+def _policy_kernel(name: str, policy: str) -> Callable[..., Any]:
+    """The kernel that applies CUDA's ``policy`` to the op ``name`` on the CPU's autocast key (autocast's own
+    kernels exclude the autocast keys for what they call, and so does this)."""
+    packet, _, overload = name.partition(".")
+    op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+    if policy == "fp32_append_dtype":  # redispatched to the overload that takes a dtype
+        op = getattr(getattr(torch.ops.aten, packet), _FP32_APPEND_DTYPE[name])
+    dtype_at = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        lower = torch.get_autocast_dtype("cpu")
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            if policy == "banned":
+                raise RuntimeError(_BANNED)
+            if policy in ("lower", "fp32", "promote"):
+                to = {"lower": lower, "fp32": torch.float32}.get(policy) or _widest((*args, *kwargs.values()), lower)
+                return op(*_cast(args, to), **{k: _cast(v, to) for k, v in kwargs.items()})
+            if policy == "fp32_append_dtype":
+                return op(*args, **kwargs, dtype=torch.float32 if _eligible(args[0]) else args[0].dtype)
+            if _eligible(args[0]):  # fp32_set_opt_dtype: a dtype the caller gave stays
+                if dtype_at is not None and len(args) > dtype_at:
+                    args = (*args[:dtype_at], args[dtype_at] or torch.float32, *args[dtype_at + 1:])
+                else:
+                    kwargs = {**kwargs, "dtype": kwargs.get("dtype") or torch.float32}
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _registered(key: str) -> set[str]:
+    """The aten ops this torch registers a kernel for on autocast's ``key`` (names without "aten::")."""
+    return {name[len("aten::"):] for name in torch._C._dispatch_get_all_op_names()
+            if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, key)}
+
+
+@contextlib.contextmanager
+def cuda_autocast_on_cpu() -> Iterator[list[str]]:
+    """CUDA's autocast policies on the CPU's autocast key inside the block (process-wide, put back after).
+
+    Yields the ops this torch casts on CUDA whose policy :data:`CUDA_POLICIES` does not know (left as the CPU's).
+    """
+    cuda, cpu = _registered("AutocastCUDA"), _registered("AutocastCPU")
+    unknown = sorted(cuda - set(CUDA_POLICIES))
+    with _registering:
+        lib = torch.library.Library("aten", "IMPL")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
+                for name in sorted((cuda & set(CUDA_POLICIES)) - (cpu & _CPU_LOWER)):
+                    lib.impl(name, _policy_kernel(name, CUDA_POLICIES[name]), "AutocastCPU")
+                for name in sorted(cpu - cuda):
+                    lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+            yield unknown
+        finally:
+            lib._destroy()
+
+
+class _Attention(TorchDispatchMode):
+    """Counts the CPU's fused attention kernels run (the math kernel is no op of its own: it is matmuls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.fused += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclasses.dataclass
+class CudaRules:
+    """How a prediction for CUDA is made and read (:mod:`autotune.execution.predict`): where its fake tensors live,
+    the allocator's settings, the cuBLAS workspaces and CUDA context assumed; what it found to say."""
+
+    here: torch.device  # where the prediction's fake tensors live: cuda where this machine has a GPU, else the CPU
+    fake_cuda: bool = False  # the fake tensors are CUDA's (a GPU is here): CUDA's own autocast applies
+    allocator: AllocatorSettings = AllocatorSettings()
+    capability: tuple[int, int] = ASSUMED_CAPABILITY
+    context_bytes: int = CUDA_CONTEXT_BYTES
+    unknown_ops: list[str] = dataclasses.field(default_factory=list)
+    math_attention: bool = False  # an attention call ran the CPU's math kernel (it saves the T x T scores)
+
+    @classmethod
+    def for_this_machine(cls) -> "CudaRules":
+        """Fake CUDA tensors where this machine has a GPU (its capability), else the CPU's with CUDA's rules."""
+        if torch.cuda.is_available():
+            return cls(torch.device("cuda", torch.cuda.current_device()), fake_cuda=True,
+                       capability=torch.cuda.get_device_capability())
+        return cls(torch.device("cpu"))
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Inside: CUDA's autocast rules where the fake tensors are the CPU's; attention kernels watched."""
+        if self.fake_cuda:
+            yield
+            return
+        calls = _SdpaCalls()
+        with cuda_autocast_on_cpu() as unknown, calls, _Attention() as attention:
+            self.unknown_ops = unknown
+            yield
+        self.math_attention = self.math_attention or calls.n > attention.fused
+
+    def replayed(self, trace: tuple[tuple[int, int], ...], budget_bytes: int | None) -> Replay:
+        """The allocator's statistics for a trial's allocation trace, its cuBLAS workspaces first, within the
+        budget (``set_per_process_memory_fraction``'s rule: reserved bytes)."""
+        workspaces = workspace_trace(cublas_workspace_bytes(*self.capability), threads=2)
+        return replay([*workspaces, *trace], settings=self.allocator, capacity_bytes=budget_bytes)
+
+    def read(self, reading: MemoryReading, trace: tuple[tuple[int, int], ...],
+             budget_bytes: int | None) -> tuple[MemoryReading, str | None]:
+        """A prediction's reading as CUDA's meter would give it (the budget compared with reserved bytes, NVML's
+        figure beside), from the tensor meter's reading and allocation trace; and, where the modelled allocator
+        runs out within the budget though the tensors alone fit, the out-of-memory error's line."""
+        r = self.replayed(trace, budget_bytes)
+        held = needed = None
+        if r.oom:
+            held, needed = r.reserved_bytes, r.reserved_bytes + (r.oom_request_bytes or 0)
+        elif reading.oom_needed_bytes is not None:  # the tensors alone did not fit: the allocator needs more still
+            held = r.reserved_bytes
+            needed = max(reading.oom_needed_bytes, held)
+        reserved = r.peak_reserved_bytes
+        cuda = dataclasses.replace(reading, peak_bytes=max(reserved, needed or 0),
+                                   peak_allocated_bytes=r.peak_allocated_bytes, peak_reserved_bytes=reserved,
+                                   peak_nvml_bytes=nvml_bytes(reserved, context_bytes=self.context_bytes),
+                                   oom_held_bytes=held, oom_needed_bytes=needed)
+        error = None
+        if r.oom:
+            error = (f"CUDA out of memory (predicted: the modelled caching allocator could not reserve a segment of "
+                     f"{format_bytes(r.oom_request_bytes)} with {format_bytes(r.reserved_bytes)} reserved, within "
+                     f"the budget of {format_bytes(budget_bytes)})")
+        return cuda, error
+
+    def describe(self) -> dict[str, Any]:
+        """What the report's ``search.cuda`` records: where the predictions ran and what they assumed."""
+        return {"predicted_on": "fake CUDA tensors" if self.fake_cuda else "fake CPU tensors, CUDA's autocast",
+                "compute_capability": f"{self.capability[0]}.{self.capability[1]}",
+                "cublas_workspace_bytes": cublas_workspace_bytes(*self.capability), "cublas_workspaces": 2,
+                "context_bytes": self.context_bytes, "expandable_segments": self.allocator.expandable_segments,
+                "math_attention": self.math_attention, "autocast_ops_unknown": list(self.unknown_ops)}
+
+    def notices(self) -> tuple[str, ...]:
+        """What the predictions assumed where CUDA differs from the CPU, one line each."""
+        where = ("on fake CUDA tensors (this machine's GPU)" if self.fake_cuda else
+                 "on fake CPU tensors with CUDA's autocast op lists (this machine has no GPU)")
+        settings = "expandable segments" if self.allocator.expandable_segments else "default settings"
+        said = [f"--device cuda --dry-run: each trial predicted {where}; reserved bytes from its allocation trace by a "
+                f"model of the caching allocator ({settings}), "
+                f"with 2 cuBLAS workspaces of a compute capability {self.capability[0]}.{self.capability[1]} GPU "
+                f"({format_bytes(cublas_workspace_bytes(*self.capability))} each); NVML's figure adds a CUDA context "
+                f"of {format_bytes(self.context_bytes)} (assumed); the budget holds the reserved prediction. "
+                f"benchmarks/gpu_check.py checks these against a GPU"]
+        if self.math_attention:
+            said.append("attention ran the CPU's math kernel in some trials (it saves the T x T scores for backward); "
+                        "on CUDA the flash or memory-efficient kernel saves O(T): those predictions may be high")
+        if self.unknown_ops:
+            said.append(f"CUDA's autocast casts {', '.join(self.unknown_ops)} in this torch, with a policy this "
+                        f"autotune does not know: predicted with the CPU's")
+        return tuple(said)
+
+
+class _SdpaCalls(torch.overrides.TorchFunctionMode):
+    """Counts ``scaled_dot_product_attention`` calls (composite: seen as a torch function, above the kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.n += 1
+        return func(*args, **(kwargs or {}))

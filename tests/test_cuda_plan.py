@@ -1,0 +1,99 @@
+"""Planning for CUDA on a machine without a GPU (``--device cuda --dry-run``): CUDA's autocast lists on the CPU's
+fake tensors, reserved bytes from the allocator's model, which the budget holds; NVML's figure with the context.
+
+What only a GPU can say (how close these predictions come to a measurement) is benchmarks/gpu_check.py's section 6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autotune
+from autotune.__main__ import main
+from autotune.execution.cuda_rules import CUDA_POLICIES, CudaRules, cuda_autocast_on_cpu
+from autotune.execution.predict import fake_tensors, predict_trial
+from autotune.meters.caching_allocator import CUDA_CONTEXT_BYTES, cublas_workspace_bytes
+from autotune.records import Config
+from autotune.training.workload import Workload
+
+TINY = {"n_layer": 2, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
+MiB = 1 << 20
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # what a CPU-only machine says, on any machine
+
+
+def _dtypes() -> dict[str, torch.dtype]:
+    """What autocast makes of some ops' outputs, on fake tensors (the CPU has no bf16 kernel for every op)."""
+    with fake_tensors(), torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.randn(4, 8, requires_grad=True)
+        h = torch.nn.Linear(8, 8)(x)
+        return {"linear": h.dtype, "layer_norm": F.layer_norm(h, (8,)).dtype, "softmax": F.softmax(h, -1).dtype,
+                "exp": h.exp().dtype, "sum": h.sum().dtype, "mse_loss": F.mse_loss(h, h.detach()).dtype,
+                "cat": torch.cat([h, h]).dtype, "pool3d": F.avg_pool3d(h.view(1, 1, 4, 2, 4), 2).dtype}
+
+
+def test_cudas_autocast_lists_replace_the_cpus_inside_the_block_and_only_there():
+    cpu = _dtypes()
+    with cuda_autocast_on_cpu() as unknown:
+        cuda = _dtypes()
+        with pytest.raises(RuntimeError, match="unsafe to autocast"), torch.autocast("cpu", dtype=torch.bfloat16):
+            F.binary_cross_entropy(torch.rand(3), torch.rand(3))  # CUDA's autocast refuses it; the CPU's runs it
+    assert unknown == []  # every op this torch casts on CUDA has a known policy
+    assert cpu == {**_dtypes()}  # put back after the block
+    # casting down where both do; float32 where CUDA's lists say so and the CPU's do not; the CPU's own casts gone
+    assert cuda == {"linear": torch.bfloat16, "layer_norm": torch.float32, "softmax": torch.float32,
+                    "exp": torch.float32, "sum": torch.float32, "mse_loss": torch.float32, "cat": torch.bfloat16,
+                    "pool3d": torch.bfloat16}
+    assert cpu["layer_norm"] == cpu["softmax"] == torch.bfloat16 and cpu["pool3d"] == torch.float32
+    assert set(CUDA_POLICIES.values()) == {"lower", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote",
+                                           "banned"}
+
+
+def test_a_cuda_prediction_reads_reserved_bytes_and_the_budget_holds_them(no_gpu):
+    workload = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=TINY)
+    rules = CudaRules.for_this_machine()
+    assert rules.here == torch.device("cpu")
+    workspaces = 2 * cublas_workspace_bytes(*rules.capability)
+    fp32 = Config("fp32", "0", 8)
+    cpu, cuda = predict_trial(workload, fp32), predict_trial(workload, fp32, cuda=rules)
+    # fp32 has no autocast: the same tensors, each rounded to 512 bytes, after two cuBLAS workspaces
+    assert cpu.peak_bytes + workspaces <= cuda.peak_allocated_bytes <= cpu.peak_bytes + workspaces + 512 * 400
+    assert cuda.peak_bytes == cuda.peak_reserved_bytes >= cuda.peak_allocated_bytes
+    assert cuda.peak_reserved_bytes % (2 * MiB) == 0  # whole segments
+    assert cuda.peak_nvml_bytes == cuda.peak_reserved_bytes + CUDA_CONTEXT_BYTES
+    assert cuda.memory_source == "predicted"
+
+    # bf16: CUDA's autocast keeps the softmax's attention scores in float32, the CPU's in bf16
+    bf16 = Config("bf16", "0", 8)
+    cpu16, cuda16 = predict_trial(workload, bf16), predict_trial(workload, bf16, cuda=rules)
+    assert cuda16.peak_allocated_bytes - workspaces > cpu16.peak_bytes * 1.1
+
+    # a budget the tensors fit but the allocator's segments do not: out of memory, as on CUDA, said to be predicted
+    budget = cuda.peak_allocated_bytes + 1
+    tight = predict_trial(workload, fp32, budget_bytes=budget, cuda=rules)
+    assert predict_trial(workload, fp32, budget_bytes=budget - workspaces).status == "ok"
+    assert tight.status == "oom" and "predicted" in tight.error and "caching allocator" in tight.error
+    assert tight.peak_bytes > budget and tight.oom_needed_bytes > budget
+
+
+def test_the_cli_plans_cuda_without_a_gpu(no_gpu, tmp_path, capsys):
+    argv = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", '{"n_layer": 2, "n_embd": 32, "n_head": 4}',
+            "--device", "cuda", "--dry-run", "--quiet", "--out", str(tmp_path / "r.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--budget" in err[0] and "without a GPU" in err[0]
+
+    report = autotune.tune("autotune.examples:TinyGPT", model_kwargs=TINY, device="cuda", dry_run=True,
+                           budget="80MiB", precisions=["bf16"], segments=["0"], batch_sizes=[8, 64, 512])
+    assert report.environment["device_type"] == "cuda" and "planned" in report.environment["device_name"]
+    assert report.search["batch_multiple"] == 8 and report.search["cuda"]["predicted_on"].startswith("fake CPU")
+    assert any("CUDA's autocast op lists" in n for n in report.notices)
+    assert all(t.peak_bytes == t.peak_reserved_bytes for t in report.trials if t.status == "ok")
+    (limit,) = report.limits
+    assert limit["max_batch_size"] % 8 == 0 and limit["exact"] and limit["min_oom_batch_size"] == limit["max_batch_size"] + 8
+    assert {t.batch_size for t in report.trials} >= {limit["max_batch_size"], limit["max_batch_size"] + 8}
