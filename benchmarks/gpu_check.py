@@ -14,7 +14,11 @@ the CUDA meter, at most 2 graphs per variant, no graph break, the static re-timi
 Section 6 checks the model of the caching allocator (autotune/meters/caching_allocator.py): raw allocation
 patterns replayed against the real allocator in a fresh process (exact), then every configuration the sections
 above measured, predicted under fake tensors with a traced tensor meter and replayed, against its measured
-allocated (within 1%), reserved (within 5%) and NVML figures (printed; the context is calibrated here).
+allocated (within 1%), reserved (within 5%) and NVML figures (printed; the context is calibrated here). Each is
+predicted both ways a ``--device cuda --dry-run`` predicts: on fake CUDA tensors (a machine with a GPU), and on the
+CPU's fake tensors with CUDA's autocast lists (autotune/execution/cuda_rules.py: a machine without one). Section 4b
+runs ``--device cuda --dry-run`` of section 4's space, here and in a process that sees no GPU, against section 4's
+measured trials.
 """
 
 from __future__ import annotations
