@@ -12,7 +12,9 @@ Both wrappers, through autotune's own trial code (``Trainer`` with a :class:`Wra
 * ``peaks``: each rank's peak at the same micro-batch under DDP and under FSDP2, on a model whose
   parameters, gradients and AdamW state dwarf its activations; ``sgd_peaks`` the same with the
   user's optimizer, SGD with momentum; ``states``: each rank's optimizer state under each wrapper, AdamW's
-  and SGD's (one buffer a parameter where AdamW keeps two), as the trial primes it: over the shards under FSDP2.
+  and SGD's (one buffer a parameter where AdamW keeps two), as the trial primes it: over the shards under FSDP2;
+* ``sharded_builds``: under FSDP2, each rank's peak over the model's build and wrap (before the optimizer's state),
+  and whether the model it trains, gathered whole, is the workload's build: parameters (tied ones once) and buffers.
 
 Rank 0 writes what it found to OUT.json.
 """
@@ -20,7 +22,9 @@ Rank 0 writes what it found to OUT.json.
 from __future__ import annotations
 
 import json
+import logging
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -64,6 +68,14 @@ class Wide(nn.Module):
     def example_batch(self, batch_size: int):
         g = torch.Generator().manual_seed(batch_size)
         return ((torch.randn(batch_size, WIDTH, generator=g), torch.randn(batch_size, generator=g)), None)
+
+
+class Uncopyable(Wide):
+    """Wide with an attribute a deep copy refuses: the workload keeps no copy of it on the host to shard from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
 
 
 def tokens():
@@ -165,6 +177,53 @@ def optimizer_states(job, workloads: dict[str, Workload]) -> dict[str, list[int]
     return states
 
 
+SHARDED = {"wide": "0", "tinygpt": "all", "cnn": "all", "uncopyable": "0"}  # the models sharded_builds builds, their plan
+
+
+def sharded_workload(name: str) -> Workload:
+    """A model of :data:`SHARDED`, with its chain. TinyGPT ties its embedding to its head and shards unevenly (101 token
+    rows); the CNN has BatchNorm's buffers; Uncopyable is built whole, as before."""
+    from autotune.examples import TinyGPT
+    from autotune.plans.checkpointing import find_chain
+    from tests.zoo import BatchNormCNN
+
+    factory = {"wide": Wide, "tinygpt": TinyGPT, "cnn": BatchNormCNN, "uncopyable": Uncopyable}[name]
+    tiny = {"n_layer": 2, "block_size": 16, "n_embd": 32, "n_head": 2, "vocab_size": 101}
+    workload = Workload.from_specs(factory, model_kwargs=tiny if factory is TinyGPT else None)
+    return workload.with_chain(find_chain(workload.build_model()))
+
+
+def sharded_builds(job) -> dict[str, list]:
+    """Per model of :data:`SHARDED`, under FSDP2: each rank's peak over the build and the wrap (the optimizer's state
+    not primed), the model's parameter and buffer bytes, whether the model the rank trains, gathered whole, is bitwise
+    the workload's own build (a fresh one, seeded); and the notices said."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("autotune").addHandler(handler)
+    wjob = distributed.Job("fsdp", job.rank, job.world_size, job.local_rank, job.backend, job.control, trials=job.trials)
+    found: dict[str, list] = {}
+    for name, plan in SHARDED.items():
+        workload = sharded_workload(name)
+        job.trials = wjob.trials = wjob.trials + 1
+        group = dist.new_group(backend="gloo")
+        trainer = Trainer(workload, Config("fp32", plan, 2), torch.device("cpu"),
+                          parallel=Wrapping(wjob, group, torch.device("cpu")))
+        with TensorMeter("cpu").measure() as meter:
+            trainer.build(prime=False)
+        model, built = trainer.module, workload.unwarmed().build_model(seed=0)
+        state = whole({**dict(model.named_parameters()), **dict(model.named_buffers())}, job)
+        expected = {**dict(built.named_parameters()), **dict(built.named_buffers())}
+        same = state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in expected)
+        found[name] = [job.gather(meter.peak_bytes()), sum(p.numel() * 4 for p in built.parameters()),
+                       sum(b.numel() * b.element_size() for b in built.buffers()), same]
+        trainer.release()
+        dist.destroy_process_group(group)
+    logging.getLogger("autotune").removeHandler(handler)
+    found["said"] = said
+    return found
+
+
 def state_offload_trials(job, workload: Workload, batch_size: int) -> dict[str, list]:
     """Trials of plan 0 under FSDP2 without and with the state in host memory: each rank's device and host peaks, the
     optimizer step's share, the losses (every rank's, gathered)."""
@@ -215,6 +274,7 @@ def main(out: str) -> None:
             found.setdefault(name, {})[wrapper] = job.gather(m.peak_bytes)
             found.setdefault("status", {})[f"{wrapper}/{name}"] = m.status
     found["state_offload"] = state_offload_trials(job, workload, half)
+    found["sharded_builds"] = sharded_builds(job)
     found["states"] = optimizer_states(job, {"adamw": workload, "sgd": sgd})
     found["zoo"] = zoo_plans_under_the_wrappers(job)
     if job.rank == 0:

@@ -5,7 +5,9 @@ memory-tracker tests and torchtitan's memory estimate use) is a group of N ranks
 Its collectives return at once and move nothing. Under it and the dry run's fake tensors the trial's own wrapper
 (:mod:`autotune.training.wrapping`) runs as it runs on a real rank, and the tensor meter counts what it allocates:
 
-* **FSDP2** shards each parameter to its 1/N (a DTensor: the meter counts its local shard), gathers each block's
+* **FSDP2** shards the model on the meta device and makes only rank 0's shards and the buffers, as a real rank does
+  (:mod:`autotune.training.wrapping`; the model on the host is built under the fake tensors with the meter aside):
+  each parameter's 1/N (a DTensor: the meter counts its local shard). It gathers each block's
   parameters whole for its forward and again for its backward and frees them after (``resize_(0)``), and
   reduce-scatters the gradients into 1/N shards; the optimizer's state is the shards'. Every one of those buffers
   is FSDP2's own, made before its collective writes into it: the same bytes as on a real rank. The mesh is made
@@ -88,7 +90,14 @@ def one_rank(wrapper: str, world_size: int, device: torch.device) -> Iterator[On
 
 class _FakeRankWrapping(Wrapping):
     """The trial's wrapper on the fake group (module docstring): the mesh made outside the fake tensors; DDP without
-    its construction's collectives, its buckets all-reduced by ``noop_hook``."""
+    its construction's collectives, its buckets all-reduced by ``noop_hook``; FSDP2's model on the host built for each
+    prediction, under the fake tensors with the meter aside, as a real rank keeps its real one outside its meter."""
+
+    def _host_model(self, workload: Any, seed: int) -> nn.Module | None:
+        from autotune.meters.tensor import meter_aside
+
+        with meter_aside():
+            return workload.build_model(seed=seed)
 
     def _mesh(self) -> Any:
         from torch._subclasses.fake_tensor import unset_fake_temporarily  # private, in every torch autotune supports

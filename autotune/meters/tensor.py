@@ -21,7 +21,7 @@ import weakref
 from typing import Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode,
                                          is_traceable_wrapper_subclass)
 from torch._subclasses.fake_tensor import FakeTensor  # private, and in every torch autotune supports
 from torch.utils._pytree import tree_leaves
@@ -31,7 +31,7 @@ from autotune.errors import TrialTimeoutError, is_oom
 from autotune.meters.base import Measuring, MemoryReading, Meter
 from autotune.meters.oom import BudgetExceededError
 
-__all__ = ["TensorMeter", "leave_device", "enter_device", "passing_peak", "plain_tensors"]
+__all__ = ["TensorMeter", "leave_device", "enter_device", "passing_peak", "meter_aside", "plain_tensors"]
 
 
 class _Tracker(TorchDispatchMode):
@@ -233,6 +233,27 @@ def passing_peak(nbytes: int) -> None:
     tracker = _active()
     if tracker is not None and nbytes > 0:
         tracker.passing(nbytes)
+
+
+@contextlib.contextmanager
+def meter_aside() -> Iterator[None]:
+    """For an emulation of host memory on one memory (the CPU's): what is made in the block is the host's, counted by
+    no tensor meter measuring here; every other mode (a dry run's fake tensors) stays in force."""
+    stack = _get_current_dispatch_mode_stack()
+    if not any(isinstance(mode, _Tracker) for mode in stack):
+        yield
+        return
+    popped = [_pop_mode() for _ in stack]  # innermost first
+    kept = [mode for mode in reversed(popped) if not isinstance(mode, _Tracker)]
+    for mode in kept:
+        _push_mode(mode)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _pop_mode()
+        for mode in reversed(popped):
+            _push_mode(mode)
 
 
 class TensorMeter(Meter):

@@ -75,20 +75,23 @@ class Trainer:
     def _prepared(self, host: OnHost | None) -> torch.nn.Module:
         """The model, built (seeded), prepared, on its device and under the job's wrapper; ``host`` for a plan
         ``+state``, whose model stays on the host for FSDP2 to shard there."""
-        model = self.workload.build_model(seed=self.seed)  # the same seeded model every time (a copy once warm)
+        if self.parallel is None:
+            model, meta = self.workload.build_model(seed=self.seed), None  # the same seeded model (a copy once warm)
+        else:  # DDP's whole; FSDP2's on the meta device, its shards made on the device by the wrap (wrapping.py)
+            model, meta = self.parallel.build(self.workload, self.seed, offload_state=host is not None)
         self.run = prepare(model, precision=self.config.precision, plan=self.config.plan,
                            chain=self.workload.chain, guard=self.guard, device_type=autocast_type(self.device),
                            micro_batch_size=self.config.batch_size, record_loss_scale=True,
                            record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes)
         self.plan = self.run.plan
         blocks = self.workload.chain.blocks if self.workload.chain else ()
-        if host is None:
-            move_model(model, self.device)
-        else:
+        if host is not None:
             host.wrap_bytes = wrap_bytes(model, blocks, self.parallel.job.world_size)
+        elif meta is None:
+            move_model(model, self.device)
         self.module = model  # the user's module (batches come from its example_batch), under any wrapper
         if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
-            self.run.model = self.parallel.wrap(model, blocks, offload_state=host is not None)
+            self.run.model = self.parallel.wrap(model, blocks, offload_state=host is not None, meta=meta)
         self.run.model = compile_model(self.run.model, self.config.compile)  # compiled outermost, as users do
         return model
 

@@ -167,11 +167,7 @@ class Workload:
         left as that build leaves it (dropout's masks then follow as they would). After
         :meth:`warm`, it is an exact copy of the model built once, not a build.
         """
-        cached = self._found.get(("model", seed)) if seed is not None else None
-        if cached is not None:
-            template, states = cached
-            _set_random_states(states)
-            torch.cuda.manual_seed_all(seed)  # as the build's manual_seed left it (a build on the CPU draws none there)
+        if seed is not None and (template := self.kept_model(seed)) is not None:
             return _copy_model(template).train()
         if seed is not None:
             torch.manual_seed(seed)
@@ -195,6 +191,14 @@ class Workload:
             states = _random_states()
             if all(map(on_host, (*template.parameters(), *template.buffers()))) and _copyable(template):
                 self._found[key] = (template, states)  # a model that cannot be copied is built every time
+
+    def kept_model(self, seed: int) -> nn.Module | None:
+        """The model :meth:`warm` kept for ``seed``, not a copy, the random state as its build left it; or None."""
+        cached = self._found.get(("model", seed))
+        if cached is not None:
+            _set_random_states(cached[1])
+            torch.cuda.manual_seed_all(seed)  # as the build's manual_seed left it (a build on the CPU draws none there)
+        return None if cached is None else cached[0]
 
     def unwarmed(self) -> "Workload":
         """The same workload, building every model anew: a dry run's build under fake tensors cannot copy a model
