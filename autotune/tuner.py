@@ -145,7 +145,8 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
                              fixed_bytes_hint=facts.fixed_bytes, n_trials=searching.n_trials,
                              line_rule=LineRule.of(facts.fixed_bytes, facts.optimizer_state_bytes is not None,
                                                    (target.data_profile or {}).get("shapes_vary", False)),
-                             **({"predictions": seeding.predictions} if seeding else {}))
+                             **({"predictions": seeding.predictions} if seeding else {}),
+                             probed=_probed(target, study))
     space = study.space
     planned = {"grid": len(space), "optuna": min(len(space), searching.n_trials or max(1, len(space) // 4))}.get(strategy.name)
     events.call("search_started", space_size=len(space), planned=planned, strategy=strategy.name,
@@ -165,6 +166,13 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
     predictions = tuple(sorted(seeding.predictions.values(), key=lambda m: (order[m.config.variant], m.batch_size)))
     return dataclasses.replace(result, predictions=predictions, seeding=seeding.describe(),
                                wall_s=result.wall_s + seeding.seconds, notices=seeding.notices)
+
+
+def _probed(target: Target, study: Study) -> int:
+    """How many of the front's fastest trials the probe (stage 6) will train after the search, under the budget trials
+    run under (0: no probe, or one for a smaller budget than that): ``auto`` leaves near ties among them to it."""
+    probe, budget = target.searching.probe, target.budget
+    return probe.top if probe and study.workload.dataset is not None and budget.bytes == budget.enforced else 0
 
 
 def _seeding(target: Target, study: Study, facts: ModelFacts) -> Seeding | None:

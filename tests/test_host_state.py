@@ -25,7 +25,7 @@ from autotune.plans.checkpointing import find_chain
 from autotune.export import export
 from autotune.records import Config, Measurement, TrialSettings
 from autotune.search.space import SearchSpace
-from autotune.search.strategies.auto import _View
+from autotune.search.strategies.view import View
 from autotune.training.host_state import wrap_bytes
 from autotune.training.trainer import Trainer
 from autotune.training.workload import Workload
@@ -135,7 +135,7 @@ def test_the_auto_strategy_climbs_plans_with_the_state_on_the_host_apart():
     per_sample = {"0": 1e6, "all": 0.5e6, "0+state": 1e6, "all+state": 0.5e6, "0+offload+state": 0.2e6}
     state = {"0": 10e6, "all": 10e6}  # on the device; the others keep it on the host
     measured = {m.config: m for m in (_ok(p, b, state.get(p, 0) + a * b) for p, a in per_sample.items() for b in (4, 8))}
-    envelopes = _View(space, measured, None, frozenset()).envelopes("fp32", 12e6)
+    envelopes = View(space, measured, None, frozenset()).envelopes("fp32", 12e6)
     assert Config("fp32", "all", 4) in [c for e in envelopes for c in e]
     assert all(len({Plan(c.plan).state for c in e}) == 1 for e in envelopes), envelopes
 

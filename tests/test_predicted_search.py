@@ -54,6 +54,19 @@ def test_predict_space_closes_brackets_off_the_line_too_and_stops_at_its_deadlin
     assert predict_space(SPACE, predicted(linear), (BUDGET,), deadline=0.0) == {}
 
 
+def test_predictions_stopped_by_their_deadline_leave_the_plans_with_the_least_recompute_to_trials(monkeypatch):
+    # The limits of the plans with the most recompute are the largest batches, the dearest to bracket by trials: they
+    # are predicted first, precisions alternating, as the search brackets them
+    import autotune.search.predicted as module
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(module.time, "monotonic", lambda: next(clock))
+    predictions = predict_space(SPACE, predicted(linear), (BUDGET,), deadline=12, fixed_bytes=8 * MiB)
+    order = list(dict.fromkeys(c.variant for c in predictions))
+    ranked = [(s, p) for s in reversed(SPACE.ordered_plans()) for p in SPACE.precisions]
+    assert [(v.plan, v.precision) for v in order] == ranked[:len(order)] and 1 < len(order) < len(ranked)
+
+
 def test_a_failed_prediction_ends_its_variants_bracket():
     def failing(config):
         return Measurement(config, "failed", error="RuntimeError: the model's own", memory_source=PREDICTED)
@@ -152,3 +165,20 @@ def test_a_search_whose_model_cannot_run_under_fake_tensors_goes_on_without_pred
     assert report.predictions == () and report.search["predictions"]["unavailable"]
     assert any("not seeded by predictions" in n for n in report.notices)
     assert report.recommendation is not None
+
+
+def test_with_data_whose_items_are_views_the_predictions_count_what_the_trials_count(tmp_path):
+    # token_dataset keeps its sequences in one tensor: an item is a view of it, and the tensor meter counts the whole
+    # storage from the first item on, for the rest of the trial (the dataset keeps it alive). Fake tensors kept their
+    # copy of it only while an item did: every prediction was the dataset's bytes short, and a plan whose peak is
+    # small was refuted by its checking trial. Kept as long as the real tensor lives, it is counted as measured.
+    from autotune.examples import token_dataset
+
+    report = autotune.tune("autotune.examples:TinyGPT", data=token_dataset(size=512), device="cpu", budget="256MiB",
+                           precisions="fp32", segments="0,all", batch_sizes="4..64", probe=False, isolation="none",
+                           storage=f"sqlite:///{tmp_path}/s.db", study="s", measure_steps=2, warmup_steps=1)
+    predictions = {m.config: m for m in report.predictions}
+    both = [m for m in report.trials if m.config in predictions and m.status == "ok"]
+    assert {m.config.plan for m in both} == {"0", "all"}
+    assert all(m.peak_bytes == predictions[m.config].peak_bytes for m in both)
+    assert {(r["segments"], r.get("max_rule")) for r in report.limits} >= {("all", "prediction")}

@@ -382,17 +382,57 @@ def test_the_time_model_bounds_a_checkpointed_step_from_the_plan_without_recompu
 
 
 def test_a_climb_step_to_a_checkpointed_point_is_skipped_once_the_time_model_says_it_cannot_win():
-    from autotune.search.strategies.auto import _View
+    from autotune.search.strategies.view import View
 
     def base(b):  # the plan without recompute: 76 samples/s at 32, 86 at 64, 93 at 128 if it fitted
         return 0.1 + 0.01 * b
 
     envelope = [Config("bf16", "0", 32), Config("bf16", "0", 64), Config("bf16", "2", 128)]
     measured = {c: _timed("bf16", "0", c.batch_size, base(c.batch_size)) for c in envelope[:2]}
-    view = _View(SPACE, measured, None, frozenset())
+    view = View(SPACE, measured, None, frozenset())
     best = measured[envelope[1]]
     # no recompute cost seen yet: plan 2 at 128 might reach 93 samples/s, more than 86 and its noise: timed
     assert AutoStrategy._climb(envelope, view, best) == envelope[2]
     slow = _timed("bf16", "all", 16, base(16) * 1.5)  # recomputing every block cost 50%: plan 2 at 128 at most 74
     measured[slow.config] = slow
-    assert AutoStrategy._climb(envelope, _View(SPACE, measured, None, frozenset()), best) is None
+    assert AutoStrategy._climb(envelope, View(SPACE, measured, None, frozenset()), best) is None
+
+
+def test_a_slower_precision_that_keeps_the_same_bytes_is_not_climbed():
+    # fp16 and bf16 autocast keep the same bytes; here each plan's peaks lie up to 1% off its line, so lines drawn
+    # through the trials each precision happens to have differ by a few bytes (fp16 was climbed, seeded or not). fp16 steps 3x slower (a CPU without native half
+    # arithmetic): once a configuration is timed in both, fp16 fits nowhere bf16 does not, and is not climbed.
+    def same_bytes(config):
+        c = dataclasses.replace(config, precision="bf16")
+        return linear(c) * (1 + random.Random(f"{c.segments}-{c.batch_size}").uniform(-0.01, 0.01))
+
+    def trial(config):
+        m = measure(same_bytes)(config)
+        if m.status == "ok" and config.precision == "fp16":
+            m = dataclasses.replace(m, samples_per_s=m.samples_per_s / 3, step_s=m.step_s * 3)
+        return m
+
+    space = SearchSpace(("fp16", "bf16"), SPACE.plans, SPACE.batch_sizes, blocks=BLOCKS)
+    exact = {c: Measurement(c, "ok", peak_bytes=int(same_bytes(c))) if same_bytes(c) <= BUDGET
+             else Measurement(c, "oom", peak_bytes=BUDGET + 1) for c in space.configs()}
+    grid = recommend(run(GridStrategy(), trial, space).values(), BUDGET)
+    for predictions in ({}, exact):
+        auto = run(AutoStrategy(fixed_bytes_hint=8 * MiB, predictions=predictions), trial, space)
+        assert [c.batch_size for c, m in auto.items() if c.precision == "fp16" and m.samples_per_s] == [64]
+        assert recommend(auto.values(), BUDGET).config == grid.config
+
+
+@pytest.mark.parametrize("probed", [0, 1, 3])
+def test_a_near_tie_the_probe_will_train_is_left_to_the_probe(probed):
+    def trial(config):  # batch 32 and 16 within 1% (each with a 4% spread), the larger one faster: both on the front
+        m = measure(linear)(config)
+        if m.status != "ok":
+            return m
+        sps = {16: 99.0, 32: 100.0}.get(config.batch_size, 50.0) if config.segments == "0" else 10.0
+        return dataclasses.replace(m, samples_per_s=sps, step_s=config.batch_size / sps, step_s_spread=0.04)
+
+    space = SearchSpace(("fp32",), ("0", "all"), SPACE.batch_sizes, blocks=BLOCKS)
+    measured = run(AutoStrategy(fixed_bytes_hint=8 * MiB, probed=probed), trial, space)
+    again = {c for c, m in measured.items() if m.timings == 2}
+    # the probe trains the front's fastest, fastest first: with two or more, both of the tie, and it decides
+    assert again == (set() if probed >= 2 else {Config("fp32", "0", 16), Config("fp32", "0", 32)})

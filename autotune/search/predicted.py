@@ -24,7 +24,7 @@ from autotune.analysis.pareto import bracket
 from autotune.errors import first_line
 from autotune.records import Config, Measurement, TrialSettings
 from autotune.search.space import SearchSpace
-from autotune.vocabulary import EAGER, Status
+from autotune.vocabulary import EAGER, Status, Variant
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], 
                   deadline: float | None = None, fixed_bytes: float | None = None) -> dict[Config, Measurement]:
     """Each variant's boundary under every one of ``limits``, found over the space's sizes with ``predict`` (memory
     grows with the batch: above a size that does not fit, none does). Stops early, with what it has, past
-    ``deadline`` (``time.monotonic()``).
+    ``deadline`` (``time.monotonic()``); the variants with the most recompute come first.
 
     A boundary costs two or three predictions where the variant's peaks lie on a line (:func:`_next_size`):
     the middle size, then the largest size its line says fits, then the size above; where the line misleads, the
@@ -52,7 +52,11 @@ def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], 
     predictions: dict[Config, Measurement] = {}
     # Compiled variants are not predicted: fake tensors run the eager step (dynamo does not compile under the meter's
     # dispatch mode), and what inductor's kernels hold is known only by running them. They are searched on trials.
-    variants = [v for v in space.variants() if v.compile == EAGER]
+    # In the order the search brackets them, the most recompute first, precisions alternating: where the deadline
+    # stops the predictions, the variants left to be bracketed by trials are those with the least recompute, whose
+    # limits are the smallest batches (the cheapest trials), and the plan without recompute, whose limit is timed anyway.
+    variants = [Variant(p, s, EAGER) for s in reversed(space.ordered_plans()) for p in space.precisions
+                if EAGER in space.compiles]
     for variant in variants:
         # The space's middle size first: where the search checks a plan's predictions with a trial (cheap, and
         # large enough that activations weigh in), and a point of the plan's line

@@ -31,37 +31,32 @@ the measurements alone, so a resumed search or a second worker picks up where th
    precision, the strategy climbs from the fastest timed point (at first: the largest batch of
    the plan with the least recompute) to a local maximum of samples/s: both neighbours timed and
    slower. A point measured only for memory is completed by
-   a timing. A precision that is slower in every configuration timed in both and needs more
-   memory in every plan is not climbed; the precision with the fastest trial climbs first, so the
-   other is often found slower before it climbs. A climb step the time model
+   a timing. A precision that is slower in every configuration timed in both and fits the limit
+   nowhere the faster one does not (:func:`_dominates`) is not climbed; the precision with the
+   fastest trial climbs first, so the other is often found slower before it climbs. A climb step
+   the time model
    (:func:`step_time_bound`: the plan without recompute's ``a + c b``, times ``1 + k r`` for a
    recompute share ``r``) says cannot beat the fastest trial by more than the timing noise is not
    timed.
 4. **Near ties.** Where the fastest trial under a budget and the next lie within their spreads of
-   each other, each is timed once more, alternately, and judged on the steps of both runs.
+   each other, each is timed once more, alternately, and judged on the steps of both runs; not
+   where the probe will train both after the search (``probed``): it decides between them.
+
+The phases read the measurements through a :class:`~autotune.search.strategies.view.View`.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from autotune.analysis.memory_model import MemoryModel, fit_line
-from autotune.analysis.pareto import (LineRule, bracket, confirmed, implied_failures, line_failures, prediction_failures,
-                                      prediction_fits, refuted)
-from autotune.vocabulary import EAGER, HEADROOM, Plan, Status, Variant
+from autotune.analysis.pareto import LineRule, bracket, pareto_front, probe_candidates
+from autotune.vocabulary import HEADROOM, Plan, Status, Variant
 from autotune.records import Config, Measurement, usable_bytes
 from autotune.search.space import SearchSpace
 from autotune.search.strategies.base import Proposal, Strategy
+from autotune.search.strategies.view import Mode, View, step_time_bound, variant_of
 
-__all__ = ["AutoStrategy", "next_in_bracket"]
-
-Mode = tuple[str, str]  # (precision, compile mode): a variant's all but its plan, what envelopes and dominance compare
-
-
-def _of(mode: Mode | str, plan: str) -> Variant:
-    """The variant of ``mode`` with ``plan`` (a precision alone: its eager mode)."""
-    precision, compile = (mode, EAGER) if isinstance(mode, str) else mode
-    return Variant(precision, plan, compile)
+__all__ = ["AutoStrategy", "next_in_bracket", "step_time_bound"]
 
 _BISECT_AFTER = 3  # trials of one plan after which the model is not trusted to close its bracket
 
@@ -91,195 +86,34 @@ def next_in_bracket(sizes: list[int], outcomes: Mapping[int, bool], predicted: M
     return sizes[fitting[-1] if fitting else open_[0]]
 
 
-def _dominates(fast: Mode, slow: Mode, measured: Mapping[Config, Measurement], model: MemoryModel,
-               variants: list[Variant], smallest: int, largest: int) -> bool:
-    """Whether mode ``fast`` (precision, compile mode) beats ``slow`` on both axes: faster in every configuration
-    measured in both (at least one), and predicted to need no more memory in any plan at any batch size."""
-    pairs = [(m.samples_per_s, measured[_of(fast, c.plan).at(c.batch_size)].samples_per_s)
+def _dominates(fast: Mode, slow: Mode, view: "View", limit: float | None) -> bool:
+    """Whether mode ``fast`` (precision, compile mode) beats ``slow`` under ``limit``: faster in every configuration
+    timed in both (at least one), and fitting ``limit`` wherever ``slow`` may, in every plan at every batch size.
+
+    "May fit" is what the envelopes read (:meth:`View.fits`): the measurements, the failures implied, the confirmed
+    predictions, else the expected peaks (predictions, or the memory model's line). The climb times only
+    configurations its envelopes hold, so a slow mode that fits nowhere the fast one does not has no configuration
+    the recommendation could take: the fast mode's own one there is faster. (Fitted lines alone were the rule before:
+    two modes that keep the same bytes, fp16 and bf16 autocast, drew lines a few bytes apart from the trials each
+    happened to have, and the slower mode was climbed, at its slow steps.)
+    """
+    measured = view.measured
+    pairs = [(m.samples_per_s, measured[variant_of(fast, c.plan).at(c.batch_size)].samples_per_s)
              for c, m in measured.items() if c.variant.mode == slow and m.samples_per_s is not None
-             and _of(fast, c.plan).at(c.batch_size) in measured]
+             and variant_of(fast, c.plan).at(c.batch_size) in measured]
     if not pairs or any(q is None or q <= s for s, q in pairs):
         return False
-    for v in (v for v in variants if v.mode == slow):
-        a, b = model.lines.get(_of(fast, v.plan)), model.lines.get(v)
-        if a is None or b is None or any(a.predict(n) > b.predict(n) * (1 + 1e-9) for n in (smallest, largest)):
-            return False  # two lines: no higher at both ends, no higher anywhere between
+    for plan in view.ordered:
+        quick, slower = variant_of(fast, plan), variant_of(slow, plan)
+        known = {v: view.outcomes(v, limit) for v in (quick, slower)}
+        if any(view.fits(slower, b, limit, known[slower]) and not view.fits(quick, b, limit, known[quick])
+               for b in view.sizes):
+            return False
     return True
 
 
 _WAIT = object()  # a phase that must wait for other workers' trials before the next phase may start
 _NOISE = 0.05  # the least timing noise between two trials assumed when skipping a climb step (a spread may read 0)
-
-
-def step_time_bound(config: Config, measured: Mapping[Config, Measurement], blocks: int | None) -> float | None:
-    """An optimistic samples/s of ``config`` from the trials timed so far; None without a model.
-
-    The time model: a step of the plan without recompute takes ``a + c b`` (least squares through
-    that plan's timed trials of the precision, two or more), and recomputing a share ``r`` of the
-    blocks multiplies it by ``1 + k r``. ``k`` is the smallest any timed checkpointed plan of the
-    precision shows (0 before one is timed, or if one was faster): recompute only adds work, so the
-    bound errs towards a faster step. For the plan without recompute itself the line speaks only
-    outside its timed sizes: above them a step's time grows at least as fast as the line (caches and
-    memory traffic do not make a large batch cheaper per sample), below them a positive ``a`` is the
-    step's fixed cost, and a negative one makes the bound larger still. Between two timed sizes a
-    curve may bulge above the line, so there it says nothing.
-    """
-    plan = config.plan
-    # Plans that keep the state in host memory step the optimizer on the CPU: a line of their own (0+state's)
-    kind = [c for c in measured if c.variant.mode == config.variant.mode and c.plan.state == plan.state]
-    steps = {c.batch_size: measured[c].step_s for c in kind
-             if c.plan.without_state.off and measured[c].step_s and measured[c].timed}
-    if len(steps) < 2 or (plan.without_state.off and min(steps) <= config.batch_size <= max(steps)):
-        return None  # no line yet; or a point between the plan's own timed ones, where a curve may bulge above it
-    a, c = fit_line(steps)
-
-    def base(b: int) -> float:
-        return a + c * b
-
-    ks = [(m.step_s / base(m.batch_size) - 1) / share for cfg, m in ((c, measured[c]) for c in kind)
-          if m.step_s and m.timed and base(m.batch_size) > 0 and (share := Plan(cfg.plan).recompute_share(blocks)) > 0]
-    k = max(0.0, min(ks, default=0.0))
-    step = base(config.batch_size) * (1 + k * plan.recompute_share(blocks))
-    return config.batch_size / step if step > 0 else None
-
-
-class _View:
-    """What the measurements say, as the phases read it: the memory model, each variant's trials, implied failures."""
-
-    def __init__(self, space: SearchSpace, measured: Mapping[Config, Measurement], fixed_bytes_hint: float | None,
-                 pending: frozenset[Config], line_rule: LineRule | None = None,
-                 predictions: Mapping[Config, Measurement] | None = None) -> None:
-        self.space, self.measured, self.pending, self.line_rule = space, measured, pending, line_rule
-        self.predictions, self.fixed_bytes_hint = predictions or {}, fixed_bytes_hint
-        self.sizes = sorted(space.batch_sizes)
-        self.ordered = space.ordered_plans()  # least recompute first
-        # Bracketed from the most recompute down: a plan's failure implies the failures of the plans that
-        # recompute a subset of its blocks. Precisions alternate, so a precision's ratio is learnt early.
-        self.variants = [Variant(p, s, c) for c in space.compiles for s in reversed(self.ordered) for p in space.precisions]
-        self.modes: list[Mode] = [(p, c) for c in space.compiles for p in space.precisions]
-        self.model = MemoryModel.fit(measured.values(), self.variants, fixed_bytes_hint=fixed_bytes_hint,
-                                     blocks=space.blocks)
-        self.busy = {c.variant for c in pending}
-        self.by_variant: dict[Variant, dict[int, Measurement]] = {}
-        for c, m in measured.items():
-            self.by_variant.setdefault(c.variant, {})[c.batch_size] = m
-        self._implied: dict[float | None, tuple[dict[Config, object], dict[Config, object]]] = {}
-        self.standing = confirmed(measured.values(), self.predictions)  # variants whose predictions a trial confirmed
-        # Variants whose predictions a measured trial contradicted: searched on measurements alone
-        self.refuted = refuted(measured.values(), self.predictions)
-
-    def outcomes(self, variant: Variant, limit: float | None) -> dict[int, bool]:
-        """Batch size -> fits ``limit``: measured, or implied not to by a plan that needs no more memory, by the
-        variant's memory line (:class:`~autotune.analysis.pareto.LineRule`) or by its confirmed predictions, or
-        implied to by its confirmed predictions (clear of ``limit``)."""
-        if limit not in self._implied:
-            self._implied[limit] = ({
-                **line_failures(self.measured.values(), limit, self.sizes, self.line_rule),
-                **prediction_failures(self.measured.values(), limit, self.predictions),
-                **implied_failures(self.measured.values(), limit, self.space.plans, self.space.blocks)},
-                prediction_fits(self.measured.values(), limit, self.predictions))
-        fails, fits = self._implied[limit]
-        known = {c.batch_size: False for c in fails if c.variant == variant}
-        known.update({c.batch_size: True for c in fits if c.variant == variant})
-        known.update({b: m.fits(limit) for b, m in self.by_variant.get(variant, {}).items()})
-        return known
-
-    def predicted(self, variant: Variant) -> dict[int, float] | None:
-        """Batch size -> the peak bytes expected: the search's prediction of the size (a size above the variant's
-        first predicted failure: none fits), or, without predictions or where a measurement refuted them, the
-        memory model's line; None where neither knows anything."""
-        if self.by_prediction(variant):
-            guesses = {b: self.guess(variant, b) for b in self.sizes}
-            if all(g is not None for g in guesses.values()):
-                return guesses
-        return None if variant not in self.model.lines else {b: self.model.predict(variant, b) for b in self.sizes}
-
-    def by_prediction(self, variant: Variant) -> bool:
-        """Whether ``variant``'s expected peaks are its predictions."""
-        return variant not in self.refuted and any(
-            variant.at(b) in self.predictions and self.predictions[variant.at(b)].status.measured_memory
-            for b in self.sizes)
-
-    def guess(self, variant: Variant, b: int) -> float | None:
-        """The peak bytes expected at ``b``: predicted (infinite where predicted out of memory, or above a size
-        predicted so), else the memory model's line."""
-        if not self.by_prediction(variant):
-            return self.model.predict(variant, b)
-        points: dict[int, float] = {}
-        for size in self.sizes:
-            p = self.predictions.get(variant.at(size))
-            if p is None or not p.status.measured_memory:  # a prediction that failed says nothing of memory
-                continue
-            if p.status == Status.OOM or not p.peak_bytes:
-                return float("inf") if size <= b else self._between(points, b, variant)
-            points[size] = float(p.peak_bytes)
-        return self._between(points, b, variant)
-
-    def _between(self, points: dict[int, float], b: int, variant: Variant) -> float | None:
-        """At a size not predicted: the line through the variant's predicted peaks (the memory model's with fewer
-        than two). A guess that picks the next trial; only a prediction of the size itself implies anything."""
-        if b in points:
-            return points[b]
-        if len(points) >= 2:
-            a, c = fit_line(points)
-            return a + c * b
-        if len(points) == 1:  # through the fixed part (the state), where it is known and below the point
-            (b0, y0), = points.items()
-            a = self.fixed_bytes_hint if self.fixed_bytes_hint is not None and self.fixed_bytes_hint < y0 else 0.0
-            return a + (y0 - a) * b / b0
-        return self.model.predict(variant, b)
-
-    def speed_bound(self, config: Config) -> float | None:
-        """The most samples/s ``config`` can reach, by the time model (:func:`step_time_bound`), or None."""
-        return step_time_bound(config, self.measured, self.space.blocks)
-
-    def best(self, limit: float | None) -> Measurement | None:
-        """The fastest timed trial within ``limit``."""
-        timed = [m for m in self.measured.values() if m.fits(limit) and m.samples_per_s is not None]
-        return max(timed, key=lambda m: (m.samples_per_s, -(m.peak_bytes or 0)), default=None)
-
-    def timed(self, config: Config) -> bool:
-        """Whether ``config`` has a step time."""
-        m = self.measured.get(config)
-        return m is not None and m.samples_per_s is not None
-
-    def envelopes(self, mode: Mode, limit: float | None) -> list[list[Config]]:
-        """The envelope of each chain of plans (:meth:`envelope`): the block plans, and each selective or offloading
-        plan after no checkpointing; plans with the state in host memory (+state) in chains of their own. Time orders
-        the plans of a chain, not a selective plan against a block plan, nor a plan whose copies to the host cost time
-        against one that recomputes."""
-        unordered = [s for s in self.ordered if Plan(s).selective or Plan(s).offload]
-        blocks = [[s for s in self.ordered if s not in unordered and Plan(s).state == state] for state in (False, True)]
-
-        def off(state: bool) -> list[str]:  # no checkpointing, with the state where ``state`` says
-            return [s for s in self.ordered if Plan(s).base.off and not Plan(s).offload and Plan(s).state == state]
-
-        chains = [*blocks, *([*off(Plan(own).state), own] for own in unordered)]
-        envelopes: list[list[Config]] = []
-        for chain in chains:
-            envelope = self.envelope(mode, limit, chain)
-            if envelope and envelope not in envelopes:
-                envelopes.append(envelope)
-        return envelopes
-
-    def envelope(self, mode: Mode, limit: float | None, chain: list[str]) -> list[Config]:
-        """Per batch size, the plan of ``chain`` (least recompute first) that fits ``limit`` (measured, implied or
-        predicted) first: the fastest of the chain there, since checkpointing more blocks only adds recompute."""
-        envelope: list[Config] = []
-        outcomes = {s: self.outcomes(_of(mode, s), limit) for s in chain}
-        for b in self.sizes:
-            for s in chain:
-                known = outcomes[s]
-                if b in known:
-                    fits = known[b]
-                else:  # not measured: not if a smaller size of the plan failed the limit, else as predicted
-                    guess = self.guess(_of(mode, s), b)
-                    fits = (guess is not None and (limit is None or guess <= limit)
-                            and all(ok for size, ok in known.items() if size < b))
-                if fits:
-                    envelope.append(_of(mode, s).at(b))
-                    break
-        return envelope
 
 
 class AutoStrategy(Strategy):
@@ -288,16 +122,20 @@ class AutoStrategy(Strategy):
     name = "auto"
 
     def __init__(self, *, headroom: float = HEADROOM, budgets: Iterable[int] = (), fixed_bytes_hint: float | None = None,
-                 line_rule: LineRule | None = None, predictions: Mapping[Config, Measurement] | None = None) -> None:
+                 line_rule: LineRule | None = None, predictions: Mapping[Config, Measurement] | None = None,
+                 probed: int = 0) -> None:
         self.headroom = headroom
         self.budgets = tuple(sorted(set(budgets)))
         self.fixed_bytes_hint = fixed_bytes_hint
         self.line_rule = line_rule  # where the memory line may imply a failing side (the tuner's, from measured state)
         self.predictions = dict(predictions or {})  # the space predicted before the search (tensor meter only)
+        # How many of the front's fastest trials under the budget less headroom the probe trains after the search, on
+        # the data, and chooses the recommendation from (0: no probe)
+        self.probed = probed
 
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], enforced_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
-        view = _View(space, measured, self.fixed_bytes_hint, pending, self.line_rule, self.predictions)
+        view = View(space, measured, self.fixed_bytes_hint, pending, self.line_rule, self.predictions)
         for phase in (self._bracket, self._other_budgets, self._throughput, self._near_ties):
             proposal = phase(view, enforced_bytes)
             if proposal is _WAIT:
@@ -310,7 +148,7 @@ class AutoStrategy(Strategy):
         """The usable share of every budget, the largest first: where a recommendation may be."""
         return [usable_bytes(b, self.headroom) for b in dict.fromkeys([enforced_bytes, *reversed(self.budgets)])]
 
-    def _bracket(self, view: _View, enforced_bytes: int | None):
+    def _bracket(self, view: View, enforced_bytes: int | None):
         """1. The budget's boundary of every plan: its largest fitting size measured, the next size up measured
         or implied. A trial is timed only where it can be on a precision's throughput envelope."""
         waiting = False
@@ -337,7 +175,7 @@ class AutoStrategy(Strategy):
         return _WAIT if waiting else None
 
     @staticmethod
-    def _confirming_size(view: _View, variant: Variant, own: Mapping[int, Measurement]) -> int | None:
+    def _confirming_size(view: View, variant: Variant, own: Mapping[int, Measurement]) -> int | None:
         """Where a plan with recompute checks its predictions: the space's middle size, cheap to measure and large
         enough that activations weigh in the comparison; once a trial there agrees, the predictions close the plan's
         bracket (:func:`~autotune.analysis.pareto.prediction_fits`). None where the plan has no predictions, has them
@@ -350,7 +188,7 @@ class AutoStrategy(Strategy):
             return None
         return middle
 
-    def _other_budgets(self, view: _View, enforced_bytes: int | None) -> Proposal | None:
+    def _other_budgets(self, view: View, enforced_bytes: int | None) -> Proposal | None:
         """2. Smaller budgets: a memory trial only where neither the measurements nor the model settle a boundary."""
         margin = max(0.05, view.model.relative_error())
         for limit in (b for b in self.budgets if enforced_bytes is None or b < enforced_bytes):
@@ -360,7 +198,7 @@ class AutoStrategy(Strategy):
                     return Proposal(variant.at(b), timed=False)
         return None
 
-    def _throughput(self, view: _View, enforced_bytes: int | None) -> Proposal | None:
+    def _throughput(self, view: View, enforced_bytes: int | None) -> Proposal | None:
         """3. Throughput along each precision's envelope, for every budget less headroom; a precision slower
         wherever both were measured, and needing more memory in every plan, is skipped."""
         for limit in self._limits(enforced_bytes):
@@ -369,8 +207,7 @@ class AutoStrategy(Strategy):
                                and m.samples_per_s is not None and m.fits(limit)), default=0.0)
                        for p in view.modes}
             for mode in sorted(view.modes, key=lambda p: -fastest[p]):
-                if any(_dominates(other, mode, view.measured, view.model, view.variants, view.sizes[0], view.sizes[-1])
-                       for other in view.modes if other != mode):
+                if any(_dominates(other, mode, view, limit) for other in view.modes if other != mode):
                     continue
                 for envelope in view.envelopes(mode, limit):
                     config = self._climb(envelope, view, view.best(limit))
@@ -378,22 +215,34 @@ class AutoStrategy(Strategy):
                         return Proposal(config)  # a memory trial of it is completed by this timing
         return None
 
-    def _near_ties(self, view: _View, enforced_bytes: int | None) -> Proposal | None:
+    def _near_ties(self, view: View, enforced_bytes: int | None) -> Proposal | None:
         """4. Where the fastest trial under a budget and another lie within their spreads of each other, time
-        each once more, alternately, in fresh trials: one run's noise does not pick the recommendation."""
+        each once more, alternately, in fresh trials: one run's noise does not pick the recommendation. Not where
+        the probe will train both (:attr:`probed`): it times them again itself, over an epoch of the data, and the
+        recommendation is its choice."""
         for limit in self._limits(enforced_bytes):
             ranked = sorted((m for m in view.measured.values() if m.fits(limit) and m.samples_per_s is not None),
                             key=lambda m: (-m.samples_per_s, m.peak_bytes or 0))
             if len(ranked) < 2:
                 continue
-            best = ranked[0]
+            best, probed = ranked[0], self._probed(view, enforced_bytes) if limit == self._limits(enforced_bytes)[0] else set()
             for other in ranked[1:3]:
                 if not _overlap(best, other):
                     break
+                if best.config in probed and other.config in probed:
+                    continue  # the probe decides between them, on more steps than a trial's
                 for m in sorted((best, other), key=lambda m: m.timings):  # the fewer timings first: alternating
                     if m.timings < 2 and m.config not in view.pending:
                         return Proposal(m.config)
         return None
+
+    def _probed(self, view: View, enforced_bytes: int | None) -> set[Config]:
+        """The configurations the probe will train after the search, as the measurements stand (the tuner's
+        :func:`~autotune.analysis.pareto.probe_candidates` of the front under the budget)."""
+        if not self.probed:
+            return set()
+        front = pareto_front(view.measured.values(), enforced_bytes)
+        return {m.config for m in probe_candidates(front, enforced_bytes, self.headroom, self.probed)}
 
     @staticmethod
     def _uncertain(sizes, outcomes, predicted, limit, margin) -> int | None:
@@ -406,7 +255,7 @@ class AutoStrategy(Strategy):
         return None
 
     @staticmethod
-    def _climb(envelope: list[Config], view: _View, best: Measurement | None = None) -> Config | None:
+    def _climb(envelope: list[Config], view: View, best: Measurement | None = None) -> Config | None:
         """The next point of a throughput climb along ``envelope``, or None at a local maximum.
 
         A point the time model says cannot beat ``best`` (the fastest timed trial under the limit) by more
