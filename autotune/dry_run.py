@@ -56,7 +56,7 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
     multiple = target.searching.batch_multiple
     cuda = CudaRules.for_this_machine() if follows_cuda(target.device) else None
     with _ranks(target.searching, target.here) as ranks:
-        predictor = Predictor(study.workload, device=target.here, budget_bytes=target.budget.enforced,
+        predictor = Predictor(study.workload, device=target.device, budget_bytes=target.budget.enforced,
                               settings=target.trial_settings, model_name=facts.model_class,
                               state_bytes=facts.fixed_bytes, real_limit_bytes=available_ram_bytes(), mode=mode,
                               ranks=ranks, cuda=cuda)

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 import autotune
 from autotune.__main__ import main
 from autotune.execution.cuda_rules import CUDA_POLICIES, CudaRules, cuda_autocast_on_cpu
-from autotune.execution.predict import fake_tensors, predict_trial
+from autotune.execution.predict import Predictor, fake_tensors, predict_trial
 from autotune.meters.caching_allocator import CUDA_CONTEXT_BYTES, cublas_workspace_bytes
-from autotune.records import Config
+from autotune.records import Config, TrialSettings
 from autotune.training.workload import Workload
 
 TINY = {"n_layer": 2, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
@@ -97,3 +97,14 @@ def test_the_cli_plans_cuda_without_a_gpu(no_gpu, tmp_path, capsys):
     (limit,) = report.limits
     assert limit["max_batch_size"] % 8 == 0 and limit["exact"] and limit["min_oom_batch_size"] == limit["max_batch_size"] + 8
     assert {t.batch_size for t in report.trials} >= {limit["max_batch_size"], limit["max_batch_size"] + 8}
+
+
+def test_a_model_fake_tensors_cannot_run_is_not_measured_on_the_cpu_for_a_cuda_plan(no_gpu):
+    from tests.test_dry_run import Masked  # selects by value: aten.nonzero
+
+    predictor = Predictor(Workload.from_specs(Masked), device=torch.device("cuda", 0), budget_bytes=None,
+                          settings=TrialSettings(), model_name="Masked", state_bytes=1, real_limit_bytes=10**12,
+                          cuda=CudaRules.for_this_machine())
+    # the CPU's measurement is not CUDA's: one line naming the op, where a CPU plan would measure it for real
+    with pytest.raises(autotune.UsageError, match=r"Masked cannot run under fake tensors \(aten.nonzero.*for cuda:0"):
+        predictor(Config("fp32", "0", 4))
