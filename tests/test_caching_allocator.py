@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autotune.execution.cuda_rules import CudaRules
 from autotune.meters import TensorMeter
 from autotune.meters.caching_allocator import (CUDA_CONTEXT_BYTES, AllocatorOutOfMemory, AllocatorSettings,
                                                CachingAllocator, cublas_workspace_bytes, nvml_bytes, replay,
@@ -327,9 +328,15 @@ def test_gpu_checks_traced_prediction_counts_what_predict_trial_counts(gpu_check
 
     workload = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=tiny_gpt_kwargs)
     config, settings = Config("fp32", 0, 4), TrialSettings()
-    trace = gpu_check.predict_traced(workload, config, torch.device("cpu"), settings, 1)
+    rules = CudaRules(torch.device("cpu"))  # the CPU's fake tensors with CUDA's rules, as a machine without a GPU
+    trace = gpu_check.predict_traced(workload, config, torch.device("cpu"), settings, 1, rules)
     live = peak = 0
     for nbytes, _ in trace:
         live += nbytes
         peak = max(peak, live)
     assert peak == predict_trial(workload, config, device="cpu", settings=settings).peak_bytes > 0
+    bf16 = Config("bf16", 0, 4)  # under CUDA's autocast lists: the same trace as the dry run's, replayed alike
+    trace = gpu_check.predict_traced(workload, bf16, torch.device("cpu"), settings, 1, rules)
+    predicted = predict_trial(workload, bf16, settings=settings, cuda=rules)
+    assert rules.replayed(trace, None).peak_reserved_bytes == predicted.peak_reserved_bytes > 0
+    assert rules.replayed(trace, None).peak_allocated_bytes == predicted.peak_allocated_bytes

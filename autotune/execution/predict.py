@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,8 @@ __all__ = ["fake_tensors", "fake_buildable", "predict_trial", "Unpredictable", "
 _CANNOT_FAKE = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 
+_KEEPING = threading.local()  # on while a prediction makes its batch: the fake copies of real inputs are kept
+
 _FLOAT_STATS = (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
                 torch.ops.aten._native_batch_norm_legit_no_training.default, torch.ops.aten.native_layer_norm.default)
 
@@ -81,7 +84,11 @@ def _keeping_real_inputs(mode: FakeTensorMode) -> FakeTensorMode:
     ``token_dataset``, TinyGPT's predictions were 2.5 MiB (its 2048 sequences) below every measured peak, enough to
     refute the predictions of every plan whose peak at the checking size is under 252 MiB, and to bracket those plans
     by memory trials. Kept here, every prediction equals its measurement to the byte
-    (``tests/test_predicted_search.py``). A fake copy that holds its real tensor (a constant) is left to the memo."""
+    (``tests/test_predicted_search.py``). A fake copy that holds its real tensor (a constant) is left to the memo.
+
+    Only the batch's inputs are kept so (:meth:`_Predicted.memory_batch`): the real tensors a trial makes itself
+    outside the meter (a ``PLAN+state`` model built on the host) are counted while the trial uses their copies, as a
+    measured trial counts them."""
     from torch.utils.weak import WeakIdKeyDictionary
 
     converter = mode.fake_tensor_converter
@@ -90,7 +97,7 @@ def _keeping_real_inputs(mode: FakeTensorMode) -> FakeTensorMode:
 
     def from_real_tensor(fake_mode, t, *args, **kwargs):
         fake = copy(fake_mode, t, *args, **kwargs)
-        if fake.constant is None:
+        if fake.constant is None and getattr(_KEEPING, "on", False):
             kept[t] = fake
         return fake
 
@@ -190,6 +197,13 @@ class _Predicted(_Run):
         super().build()
         if self.run.scaler is not None:
             self.run.scaler = _StepsAlways(self.run.scaler)
+
+    def memory_batch(self) -> Any:
+        _KEEPING.on = True  # the data's real tensors met now outlive the trial, as in a measured one
+        try:
+            return super().memory_batch()
+        finally:
+            _KEEPING.on = False
 
 
 def predict_trial(workload: Workload, config: Config, *, device: torch.device | str = "cpu",

@@ -51,7 +51,11 @@ class _Run(Trainer):
 
     def build(self) -> None:
         super().build()
-        self.batch = to_device(self.workload.make_batch(self.module, self.config.batch_size), self.device)
+        self.batch = self.memory_batch()
+
+    def memory_batch(self) -> Any:
+        """The batch the memory is measured on: the data's worst of the size, or ``example_batch``, on the device."""
+        return to_device(self.workload.make_batch(self.module, self.config.batch_size), self.device)
 
     def timed_steps(self, deadline: float | None) -> None:
         """Time steps on random batches of the data (the same draws for every configuration of this batch size).

@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from autotune._log import logger
-from autotune.analysis.memory_model import MemoryModel, fit_line
+from autotune.analysis.memory_model import fit_line
 from autotune.analysis.pareto import bracket
 from autotune.errors import first_line
 from autotune.records import Config, Measurement, TrialSettings
@@ -67,27 +67,13 @@ def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], 
         for limit in limits:
             while True:
                 own = {c.batch_size: m for c, m in predictions.items() if c.variant == variant}
-                b = _next_size(sizes, own, limit, fixed_bytes) if own else _first_size(
-                    sizes, variant, predictions, variants, limit, fixed_bytes, space.blocks)
+                b = _next_size(sizes, own, limit, fixed_bytes)  # the middle size is predicted already
                 if b is None:
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     return predictions
                 predictions[variant.at(b)] = predict(variant.at(b))
     return predictions
-
-
-def _first_size(sizes: list[int], variant: tuple[str, str], predictions: dict[Config, Measurement],
-                variants: list[tuple[str, str]], limit: float, fixed_bytes: float | None, blocks: int | None) -> int:
-    """A variant's first size: the largest the memory model fitted to the other variants' predictions says fits
-    (it borrows a line from the same plan in another precision, or from the precision's other plans), else the
-    middle size."""
-    model = MemoryModel.fit([m for m in predictions.values() if m.status == Status.OK], variants,
-                            fixed_bytes_hint=fixed_bytes, blocks=blocks)
-    if model.predict(variant, sizes[0]) is None:
-        return sizes[len(sizes) // 2]
-    fitting = [b for b in sizes if model.predict(variant, b) <= limit]
-    return fitting[-1] if fitting else sizes[0]
 
 
 def _next_size(sizes: list[int], own: dict[int, Measurement], limit: float, fixed_bytes: float | None) -> int | None:
