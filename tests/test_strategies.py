@@ -279,13 +279,20 @@ def test_auto_brackets_selective_plans_like_any_plan():
     assert {c.segments for c in measured} >= set(freed)
 
 
-def test_a_near_tie_for_the_recommendation_is_timed_again_alternately_and_only_once():
-    def trial(config):  # two points within 1% of each other, each timed with a 4% spread; the rest well apart
+def _tied(speeds: dict[int, float]):
+    """Trials where plan 0 runs at ``speeds`` (batch size -> samples/s, each timed with a 4% spread), its other sizes
+    at 50 samples/s and every other plan at 10: the sizes in ``speeds`` are a near tie, the rest well apart."""
+    def trial(config):
         m = measure(linear)(config)
         if m.status != "ok":
             return m
-        sps = {16: 100.0, 32: 99.0}.get(config.batch_size, 50.0) if config.segments == "0" else 10.0
+        sps = speeds.get(config.batch_size, 50.0) if config.segments == "0" else 10.0
         return dataclasses.replace(m, samples_per_s=sps, step_s=config.batch_size / sps, step_s_spread=0.04)
+    return trial
+
+
+def test_a_near_tie_for_the_recommendation_is_timed_again_alternately_and_only_once():
+    trial = _tied({16: 100.0, 32: 99.0})  # two points within 1% of each other
 
     space = SearchSpace(("fp32",), ("0", "all"), SPACE.batch_sizes, blocks=BLOCKS)
     proposals = []
@@ -424,12 +431,7 @@ def test_a_slower_precision_that_keeps_the_same_bytes_is_not_climbed():
 
 @pytest.mark.parametrize("probed", [0, 1, 3])
 def test_a_near_tie_the_probe_will_train_is_left_to_the_probe(probed):
-    def trial(config):  # batch 32 and 16 within 1% (each with a 4% spread), the larger one faster: both on the front
-        m = measure(linear)(config)
-        if m.status != "ok":
-            return m
-        sps = {16: 99.0, 32: 100.0}.get(config.batch_size, 50.0) if config.segments == "0" else 10.0
-        return dataclasses.replace(m, samples_per_s=sps, step_s=config.batch_size / sps, step_s_spread=0.04)
+    trial = _tied({16: 99.0, 32: 100.0})  # within 1%, the larger one faster: both on the front
 
     space = SearchSpace(("fp32",), ("0", "all"), SPACE.batch_sizes, blocks=BLOCKS)
     measured = run(AutoStrategy(fixed_bytes_hint=8 * MiB, probed=probed), trial, space)
