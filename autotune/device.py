@@ -410,13 +410,13 @@ class PlannedCudaBackend(Backend):
                 "planned_on": _cpu_name()}
 
 
-def backend_for(device: str | torch.device) -> Backend:
-    """Return the backend of ``device``: :class:`CudaBackend` on CUDA (:class:`PlannedCudaBackend` where this machine
-    has none: a dry run plans for it), :class:`Backend` elsewhere."""
+def backend_for(device: str | torch.device, *, planned: bool = False) -> Backend:
+    """Return the backend of ``device``: :class:`CudaBackend` on CUDA (``planned``, for a dry run, where this machine
+    has none: :class:`PlannedCudaBackend`), :class:`Backend` elsewhere."""
     device = torch.device(device)
     if device.type != "cuda":
         return Backend(device)
-    return CudaBackend(device) if torch.cuda.is_available() else PlannedCudaBackend(device)
+    return PlannedCudaBackend(device) if planned and not torch.cuda.is_available() else CudaBackend(device)
 
 
 def make_meter(device: str | torch.device, *, budget_bytes: int | None = None) -> Meter:

@@ -31,17 +31,20 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from autotune.analysis.pareto import bisect_limit, bracket
-from autotune.device import available_ram_bytes, follows_cuda
+from autotune._log import logger
+from autotune.device import available_ram_bytes, follows_cuda, measurable_here
+from autotune.errors import UsageError
 from autotune.execution.cuda_rules import CudaRules
-from autotune.execution.predict import Predictor
+from autotune.execution.predict import CANNOT_FAKE, Predictor, cannot_fake
 from autotune.records import Config, Measurement
 from autotune.search.loop import SearchResult
+from autotune.units import format_bytes
 from autotune.vocabulary import Status
 
 if TYPE_CHECKING:
     from autotune.preparation import ModelFacts, Study, Target
 
-__all__ = ["predict", "with_dry_run", "DRY_RUN_NOTICE"]
+__all__ = ["predict", "preflight_under", "with_dry_run", "DRY_RUN_NOTICE"]
 
 DRY_RUN_NOTICE = ("a dry run: every peak is predicted (memory_source predicted: the trial's code under fake tensors, "
                   "counted by the tensor meter), not measured; it has no step times, so it recommends nothing: run "
@@ -54,7 +57,7 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
     ``--batch-multiple`` (up to the space's top): the search's result, what the report's ``search`` adds for a dry
     run, and its notices. ``mode``: the fake tensors the workload's models are built in (:func:`fake_buildable`)."""
     multiple = target.searching.batch_multiple
-    cuda = CudaRules.for_this_machine() if follows_cuda(target.device) else None
+    cuda = CudaRules.for_this_machine(target.device) if follows_cuda(target.device) else None
     with _ranks(target.searching, target.here) as ranks:
         predictor = Predictor(study.workload, device=target.device, budget_bytes=target.budget.enforced,
                               settings=target.trial_settings, model_name=facts.model_class,
@@ -73,6 +76,36 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
         search["cuda"] = cuda.describe()
     return result, search, (DRY_RUN_NOTICE, *_rank_notice(ranks), *(cuda.notices() if cuda else ()),
                             *predictor.notices)
+
+
+def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["ModelFacts", tuple[str, ...]]:
+    """The preflight (one forward pass) under the dry run's fake tensors; where they cannot run the model's forward
+    (a value decides a shape), on real tensors on the CPU, as its predictions will be measured then
+    (:class:`~autotune.execution.predict.Predictor`), with a notice; and where that is not for this machine (a plan
+    for CUDA, a model whose weights' training state would take more than half of the memory here), one line."""
+    try:
+        with mode:
+            return preflight(target), ()
+    except CANNOT_FAKE as exc:
+        why = cannot_fake(exc)
+    name = target.workload.name
+    if not measurable_here(target.device):
+        raise UsageError(f"{name} cannot run under fake tensors ({why}), and a dry run for {target.device} cannot "
+                         f"measure it on the CPU instead: run it without --dry-run")
+    workload = target.workload
+    real = getattr(workload.model_factory, "real", None)  # a build that read values: fake copies of a real one
+    with mode:
+        weights = sum(p.numel() * p.element_size() for p in workload.build_model(seed=0).parameters())
+    available = available_ram_bytes()
+    if available is not None and 2 * 4 * weights > available:  # weights, gradients and two moments, twice
+        raise UsageError(f"{name} cannot run under fake tensors ({why}), and its training state (about "
+                         f"{format_bytes(4 * weights)}) is too large to measure on this machine's CPU instead "
+                         f"({format_bytes(available)} available): run the search on its device")
+    if real is not None:
+        workload = dataclasses.replace(workload, model_factory=real)
+    notice = f"{name}'s forward cannot run under fake tensors ({why}): the dry run's preflight ran on real tensors"
+    logger.warning(notice)
+    return preflight(dataclasses.replace(target, workload=workload)), (notice,)
 
 
 def _ranks(searching: Any, device: Any) -> Any:

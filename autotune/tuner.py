@@ -23,7 +23,6 @@ report so far, marked partial; finished trials are in the store either way.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -35,7 +34,7 @@ from autotune.errors import Interrupted, first_line
 from autotune.options import Options
 from autotune.preparation import ModelFacts, Study, Target, floor_facts, plan_study, preflight, resolve
 from autotune.analysis.pareto import LineRule, probe_candidates
-from autotune.dry_run import predict, with_dry_run
+from autotune.dry_run import predict, preflight_under, with_dry_run
 from autotune.refine import exact_limit, static_compile
 from autotune.vocabulary import ALL, Plan
 from autotune.execution.predict import fake_buildable, fake_tensors
@@ -106,7 +105,10 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
             mode = fake_tensors()
             workload, built = fake_buildable(target.workload, mode)
             target = dataclasses.replace(target, workload=workload, notices=target.notices + ((built,) if built else ()))
-        with mode if dry else contextlib.nullcontext():
+        if dry:  # under the fake tensors; on real ones where they cannot run the forward
+            facts, said = preflight_under(mode, target, preflight)
+            target = dataclasses.replace(target, notices=target.notices + said)
+        else:
             facts = preflight(target)
         study = plan_study(target, facts)
         if dry:

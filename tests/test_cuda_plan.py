@@ -13,9 +13,9 @@ import torch.nn.functional as F
 import autotune
 from autotune.__main__ import main
 from autotune.execution.cuda_rules import CUDA_POLICIES, CudaRules, cuda_autocast_on_cpu
-from autotune.execution.predict import Predictor, fake_tensors, predict_trial
+from autotune.execution.predict import fake_tensors, predict_trial
 from autotune.meters.caching_allocator import CUDA_CONTEXT_BYTES, cublas_workspace_bytes
-from autotune.records import Config, TrialSettings
+from autotune.records import Config
 from autotune.training.workload import Workload
 
 TINY = {"n_layer": 2, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
@@ -29,12 +29,18 @@ def no_gpu(monkeypatch):
 
 def _dtypes() -> dict[str, torch.dtype]:
     """What autocast makes of some ops' outputs, on fake tensors (the CPU has no bf16 kernel for every op)."""
-    with fake_tensors(), torch.autocast("cpu", dtype=torch.bfloat16):
-        x = torch.randn(4, 8, requires_grad=True)
-        h = torch.nn.Linear(8, 8)(x)
-        return {"linear": h.dtype, "layer_norm": F.layer_norm(h, (8,)).dtype, "softmax": F.softmax(h, -1).dtype,
-                "exp": h.exp().dtype, "sum": h.sum().dtype, "mse_loss": F.mse_loss(h, h.detach()).dtype,
-                "cat": torch.cat([h, h]).dtype, "pool3d": F.avg_pool3d(h.view(1, 1, 4, 2, 4), 2).dtype}
+    with fake_tensors():
+        normed, lstm = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(8, 8)), torch.nn.LSTM(8, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = torch.randn(4, 8, requires_grad=True)
+            h = torch.nn.Linear(8, 8)(x)
+            return {"linear": h.dtype, "layer_norm": F.layer_norm(h, (8,)).dtype, "softmax": F.softmax(h, -1).dtype,
+                    "exp": h.exp().dtype, "sum": h.sum().dtype, "mse_loss": F.mse_loss(h, h.detach()).dtype,
+                    "cat": torch.cat([h, h]).dtype, "pool3d": F.avg_pool3d(h.view(1, 1, 4, 2, 4), 2).dtype,
+                    # norm's overloads without a dtype, their defaults left out: CUDA redispatches with float32
+                    "weight_norm": normed(x).dtype, "norm": torch.norm(h).dtype,
+                    "norm_dim": torch.ops.aten.norm.ScalarOpt_dim(h, 2, [1]).dtype, "sum_f64": h.double().sum().dtype,
+                    "lstm": lstm(h.view(4, 1, 8))[0].dtype}  # cast in _cudnn_rnn on CUDA, a CUDA build's only
 
 
 def test_cudas_autocast_lists_replace_the_cpus_inside_the_block_and_only_there():
@@ -48,7 +54,8 @@ def test_cudas_autocast_lists_replace_the_cpus_inside_the_block_and_only_there()
     # casting down where both do; float32 where CUDA's lists say so and the CPU's do not; the CPU's own casts gone
     assert cuda == {"linear": torch.bfloat16, "layer_norm": torch.float32, "softmax": torch.float32,
                     "exp": torch.float32, "sum": torch.float32, "mse_loss": torch.float32, "cat": torch.bfloat16,
-                    "pool3d": torch.bfloat16}
+                    "pool3d": torch.bfloat16, "weight_norm": torch.bfloat16, "norm": torch.float32,
+                    "norm_dim": torch.float32, "sum_f64": torch.float64, "lstm": torch.bfloat16}
     assert cpu["layer_norm"] == cpu["softmax"] == torch.bfloat16 and cpu["pool3d"] == torch.float32
     assert set(CUDA_POLICIES.values()) == {"lower", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote",
                                            "banned"}
@@ -102,9 +109,7 @@ def test_the_cli_plans_cuda_without_a_gpu(no_gpu, tmp_path, capsys):
 def test_a_model_fake_tensors_cannot_run_is_not_measured_on_the_cpu_for_a_cuda_plan(no_gpu):
     from tests.test_dry_run import Masked  # selects by value: aten.nonzero
 
-    predictor = Predictor(Workload.from_specs(Masked), device=torch.device("cuda", 0), budget_bytes=None,
-                          settings=TrialSettings(), model_name="Masked", state_bytes=1, real_limit_bytes=10**12,
-                          cuda=CudaRules.for_this_machine())
     # the CPU's measurement is not CUDA's: one line naming the op, where a CPU plan would measure it for real
     with pytest.raises(autotune.UsageError, match=r"Masked cannot run under fake tensors \(aten.nonzero.*for cuda:0"):
-        predictor(Config("fp32", "0", 4))
+        autotune.tune(Masked, device="cuda", dry_run=True, budget="1GiB", precisions=["fp32"], segments=["0"],
+                      batch_sizes=[4])

@@ -161,6 +161,15 @@ def test_an_op_whose_shape_depends_on_values_is_named():
         predictor(Config("fp32", "0", 4))  # a state too large to measure for real here: one line, naming the op
 
 
+def test_a_dry_run_whose_forward_fake_tensors_cannot_run_is_measured_on_the_cpu_from_its_preflight_on():
+    # the preflight's forward meets the op first: it runs on real tensors, and so do the trials, each said once
+    report = autotune.tune(Masked, device="cpu", dry_run=True, budget="1GiB", precisions=["fp32"], segments=["0"],
+                           batch_sizes=[4, 8])
+    assert [(t.status, t.memory_source) for t in report.trials] == [("ok", "tensor")] * 2
+    assert sum("aten.nonzero" in n and "preflight ran on real tensors" in n for n in report.notices) == 1
+    assert sum("aten.nonzero" in n and "measured each configuration for real" in n for n in report.notices) == 1
+
+
 # -- exact limits ---------------------------------------------------------------------------------------------------
 
 

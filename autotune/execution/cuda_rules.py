@@ -66,6 +66,10 @@ _FP32_SET_OPT_DTYPE = ("prod", "prod.dim_int", "prod.dim_Dimname", "softmax.int"
                        "sum", "sum.dim_IntList", "sum.dim_DimnameList")
 _FP32_APPEND_DTYPE = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype",
                       "norm.names_ScalarOpt_dim": "names_ScalarOpt_dim_dtype"}  # redispatched to the overload after
+# CUDA casts an RNN's input, states and weights down in ``_cudnn_rnn`` (aten/src/ATen/native/cudnn/AutocastRNN.cpp),
+# which only a CUDA build registers: the emulation casts them one level up, in the RNN's own op
+_CUDA_BUILD_RNNS = ("lstm.input", "lstm.data", "gru.input", "gru.data", "rnn_tanh.input", "rnn_tanh.data",
+                    "rnn_relu.input", "rnn_relu.data")
 _PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
             "tensordot", "scatter_add")
 
@@ -75,7 +79,8 @@ _PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "
 CUDA_POLICIES: dict[str, str] = {**{name: "lower" for name in _LOWER}, **{name: "fp32" for name in _FP32},
                                  **{name: "fp32_set_opt_dtype" for name in _FP32_SET_OPT_DTYPE},
                                  **{name: "fp32_append_dtype" for name in _FP32_APPEND_DTYPE},
-                                 **{name: "promote" for name in _PROMOTE}, "binary_cross_entropy": "banned"}
+                                 **{name: "promote" for name in _PROMOTE}, "binary_cross_entropy": "banned",
+                                 "_cudnn_rnn": "lower", **{name: "lower" for name in _CUDA_BUILD_RNNS}}
 
 # The ops the CPU's autocast casts down as CUDA's does (its KERNEL_CPU lower_precision_fp list): their CPU kernels
 # stay, with autocast's cache of weight casts
@@ -116,6 +121,8 @@ def _policy_kernel(name: str, policy: str) -> Callable[..., Any]:
     kernels exclude the autocast keys for what they call, and so does this)."""
     packet, _, overload = name.partition(".")
     op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+    # a Python kernel is called without the trailing arguments left at their defaults: the dtype overload has none
+    defaults = [a.default_value for a in op._schema.arguments if not a.kwarg_only]
     if policy == "fp32_append_dtype":  # redispatched to the overload that takes a dtype
         op = getattr(getattr(torch.ops.aten, packet), _FP32_APPEND_DTYPE[name])
     dtype_at = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
@@ -129,6 +136,7 @@ def _policy_kernel(name: str, policy: str) -> Callable[..., Any]:
                 to = {"lower": lower, "fp32": torch.float32}.get(policy) or _widest((*args, *kwargs.values()), lower)
                 return op(*_cast(args, to), **{k: _cast(v, to) for k, v in kwargs.items()})
             if policy == "fp32_append_dtype":
+                args = (*args, *defaults[len(args):])
                 return op(*args, **kwargs, dtype=torch.float32 if _eligible(args[0]) else args[0].dtype)
             if _eligible(args[0]):  # fp32_set_opt_dtype: a dtype the caller gave stays
                 if dtype_at is not None and len(args) > dtype_at:
@@ -159,7 +167,7 @@ def cuda_autocast_on_cpu() -> Iterator[list[str]]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
-                for name in sorted((cuda & set(CUDA_POLICIES)) - (cpu & _CPU_LOWER)):
+                for name in sorted(((cuda | set(_CUDA_BUILD_RNNS)) & set(CUDA_POLICIES)) - (cpu & _CPU_LOWER)):
                     lib.impl(name, _policy_kernel(name, CUDA_POLICIES[name]), "AutocastCPU")
                 for name in sorted(cpu - cuda):
                     lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
@@ -195,11 +203,13 @@ class CudaRules:
     math_attention: bool = False  # an attention call ran the CPU's math kernel (it saves the T x T scores)
 
     @classmethod
-    def for_this_machine(cls) -> "CudaRules":
-        """Fake CUDA tensors where this machine has a GPU (its capability), else the CPU's with CUDA's rules."""
+    def for_this_machine(cls, device: torch.device | None = None) -> "CudaRules":
+        """Fake CUDA tensors where this machine has a GPU (``device``'s capability), else the CPU's with CUDA's
+        rules."""
         if torch.cuda.is_available():
-            return cls(torch.device("cuda", torch.cuda.current_device()), fake_cuda=True,
-                       capability=torch.cuda.get_device_capability())
+            device = torch.device("cuda", torch.cuda.current_device() if device is None or device.index is None
+                                  else device.index)
+            return cls(device, fake_cuda=True, capability=torch.cuda.get_device_capability(device))
         return cls(torch.device("cpu"))
 
     @contextlib.contextmanager

@@ -46,11 +46,18 @@ if TYPE_CHECKING:
     from autotune.execution.one_rank import OneRank
     from autotune.training.wrapping import Wrapping
 
-__all__ = ["fake_tensors", "fake_buildable", "predict_trial", "Unpredictable", "Predictor"]
+__all__ = ["fake_tensors", "fake_buildable", "predict_trial", "Unpredictable", "Predictor", "CANNOT_FAKE",
+           "cannot_fake"]
 
 # What fake tensors raise where a value decides what comes next: a shape (nonzero, unique, boolean masks), a
 # Python number (.item(), a branch on a tensor), or an op without a fake kernel
 _CANNOT_FAKE = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+CANNOT_FAKE = _CANNOT_FAKE
+
+
+def cannot_fake(exc: Exception) -> str:
+    """``op: why`` for what fake tensors raised where a value decides what comes next."""
+    return f"{getattr(exc, 'func', type(exc).__name__)}: {_reason(exc)}"
 
 
 _KEEPING = threading.local()  # on while a prediction makes its batch: the fake copies of real inputs are kept

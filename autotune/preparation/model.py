@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import is_fake  # private, and in every torch
 from autotune._log import logger
 from autotune.device import autocast_type, available_ram_bytes
 from autotune.errors import StateDoesNotFit, UsageError, first_line
+from autotune.execution.predict import CANNOT_FAKE
 from autotune.plans.checkpointing import Chain, find_chain, order_chain
 from autotune.plans.floor import Floor, measure_floor, state_levers
 from autotune.preparation.target import Target
@@ -176,7 +177,7 @@ def _forward(model: nn.Module, workload: Workload, device: torch.device, batch_s
                 workload.loss(model, batch)
                 return None
             return order_chain(model, facts.chain, lambda: workload.loss(model, batch))  # which block runs when
-    except UsageError:
+    except (UsageError, *CANNOT_FAKE):  # bad input; a dry run's forward that fake tensors cannot run (dry_run.py)
         raise
     except Exception as exc:
         raise UsageError(

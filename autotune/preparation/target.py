@@ -111,7 +111,7 @@ class Target:
 def resolve(options: Options, job: "Job | None" = None) -> Target:
     """Stage 1: the device, the workload (with the data's worst batch of every size), budgets and precisions."""
     device = resolve_device(options.device, planned=options.dry_run)
-    backend = backend_for(job.device(device) if job else device)
+    backend = backend_for(job.device(device) if job else device, planned=options.dry_run)
     workload = Workload.from_specs(options.model, model_kwargs=options.model_kwargs, data=options.data, loss=options.loss,
                                    optimizer=options.optimizer, optimizer_kwargs=options.optimizer_kwargs,
                                    step=options.step)
