@@ -32,13 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.analysis.pareto import bisect_limit, bracket
 from autotune._log import logger
-from autotune.device import available_ram_bytes, follows_cuda, measurable_here
+from autotune.device import available_ram_bytes, follows_cuda
 from autotune.errors import UsageError
 from autotune.execution.cuda_rules import CudaRules
-from autotune.execution.predict import CANNOT_FAKE, Predictor, cannot_fake
+from autotune.execution.predict import CANNOT_FAKE, Predictor, cannot_fake, cannot_measure_here
 from autotune.records import Config, Measurement
 from autotune.search.loop import SearchResult
-from autotune.units import format_bytes
 from autotune.vocabulary import Status
 
 if TYPE_CHECKING:
@@ -88,19 +87,13 @@ def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["Model
             return preflight(target), ()
     except CANNOT_FAKE as exc:
         why = cannot_fake(exc)
-    name = target.workload.name
-    if not measurable_here(target.device):
-        raise UsageError(f"{name} cannot run under fake tensors ({why}), and a dry run for {target.device} cannot "
-                         f"measure it on the CPU instead: run it without --dry-run")
-    workload = target.workload
+    workload, name = target.workload, target.workload.name
     real = getattr(workload.model_factory, "real", None)  # a build that read values: fake copies of a real one
-    with mode:
-        weights = sum(p.numel() * p.element_size() for p in workload.build_model(seed=0).parameters())
-    available = available_ram_bytes()
-    if available is not None and 2 * 4 * weights > available:  # weights, gradients and two moments, twice
-        raise UsageError(f"{name} cannot run under fake tensors ({why}), and its training state (about "
-                         f"{format_bytes(4 * weights)}) is too large to measure on this machine's CPU instead "
-                         f"({format_bytes(available)} available): run the search on its device")
+    with mode:  # the state the preflight did not get to size: weights, gradients and two moments, about
+        state = 4 * sum(p.numel() * p.element_size() for p in workload.build_model(seed=0).parameters())
+    cannot = cannot_measure_here(name, why, target.device, state, available_ram_bytes())
+    if cannot is not None:
+        raise UsageError(cannot)
     if real is not None:
         workload = dataclasses.replace(workload, model_factory=real)
     notice = f"{name}'s forward cannot run under fake tensors ({why}): the dry run's preflight ran on real tensors"

@@ -47,17 +47,31 @@ if TYPE_CHECKING:
     from autotune.training.wrapping import Wrapping
 
 __all__ = ["fake_tensors", "fake_buildable", "predict_trial", "Unpredictable", "Predictor", "CANNOT_FAKE",
-           "cannot_fake"]
+           "cannot_fake", "cannot_measure_here"]
 
 # What fake tensors raise where a value decides what comes next: a shape (nonzero, unique, boolean masks), a
 # Python number (.item(), a branch on a tensor), or an op without a fake kernel
-_CANNOT_FAKE = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
-CANNOT_FAKE = _CANNOT_FAKE
+CANNOT_FAKE = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 
 def cannot_fake(exc: Exception) -> str:
     """``op: why`` for what fake tensors raised where a value decides what comes next."""
     return f"{getattr(exc, 'func', type(exc).__name__)}: {_reason(exc)}"
+
+
+def cannot_measure_here(model_name: str, why: str, device: torch.device, state_bytes: int,
+                        available_bytes: int | None) -> str | None:
+    """Why a model fake tensors cannot run (``why``) cannot be measured for real on this machine's CPU instead, in one
+    line: a dry run for another device (CUDA's rules are not the CPU's), or a training state of ``state_bytes`` over
+    half of ``available_bytes``; None where it can."""
+    if not measurable_here(device):
+        return (f"{model_name} cannot run under fake tensors ({why}), and a dry run for {device} cannot measure it "
+                f"on the CPU instead: run it without --dry-run")
+    if available_bytes is not None and 2 * state_bytes > available_bytes:
+        return (f"{model_name} cannot run under fake tensors ({why}), and its training state "
+                f"({format_bytes(state_bytes)}) is too large to measure on this machine's CPU instead "
+                f"({format_bytes(available_bytes)} available): run the search on its device")
+    return None
 
 
 _KEEPING = threading.local()  # on while a prediction makes its batch: the fake copies of real inputs are kept
@@ -239,7 +253,7 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
             run.step(run.batch)  # the optimizer's state primed: one step holds all a step holds
             if run.unprimed is not None:
                 run.make_state()
-    except _CANNOT_FAKE as exc:
+    except CANNOT_FAKE as exc:
         raise Unpredictable(str(getattr(exc, "func", type(exc).__name__)), _reason(exc)) from None
     except Exception as exc:  # noqa: BLE001 - as in a trial, the model's failures are outcomes
         status, error = outcome(exc)
@@ -329,14 +343,7 @@ class Predictor:
                     f"{job.wrapper} job cannot be measured for real in this process instead (the fake process "
                     f"group's collectives move nothing): run the job under torchrun --nproc-per-node "
                     f"{job.world_size} without --dry-run")
-        if not measurable_here(self.device):
-            return (f"{self.model_name} cannot run under fake tensors ({why}), and a dry run for {self.device} "
-                    f"cannot measure it on the CPU instead: run it without --dry-run")
-        if self.real_limit_bytes is not None and 2 * self.state_bytes > self.real_limit_bytes:
-            return (f"{self.model_name} cannot run under fake tensors ({why}), and its training state "
-                    f"({format_bytes(self.state_bytes)}) is too large to measure on this machine's CPU instead "
-                    f"({format_bytes(self.real_limit_bytes)} available): run the search on its device")
-        return None
+        return cannot_measure_here(self.model_name, why, self.device, self.state_bytes, self.real_limit_bytes)
 
     def _say(self, notice: str) -> None:
         if notice not in self.notices:
