@@ -162,20 +162,36 @@ def _sigterm_as_interrupt() -> Iterator[_Signals]:
     previous_int = signal.getsignal(signal.SIGINT)
     if previous_int is signal.default_int_handler:  # not where Ctrl-C is ignored (nohup) or handled by the caller
         signal.signal(signal.SIGINT, ctrl_c)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_about_signals(previous_hook)
     try:
         yield received
     finally:
+        sys.unraisablehook = previous_hook
         signal.signal(signal.SIGTERM, previous)
         if previous_int is signal.default_int_handler:
             signal.signal(signal.SIGINT, previous_int)
+
+
+def _quiet_about_signals(previous: Any) -> Any:
+    """An unraisable hook that drops a KeyboardInterrupt (Terminated is one) raised by our handlers inside a
+    finalizer or a weakref callback, where Python cannot propagate it and would print "Exception ignored" and a
+    traceback: the signal is recorded, and :class:`_StopsAtTheNextTrial` stops the run at the next trial. Anything
+    else goes to the hook that was there."""
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            previous(unraisable)
+
+    return hook
 
 
 class _StopsAtTheNextTrial:
     """The CLI's progress, which also stops the run as the next trial or probe starts if a SIGTERM or a Ctrl-C has
     come and the search goes on: Python runs a signal's handler between any two bytecodes, a finalizer's or a weakref
     callback's too (SQLAlchemy's ``InstanceState._cleanup``, torch's ``WeakIdKeyDictionary``), and an exception
-    raised there is printed as "Exception ignored" and dropped. Seen in CI, once for each signal: the search then
-    ran to its end and exited 0 instead of 143 or 130."""
+    raised there is dropped (Python prints "Exception ignored", which _quiet_about_signals holds back). Seen in CI, once
+    for each signal: the search then ran to its end and exited 0 instead of 143 or 130."""
 
     def __init__(self, progress: Any, received: _Signals) -> None:
         self.progress, self.received = progress, received
