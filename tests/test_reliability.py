@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import weakref
 
@@ -271,40 +270,6 @@ def test_sigterm_is_handled_as_ctrl_c_and_exits_143(tmp_path, cli, isolation):
     assert all(m["status"] != "crashed" for m in data["trials"])  # a worker's SIGTERM is not a crash of the trial
     study = optuna.load_study(study_name="t", storage=storage)
     assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
-
-
-@serial  # in the main thread: the handlers are installed only there
-def test_a_sigterm_inside_a_weakref_callback_prints_no_traceback_and_stops_at_the_next_trial(monkeypatch):
-    # Seen in CI: SIGTERM's handler ran inside torch's WeakIdKeyDictionary callback; Python printed "Exception
-    # ignored" with a traceback, then the run stopped at the next trial as it should.
-    from autotune.__main__ import Terminated, _StopsAtTheNextTrial, _sigterm_as_interrupt
-
-    assert threading.current_thread() is threading.main_thread()
-    printed = []  # what Python would print as "Exception ignored ..."
-    monkeypatch.setattr(sys, "unraisablehook", printed.append)
-
-    class Referent:
-        pass
-
-    def callback(ref):
-        os.kill(os.getpid(), signal.SIGTERM)
-        for _ in range(1000):  # bytecodes for the handler to run in
-            pass
-
-    with _sigterm_as_interrupt() as received:
-        thing = Referent()
-        ref = weakref.ref(thing, callback)
-        del thing
-        gc.collect()
-        assert received == [signal.SIGTERM] and ref() is None
-        progress = _StopsAtTheNextTrial(type("Quiet", (), {"trial_started": lambda *a: None})(), received)
-        with pytest.raises(Terminated):
-            progress.trial_started()
-        other = weakref.ref(Referent(), lambda ref: 1 / 0)  # any other failing callback is still printed
-        gc.collect()
-        assert other() is None
-    assert [type(u.exc_value) for u in printed] == [ZeroDivisionError]
-    assert sys.unraisablehook == printed.append  # the hook that was there is back
 
 
 POSTGRES_URL = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
