@@ -313,15 +313,23 @@ def test_a_model_that_reads_values_building_and_stepping_is_measured_with_real_b
     assert got.loss_first == measured.loss_first is not None  # a real loss: real weights, not fake copies of them
 
 
-def test_a_model_larger_than_this_machine_is_planned_without_its_memory(tmp_path):
-    """A model of 2 GiB of weights (8 GiB to train with AdamW) planned in a child process that stays small."""
+@pytest.mark.parametrize("sharded", [(), ("--parallel", "fsdp", "--world-size", "4", "--offload", "none,state")],
+                         ids=["one-device", "fsdp-state"])
+def test_a_model_larger_than_this_machine_is_planned_without_its_memory(tmp_path, sharded):
+    """A model of 2 GiB of weights (8 GiB to train with AdamW) planned in a child process that stays small; sharded over
+    4 ranks with the state in host memory (PLAN+state) too, whose model FSDP2 shards from the host."""
     done = _cli(tmp_path, "--model", "tests.test_dry_run:huge", "--device", "cpu", "--budget", "64GiB", "--precisions",
-                "bf16", "--segments", "0", "--batch-sizes", "1,8", "--dry-run", "--quiet")
+                "bf16", "--segments", "0", "--batch-sizes", "1,8", "--dry-run", "--quiet", *sharded)
     assert done.returncode == 0, done.stderr
     report = autotune.load(next((tmp_path / "results").glob("*-dry-run.json")))
     # weights, gradients and AdamW's two moments, 16 bytes a parameter, and AdamW's step count per tensor (4 bytes)
     assert report.workload["fixed_bytes"] == 16 * report.workload["parameter_count"] + 4 * 16
-    assert all(m.status == "ok" and m.peak_bytes > 8 * 2**30 for m in report.trials)
+    if not sharded:
+        assert all(m.status == "ok" and m.peak_bytes > 8 * 2**30 for m in report.trials)
+    else:  # a rank's quarter of the state (2 GiB), on the device or in host memory
+        state = {m.config.plan.state: m for m in report.trials if m.config.batch_size == 1}
+        assert {m.status for m in report.trials} == {"ok"} and state[True].host_peak_bytes > 2 * 2**30
+        assert state[True].peak_bytes < state[False].peak_bytes
     peak = _maxrss_bytes(done.stderr)
     print(f"the dry run's process peaked at {peak / 2**20:.0f} MiB")
     assert peak < 2**30, f"the dry run's process peaked at {peak / 2**30:.2f} GiB"

@@ -48,6 +48,22 @@ def test_views_are_not_counted_twice_and_frees_are_seen():
     assert h.reading.peak_bytes == 4000  # the peak is the 1000-float tensor
 
 
+def test_what_an_emulation_keeps_on_the_host_is_never_counted_nor_its_views():
+    from autotune.meters.tensor import kept_on_host, meter_aside
+
+    with TensorMeter().measure() as h:
+        counted = torch.zeros(100)
+        with meter_aside():
+            shard = torch.zeros(1000)  # made where the meter did not look, as FSDP2's shards of a PLAN+state
+        kept_on_host([shard, counted])  # a counted one leaves the device
+        assert h.live_bytes == 0
+        flat = shard.view(-1)  # FSDP2 views a fake shard again as it starts: the host's still
+        also = shard + 1  # what is computed from it is the device's
+        assert h.live_bytes == 4000
+        del flat, also, counted
+    assert h.reading.peak_bytes == 4000
+
+
 def test_budget_raises_an_oom_error_that_pytorch_handlers_recognise():
     with pytest.raises(BudgetExceededError) as info:
         with TensorMeter(budget_bytes=10_000).measure():

@@ -31,7 +31,7 @@ from autotune.errors import TrialTimeoutError, is_oom
 from autotune.meters.base import Measuring, MemoryReading, Meter
 from autotune.meters.oom import BudgetExceededError
 
-__all__ = ["TensorMeter", "leave_device", "enter_device", "passing_peak", "meter_aside", "plain_tensors"]
+__all__ = ["TensorMeter", "leave_device", "enter_device", "kept_on_host", "passing_peak", "meter_aside", "plain_tensors"]
 
 
 class _Tracker(TorchDispatchMode):
@@ -46,6 +46,7 @@ class _Tracker(TorchDispatchMode):
         self.refused_bytes = 0  # the largest total an allocation asked for and was refused
         self.refused_held_bytes = 0  # what was live when that allocation was refused
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (nbytes, finaliser)
+        self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages an emulation keeps on the host: never counted
         self.trace: list[tuple[int, int]] | None = [] if trace else None  # (+/-nbytes, key), in order
         self._keys = 0  # keys handed to traced storages so far
 
@@ -62,6 +63,8 @@ class _Tracker(TorchDispatchMode):
             if t.device.type != self.device_type or t.is_sparse or t.is_meta:
                 continue
             storage = t.untyped_storage()
+            if storage in self._host:
+                continue
             nbytes = storage.nbytes()
             known = self._storages.get(storage)
             if known is not None:
@@ -148,6 +151,13 @@ class _Tracker(TorchDispatchMode):
                     freed += known[0]
         return freed
 
+    def keep_on_host(self, tensors: Iterable[object]) -> None:
+        """Never count the storages of ``tensors`` (nor of their views): the host's (see :func:`kept_on_host`)."""
+        tensors = list(plain_tensors(tensors))
+        self.untrack(tensors)
+        for t in tensors:
+            self._host[t.untyped_storage()] = True
+
     def release(self) -> None:
         """Stop following storages that outlive the region, so the finalisers drop this tracker."""
         for _, finaliser in list(self._storages.values()):
@@ -225,6 +235,15 @@ def enter_device(tensors: Iterable[object]) -> None:
     tracker = _active()
     if tracker is not None:
         tracker.track(tensors)
+
+
+def kept_on_host(tensors: Iterable[object]) -> None:
+    """For an emulation of host memory on one memory (the CPU's): the active tensor meter never counts the storages of
+    ``tensors`` as the device's, nor of views of them made later (FSDP2 views each fake shard it keeps on the host
+    again as it starts; a real shard it recognises and does not view); nothing without a meter."""
+    tracker = _active()
+    if tracker is not None:
+        tracker.keep_on_host(tensors)
 
 
 def passing_peak(nbytes: int) -> None:

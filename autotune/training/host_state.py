@@ -36,9 +36,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
-from autotune.meters.tensor import enter_device, leave_device, passing_peak, plain_tensors
+from autotune.meters.tensor import enter_device, kept_on_host, leave_device, meter_aside, passing_peak, plain_tensors
 from autotune.plans.offload import HostBudgetExceededError, Offloader
 from autotune.device import host_memory_apart, on_host
 
@@ -56,10 +55,12 @@ def offload_policy(device: torch.device) -> Any:
 
 class OnHost:
     """What :func:`built_on_host` learns from its caller: what the device holds after the wrap (the buffers FSDP2
-    moved there), and the most FSDP2's wrap put on the device at once (:func:`wrap_bytes`)."""
+    moved there), what the host keeps (the parameters' shards and the optimizer's primed state), and the most FSDP2's
+    wrap put on the device at once (:func:`wrap_bytes`)."""
 
     def __init__(self) -> None:
         self.on_device: list[torch.Tensor] = []
+        self.on_host: list[torch.Tensor] = []
         self.wrap_bytes = 0
 
 
@@ -68,16 +69,19 @@ def built_on_host(device: torch.device) -> Iterator[OnHost]:
     """Where a ``PLAN+state`` model is built and wrapped and its optimizer primed: on the host, from which FSDP2 moves
     one unit at a time to the device to shard it.
 
-    On the CPU's emulation all of it runs outside the tensor meter; then the meter counts what the device holds
-    afterwards (``on_device``) and, as a peak that came and went, the wrap's own (``wrap_bytes``). On CUDA it
-    changes nothing: the model is built on the host there anyway, and the CUDA meter sees the wrap's device memory.
+    On the CPU's emulation all of it runs outside the tensor meter, with every other mode in force (a dry run's fake
+    tensors: a model of any size is built without its memory); then the meter counts what the device holds afterwards
+    (``on_device``) and, as a peak that came and went, the wrap's own (``wrap_bytes``), and never what the host keeps
+    (``on_host``). On CUDA it changes nothing: the model is built on the host there anyway, and the CUDA meter sees the
+    wrap's device memory.
     """
     told = OnHost()
     if host_memory_apart(device):
         yield told
         return
-    with _disable_current_modes():
+    with meter_aside():
         yield told
+    kept_on_host(told.on_host)
     enter_device(told.on_device)
     passing_peak(told.wrap_bytes)
 
@@ -144,7 +148,7 @@ class HostState:
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """The optimizer's step, timed; on the CPU outside the tensor meter (the host's work)."""
         start = time.perf_counter()
-        with _disable_current_modes() if self.emulated else contextlib.nullcontext():
+        with meter_aside() if self.emulated else contextlib.nullcontext():
             out = self._step(*args, **kwargs)
         self._this_step += time.perf_counter() - start
         held = self.held()

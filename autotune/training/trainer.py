@@ -67,6 +67,7 @@ class Trainer:
                 self.unprimed = None if failed is None else f"{type(failed).__name__}: {failed}"
             if host is not None:
                 host.on_device.extend(model.buffers())  # the device's, where FSDP2 moved them
+                host.on_host.extend([*model.parameters(), *self.ballast])  # the shards and the state-to-be
         if state:
             self.host_state = HostState(model, self.optimizer, self.ballast, self.device,
                                         host_budget_bytes=self.host_budget_bytes, activations=offloader_of(model))
