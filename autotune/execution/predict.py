@@ -56,7 +56,7 @@ CANNOT_FAKE = (DataDependentOutputException, DynamicOutputShapeException, Unsupp
 
 def cannot_fake(exc: Exception) -> str:
     """``op: why`` for what fake tensors raised where a value decides what comes next."""
-    return f"{getattr(exc, 'func', type(exc).__name__)}: {_reason(exc)}"
+    return f"{_op(exc)}: {_reason(exc)}"
 
 
 def cannot_measure_here(model_name: str, why: str, device: torch.device, state_bytes: int,
@@ -254,7 +254,7 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
             if run.unprimed is not None:
                 run.make_state()
     except CANNOT_FAKE as exc:
-        raise Unpredictable(str(getattr(exc, "func", type(exc).__name__)), _reason(exc)) from None
+        raise Unpredictable(_op(exc), _reason(exc)) from None
     except Exception as exc:  # noqa: BLE001 - as in a trial, the model's failures are outcomes
         status, error = outcome(exc)
     finally:
@@ -268,6 +268,11 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
         if allocator_error is not None and status == Status.OK:
             status, error = Status.OOM, allocator_error
     return _measurement(config, status, error, records, reading, started, timed=False)
+
+
+def _op(exc: Exception) -> str:
+    """The op that fake tensors could not run (what they raised, where it names none)."""
+    return str(getattr(exc, "func", type(exc).__name__))
 
 
 def _reason(exc: Exception) -> str:
