@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.analysis.pareto import bisect_limit, bracket
 from autotune._log import logger
 from autotune.device import available_ram_bytes, follows_cuda
-from autotune.errors import UsageError
+from autotune.errors import ForwardFailed, UsageError
 from autotune.execution.cuda_rules import CudaRules
 from autotune.execution.predict import CANNOT_FAKE, Predictor, cannot_fake, cannot_measure_here
 from autotune.records import Config, Measurement
@@ -79,14 +79,18 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
 
 def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["ModelFacts", tuple[str, ...]]:
     """The preflight (one forward pass) under the dry run's fake tensors; where they cannot run the model's forward
-    (a value decides a shape), on real tensors on the CPU, as its predictions will be measured then
-    (:class:`~autotune.execution.predict.Predictor`), with a notice; and where that is not for this machine (a plan
-    for CUDA, a model whose weights' training state would take more than half of the memory here), one line."""
+    (a value decides a shape, or a fake kernel is stricter than the CPU's: transformers' grouped matmul of a mixture
+    of experts takes bf16 only under fake tensors), on real tensors on the CPU, as its predictions will be measured
+    then (:class:`~autotune.execution.predict.Predictor`), with a notice; where it fails there too, the model's
+    failure, in one line; and where that is not for this machine (a plan for CUDA, a model whose weights' training
+    state would take more than half of the memory here), one line."""
     try:
         with mode:
             return preflight(target), ()
     except CANNOT_FAKE as exc:
         why = cannot_fake(exc)
+    except ForwardFailed as exc:  # real tensors tell the model's failure from a fake kernel's
+        why = exc.cause
     workload, name = target.workload, target.workload.name
     real = getattr(workload.model_factory, "real", None)  # a build that read values: fake copies of a real one
     with mode:  # the state the preflight did not get to size: weights, gradients and two moments, about

@@ -30,6 +30,15 @@ class UsageError(AutotuneError):
     """Bad input from the user: the message says what is wrong and how to fix it (CLI exit code 2)."""
 
 
+class ForwardFailed(UsageError):
+    """The preflight's forward pass raised: the model, its data or its loss is wrong, unless a dry run's fake tensors
+    were stricter than the real kernels (a fake kernel that takes bf16 only); ``cause`` is what it raised, in a line."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
 class Interrupted(AutotuneError):
     """The search was interrupted (Ctrl-C); ``report`` holds what was measured so far, marked partial."""
 

@@ -37,7 +37,7 @@ from autotune.analysis.pareto import LineRule, probe_candidates
 from autotune.dry_run import predict, preflight_under, with_dry_run
 from autotune.refine import exact_limit, static_compile
 from autotune.vocabulary import ALL, Plan
-from autotune.execution.predict import fake_buildable, fake_tensors
+from autotune.execution.predict import fake_buildable, fake_tensors, quiet_fake_kernels
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
 from autotune.records import Config, Measurement, ProbeResult
@@ -100,20 +100,10 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
         before()
     target = resolve(options, job)
     with target.venue:  # a warm worker stops with the stages
-        dry = target.searching.dry_run
-        if dry:  # the model built under fake tensors: it holds no memory
-            mode = fake_tensors()
-            workload, built = fake_buildable(target.workload, mode)
-            target = dataclasses.replace(target, workload=workload, notices=target.notices + ((built,) if built else ()))
-        if dry:  # under the fake tensors; on real ones where they cannot run the forward
-            facts, said = preflight_under(mode, target, preflight)
-            target = dataclasses.replace(target, notices=target.notices + said)
-        else:
-            facts = preflight(target)
+        if target.searching.dry_run:
+            return _dry_run(target, events)
+        facts = preflight(target)
         study = plan_study(target, facts)
-        if dry:
-            result, dry_run, notices = predict(target, facts, study, events, mode)
-            return _with_floor(with_dry_run(analyse(target, facts, study, result), dry_run, notices), target, facts)
         result = search(target, facts, study, events)
         report = analyse(target, facts, study, result)
         if result.partial:
@@ -126,6 +116,20 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
             return compare_library(report, target, facts, study)
         except KeyboardInterrupt:
             raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
+
+
+def _dry_run(target: Target, events: "_Events") -> Report:
+    """The dry run's stages (:mod:`autotune.dry_run`): the model built under fake tensors (it holds no memory), its
+    preflight run there (on real tensors where they cannot run its forward), every configuration predicted."""
+    mode = fake_tensors()
+    with quiet_fake_kernels():
+        workload, built = fake_buildable(target.workload, mode)
+        target = dataclasses.replace(target, workload=workload, notices=target.notices + ((built,) if built else ()))
+        facts, said = preflight_under(mode, target, preflight)
+        target = dataclasses.replace(target, notices=target.notices + said)
+        study = plan_study(target, facts)
+        result, dry_run, notices = predict(target, facts, study, events, mode)
+        return _with_floor(with_dry_run(analyse(target, facts, study, result), dry_run, notices), target, facts)
 
 
 def _with_floor(report: Report, target: Target, facts: ModelFacts) -> Report:

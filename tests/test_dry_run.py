@@ -136,6 +136,25 @@ def test_a_model_fake_tensors_cannot_run_is_measured_for_real_and_said_so(name):
     assert len(predictor.notices) == 1
 
 
+@pytest.mark.parametrize("name", sorted(UNPREDICTABLE))
+def test_a_dry_run_of_a_model_whose_fake_kernel_is_stricter_than_the_cpus_measures_it_and_prints_no_traceback(
+        tmp_path, name):
+    # The preflight's forward failed under fake tensors, not only the predictions: the dry run stopped at exit 2 with
+    # "failed on a batch of 1 ... check --data", after torch had logged a traceback of the fake kernel
+    needs("transformers")
+    space = ["--model", f"tests.zoo:{name}", "--budget", "1GiB", "--precisions", "fp32", "--segments", "0",
+             "--batch-sizes", "2", "--dry-run"]
+    done = _cli(tmp_path, *space, "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "preflight ran on real tensors" in done.stderr
+    (trial,) = autotune.load(next((tmp_path / "results").glob("*-dry-run.json"))).trials
+    assert trial.status == "ok" and trial.memory_source == "tensor" and not trial.timed
+    cuda = _cli(tmp_path, *space, "--device", "cuda")  # the CPU's measurement is not CUDA's: one line
+    errors = [line for line in cuda.stderr.splitlines() if line.startswith("autotune: error")]
+    assert cuda.returncode == 2 and len(errors) == 1 and "Traceback" not in cuda.stderr
+    assert "cannot run under fake tensors (RuntimeError: Expected inputs of BF16" in errors[0]
+
+
 class Masked(nn.Module):
     """Its forward selects by value (a boolean mask): its shapes depend on its input's values."""
 
@@ -253,6 +272,8 @@ def test_the_cli_dry_run_predicts_labels_and_stores_nothing(tmp_path):
     (["--batch-multiple", "0"], "--batch-multiple 0 must be at least 1"),
     (["--parallel", "ddp"], "say how many ranks with --world-size N"),
     (["--model", "tests.models:RaisesInInit"], "--model"),
+    # fails on real tensors too: the model's failure, not the fake tensors'
+    (["--model", "tests.models:ForwardRaises"], "failed on a batch of 1: ValueError: shapes do not match in my layer"),
 ])
 def test_bad_input_to_a_dry_run_is_one_line_and_exit_2(tmp_path, args, says):
     base = ["--model", "autotune.examples:TinyGPT", "--device", "cpu", "--budget", "1GiB", "--dry-run"]

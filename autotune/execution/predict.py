@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from autotune.training.wrapping import Wrapping
 
 __all__ = ["fake_tensors", "fake_buildable", "predict_trial", "Unpredictable", "Predictor", "CANNOT_FAKE",
-           "cannot_fake", "cannot_measure_here"]
+           "cannot_fake", "cannot_measure_here", "quiet_fake_kernels"]
 
 # What fake tensors raise where a value decides what comes next: a shape (nonzero, unique, boolean masks), a
 # Python number (.item(), a branch on a tensor), or an op without a fake kernel
@@ -72,6 +73,25 @@ def cannot_measure_here(model_name: str, why: str, device: torch.device, state_b
                 f"({format_bytes(state_bytes)}) is too large to measure on this machine's CPU instead "
                 f"({format_bytes(available_bytes)} available): run the search on its device")
     return None
+
+
+class _FakeKernelFailures(logging.Filter):
+    """Drops torch's log of a fake kernel that raised: its message and a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta for")
+
+
+@contextlib.contextmanager
+def quiet_fake_kernels() -> Iterator[None]:
+    """Inside the block, torch does not log a fake kernel's failure (an error line and a traceback, on stderr): a dry
+    run and a search's predictions handle what fake tensors cannot run, and say so in one line."""
+    log, quiet = logging.getLogger("torch._subclasses.fake_tensor"), _FakeKernelFailures()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 _KEEPING = threading.local()  # on while a prediction makes its batch: the fake copies of real inputs are kept

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import is_fake  # private, and in every torch
 
 from autotune._log import logger
 from autotune.device import autocast_type, available_ram_bytes
-from autotune.errors import StateDoesNotFit, UsageError, first_line
+from autotune.errors import ForwardFailed, StateDoesNotFit, UsageError, first_line
 from autotune.execution.predict import CANNOT_FAKE
 from autotune.plans.checkpointing import Chain, find_chain, order_chain
 from autotune.plans.floor import Floor, measure_floor, state_levers
@@ -180,10 +180,9 @@ def _forward(model: nn.Module, workload: Workload, device: torch.device, batch_s
     except (UsageError, *CANNOT_FAKE):  # bad input; a dry run's forward that fake tensors cannot run (dry_run.py)
         raise
     except Exception as exc:
-        raise UsageError(
-            f"{facts.model_class} failed on a batch of {batch_size}: {type(exc).__name__}: {first_line(exc)} "
-            f"(check --data, --loss and the model's example_batch)"
-        ) from None
+        cause = f"{type(exc).__name__}: {first_line(exc)}"
+        raise ForwardFailed(f"{facts.model_class} failed on a batch of {batch_size}: {cause} "
+                            f"(check --data, --loss and the model's example_batch)", cause) from None
 
 
 def _library_switch(model: nn.Module) -> str | None:

@@ -125,17 +125,18 @@ def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", bu
          seconds: float = SEED_SECONDS) -> Seeding:
     """Predict each variant's boundaries (:func:`predict_space`) under fake tensors; nothing where the model cannot
     run under them (said in :attr:`Seeding.why`), and whatever was predicted within ``seconds``."""
-    from autotune.execution.predict import Unpredictable, fake_buildable, fake_tensors, predict_trial
+    from autotune.execution.predict import Unpredictable, fake_buildable, fake_tensors, predict_trial, quiet_fake_kernels
 
     started = time.monotonic()
+    mode = fake_tensors()
+
+    def predict(config: Config) -> Measurement:
+        return predict_trial(fake, config, device=device, budget_bytes=budget_bytes, settings=settings, mode=mode)
+
     try:
-        mode = fake_tensors()
-        fake, _ = fake_buildable(workload, mode)
-
-        def predict(config: Config) -> Measurement:
-            return predict_trial(fake, config, device=device, budget_bytes=budget_bytes, settings=settings, mode=mode)
-
-        predictions = predict_space(space, predict, limits, deadline=started + seconds, fixed_bytes=fixed_bytes)
+        with quiet_fake_kernels():
+            fake, _ = fake_buildable(workload, mode)
+            predictions = predict_space(space, predict, limits, deadline=started + seconds, fixed_bytes=fixed_bytes)
     except Unpredictable as exc:
         return Seeding({}, time.monotonic() - started, f"the model cannot run under fake tensors: {exc}")
     except Exception as exc:  # noqa: BLE001 - a prediction only saves trials: the search goes on without it
@@ -143,6 +144,9 @@ def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", bu
     finally:
         _let_go()
     took = time.monotonic() - started
+    if predictions and not any(m.status.measured_memory for m in predictions.values()):  # none says anything of memory
+        failed = next(iter(predictions.values()))
+        return Seeding({}, took, f"every prediction failed under fake tensors: {failed.error}")
     stopped = took > seconds
     logger.info("predicted %d configurations in %.1f s%s", len(predictions), took,
                 " (stopped at the time limit)" if stopped else "")
