@@ -82,8 +82,8 @@ def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["Model
     (a value decides a shape, or a fake kernel is stricter than the CPU's: transformers' grouped matmul of a mixture
     of experts takes bf16 only under fake tensors), on real tensors on the CPU, as its predictions will be measured
     then (:class:`~autotune.execution.predict.Predictor`), with a notice; where it fails there too, the model's
-    failure, in one line; and where that is not for this machine (a plan for CUDA, a model whose weights' training
-    state would take more than half of the memory here), one line."""
+    failure, in one line; and where that is not for this machine (one rank of a job on a fake process group, a plan
+    for CUDA, a model whose weights' training state would take more than half of the memory here), one line."""
     try:
         with mode:
             return preflight(target), ()
@@ -95,7 +95,9 @@ def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["Model
     real = getattr(workload.model_factory, "real", None)  # a build that read values: fake copies of a real one
     with mode:  # the state the preflight did not get to size: weights, gradients and two moments, about
         state = 4 * sum(p.numel() * p.element_size() for p in workload.build_model(seed=0).parameters())
-    cannot = cannot_measure_here(name, why, target.device, state, available_ram_bytes())
+    searching = target.searching
+    ranks = (searching.parallel, searching.world_size) if searching.world_size else None  # one rank, on a fake group
+    cannot = cannot_measure_here(name, why, target.device, state, available_ram_bytes(), ranks)
     if cannot is not None:
         raise UsageError(cannot)
     if real is not None:

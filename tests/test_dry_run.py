@@ -149,10 +149,14 @@ def test_a_dry_run_of_a_model_whose_fake_kernel_is_stricter_than_the_cpus_measur
     assert "Traceback" not in done.stderr and "preflight ran on real tensors" in done.stderr
     (trial,) = autotune.load(next((tmp_path / "results").glob("*-dry-run.json"))).trials
     assert trial.status == "ok" and trial.memory_source == "tensor" and not trial.timed
-    cuda = _cli(tmp_path, *space, "--device", "cuda")  # the CPU's measurement is not CUDA's: one line
-    errors = [line for line in cuda.stderr.splitlines() if line.startswith("autotune: error")]
-    assert cuda.returncode == 2 and len(errors) == 1 and "Traceback" not in cuda.stderr
-    assert "cannot run under fake tensors (RuntimeError: Expected inputs of BF16" in errors[0]
+    # Where the CPU cannot measure it instead, one line: the CPU's measurement is not CUDA's, and one rank on a fake
+    # process group cannot run for real (every configuration was a "failed" prediction, and the answer exit 3)
+    for elsewhere, says in ((["--device", "cuda"], "a dry run for cuda"),
+                            (["--device", "cpu", "--parallel", "fsdp", "--world-size", "2"], "one rank of a --parallel")):
+        done = _cli(tmp_path, *space, *elsewhere)
+        errors = [line for line in done.stderr.splitlines() if line.startswith("autotune: error")]
+        assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+        assert "cannot run under fake tensors (RuntimeError: Expected inputs of BF16" in errors[0] and says in errors[0]
 
 
 class Masked(nn.Module):

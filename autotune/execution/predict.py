@@ -61,10 +61,16 @@ def cannot_fake(exc: Exception) -> str:
 
 
 def cannot_measure_here(model_name: str, why: str, device: torch.device, state_bytes: int,
-                        available_bytes: int | None) -> str | None:
+                        available_bytes: int | None, ranks: tuple[str, int] | None = None) -> str | None:
     """Why a model fake tensors cannot run (``why``) cannot be measured for real on this machine's CPU instead, in one
-    line: a dry run for another device (CUDA's rules are not the CPU's), or a training state of ``state_bytes`` over
-    half of ``available_bytes``; None where it can."""
+    line: one rank of a distributed job (``ranks``: its wrapper and world size; the fake process group's collectives
+    move nothing), a dry run for another device (CUDA's rules are not the CPU's), or a training state of
+    ``state_bytes`` over half of ``available_bytes``; None where it can."""
+    if ranks is not None:
+        wrapper, world_size = ranks
+        return (f"{model_name} cannot run under fake tensors ({why}), and one rank of a --parallel {wrapper} job "
+                f"cannot be measured for real in this process instead (the fake process group's collectives move "
+                f"nothing): run the job under torchrun --nproc-per-node {world_size} without --dry-run")
     if not measurable_here(device):
         return (f"{model_name} cannot run under fake tensors ({why}), and a dry run for {device} cannot measure it "
                 f"on the CPU instead: run it without --dry-run")
@@ -362,13 +368,8 @@ class Predictor:
 
     def _cannot_measure(self, why: str) -> str | None:
         """Why this model cannot be measured for real here instead (one line), or None where it can."""
-        if self.ranks is not None:
-            job = self.ranks.job
-            return (f"{self.model_name} cannot run under fake tensors ({why}), and one rank of a --parallel "
-                    f"{job.wrapper} job cannot be measured for real in this process instead (the fake process "
-                    f"group's collectives move nothing): run the job under torchrun --nproc-per-node "
-                    f"{job.world_size} without --dry-run")
-        return cannot_measure_here(self.model_name, why, self.device, self.state_bytes, self.real_limit_bytes)
+        ranks = None if self.ranks is None else (self.ranks.job.wrapper, self.ranks.job.world_size)
+        return cannot_measure_here(self.model_name, why, self.device, self.state_bytes, self.real_limit_bytes, ranks)
 
     def _say(self, notice: str) -> None:
         if notice not in self.notices:
