@@ -91,10 +91,12 @@ def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["Model
         why = cannot_fake(exc)
     except ForwardFailed as exc:  # real tensors tell the model's failure from a fake kernel's
         why = exc.cause
-    workload, name = target.workload, target.workload.name
+    workload = target.workload
     real = getattr(workload.model_factory, "real", None)  # a build that read values: fake copies of a real one
     with mode:  # the state the preflight did not get to size: weights, gradients and two moments, about
-        state = 4 * sum(p.numel() * p.element_size() for p in workload.build_model(seed=0).parameters())
+        model = workload.build_model(seed=0)
+        state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    name = type(model).__name__  # as the Predictor's notices name it
     searching = target.searching
     ranks = (searching.parallel, searching.world_size) if searching.world_size else None  # one rank, on a fake group
     cannot = cannot_measure_here(name, why, target.device, state, available_ram_bytes(), ranks)
