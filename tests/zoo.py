@@ -380,6 +380,50 @@ class CompiledBlock(nn.Module):
         return (torch.randn(batch_size, 8, self.width), torch.randn(batch_size, 8)), None
 
 
+class TorchTransformer(nn.Module):
+    """PyTorch's own ``nn.Transformer`` (encoder and decoder layers of ``torch.nn``'s classes, dropout, a causal target
+    mask and a padding mask): its blocks are ``torch.nn``'s, which autotune once did not count as blocks, and it clones
+    its layers with ``copy.deepcopy`` as it is built (under a dry run's fake tensors too)."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.transformer = nn.Transformer(width, heads, num_encoder_layers=2, num_decoder_layers=3,
+                                          dim_feedforward=2 * width, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        padding = src == 0  # token 0 pads
+        # tgt_is_causal: else nn.TransformerDecoder compares the mask with a causal one by value, which fake tensors
+        # cannot (the dry run would measure the model for real instead)
+        h = self.transformer(self.embed(src), self.embed(tgt), tgt_mask=causal, src_key_padding_mask=padding,
+                             memory_key_padding_mask=padding, tgt_is_causal=True)
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+    def example_batch(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], None]:
+        src = torch.randint(1, VOCAB, (batch_size, SEQ))
+        src[:, -2:] = 0  # padded
+        ids = torch.randint(0, VOCAB, (batch_size, SEQ))
+        return (src, ids[:, :-1], ids[:, 1:]), None
+
+
+class SequentialMLP(nn.Module):
+    """An ``nn.Sequential`` of ``nn.Sequential(LayerNorm, Linear, GELU, Dropout, Linear)`` blocks: no class of its own."""
+
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
+                                                  nn.Dropout(0.1), nn.Linear(2 * width, width)) for _ in range(depth)))
+        self.width = width
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.body(x).sum(-1), y)
+
+    def example_batch(self, batch_size: int) -> tuple[tuple[torch.Tensor, torch.Tensor], None]:
+        return (torch.randn(batch_size, 8, self.width), torch.randn(batch_size, 8)), None
+
+
 # --- The zoo ---------------------------------------------------------------------------------------
 
 # Dynamo reads .grad of non-leaf tensors while it traces a compiled block; the test settings turn that warning into an error.
@@ -424,5 +468,8 @@ ZOO = [
     Member("dropout_experts", DropoutExperts, ("blocks",), 4, ("DropoutExpertsBlock",), needs=(), library=False),
     Member("compiled_block", CompiledBlock, ("blocks",), 4, ("MLPBlock",), needs=(), library=False,
            warnings=(_DYNAMO_GRAD_WARNING,)),
+    Member("torch_transformer", TorchTransformer, ("transformer.encoder.layers", "transformer.decoder.layers"), 5,
+           ("TransformerEncoderLayer", "TransformerDecoderLayer"), needs=(), library=False),
+    Member("sequential_mlp", SequentialMLP, ("body",), 4, ("Sequential",), needs=(), library=False),
 ]
 BY_NAME = {m.name: m for m in ZOO}

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -91,11 +92,15 @@ class _FakeKernelFailures(logging.Filter):
 @contextlib.contextmanager
 def quiet_fake_kernels() -> Iterator[None]:
     """Inside the block, torch does not log a fake kernel's failure (an error line and a traceback, on stderr): a dry
-    run and a search's predictions handle what fake tensors cannot run, and say so in one line."""
+    run and a search's predictions handle what fake tensors cannot run, and say so in one line. Nor does it warn that
+    a fake tensor's data pointer was read: ``Tensor.__deepcopy__`` reads it, to clone a subclass (a model that deep-copies
+    its layers as it is built, under fake tensors)."""
     log, quiet = logging.getLogger("torch._subclasses.fake_tensor"), _FakeKernelFailures()
     log.addFilter(quiet)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            yield
     finally:
         log.removeFilter(quiet)
 
@@ -116,8 +121,21 @@ class Unpredictable(Exception):
 
 def fake_tensors() -> FakeTensorMode:
     """The fake tensors a prediction runs under. Real tensors met inside (a dataset's items, a model's constants) are
-    taken as fake ones of the same shape, each kept as long as its real tensor (:func:`_keeping_real_inputs`)."""
-    return _keeping_real_inputs(FakeTensorMode(allow_non_fake_inputs=True))
+    taken as fake ones of the same shape, each kept as long as its real tensor (:func:`_keeping_real_inputs`); a
+    fake tensor deep-copied keeps its mode (:func:`_copied_as_itself`)."""
+    return _copied_as_itself(_keeping_real_inputs(FakeTensorMode(allow_non_fake_inputs=True)))
+
+
+def _copied_as_itself(mode: FakeTensorMode) -> FakeTensorMode:
+    """``mode``, which ``copy.deepcopy`` returns as it is. Returns ``mode``.
+
+    A model that deep-copies its layers as it is built (``nn.TransformerEncoder`` and ``nn.Transformer`` clone their
+    layer ``num_layers`` times; so do many users' ``clones()``) deep-copies fake tensors in a dry run, and
+    ``Tensor.__deepcopy__`` deep-copies a subclass's ``__dict__``: each fake parameter's mode, with the weak
+    references to storages its converter keeps. Both copies free those references: the process died of a
+    segmentation fault later in the run (an ``nn.Transformer`` model, every time). Every fake tensor's mode is one."""
+    mode.__deepcopy__ = lambda memo: mode  # copy.deepcopy looks it up on the instance
+    return mode
 
 
 def _keeping_real_inputs(mode: FakeTensorMode) -> FakeTensorMode:

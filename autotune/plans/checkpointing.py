@@ -111,6 +111,11 @@ def _is_block_type(cls: type) -> bool:
     return not cls.__module__.startswith("torch.nn.")
 
 
+def _is_composite(module: nn.Module) -> bool:
+    """A module made of others (``nn.TransformerEncoderLayer``, an ``nn.Sequential`` of layers), not a layer itself."""
+    return next(module.children(), None) is not None
+
+
 def find_chain(model: nn.Module) -> Chain | None:
     """Return the model's repeated blocks (in definition order), or ``None`` when it has none.
 
@@ -119,14 +124,23 @@ def find_chain(model: nn.Module) -> Chain | None:
     another candidate are left out (a block's own sub-blocks, a mixture of experts' experts).
     Of the rest, the type holding the most parameters is kept, with every other type holding at
     least a tenth as many (an encoder-decoder whose encoder and decoder layers differ).
+
+    A model with no such block of its own classes may be built of ``torch.nn``'s: ``nn.Transformer``'s
+    encoder and decoder layers, an ``nn.Sequential`` of ``nn.Sequential(nn.Linear, nn.GELU)``. Then the
+    repeated ``torch.nn`` modules made of other modules are its blocks, by the same rules.
     """
+    return _chain_of(model, lambda child: _is_block_type(type(child))) or _chain_of(model, _is_composite)
+
+
+def _chain_of(model: nn.Module, can_be_block: Callable[[nn.Module], bool]) -> Chain | None:
+    """:func:`find_chain` among the repeated children that ``can_be_block``."""
     candidates: dict[str, tuple[str, nn.Module]] = {}  # path -> (container path, module)
     for path, module in model.named_modules():
         if not isinstance(module, (nn.Sequential, nn.ModuleList)):
             continue
         counts = collections.Counter(type(child) for child in module)
         for name, child in module.named_children():
-            if counts[type(child)] >= 2 and _is_block_type(type(child)):
+            if counts[type(child)] >= 2 and can_be_block(child):
                 candidates[f"{path}.{name}" if path else name] = (path, child)
     outer = {p: c for p, c in candidates.items()
              if not any(p.startswith(q + ".") for q in candidates if q != p)}
