@@ -84,13 +84,14 @@ def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["Model
     then (:class:`~autotune.execution.predict.Predictor`), with a notice; where it fails there too, the model's
     failure, in one line; and where that is not for this machine (one rank of a job on a fake process group, a plan
     for CUDA, a model whose weights' training state would take more than half of the memory here), one line."""
+    failed: ForwardFailed | None = None  # the forward raised: the model's failure, or a fake kernel's
     try:
         with mode:
             return preflight(target), ()
     except CANNOT_FAKE as exc:
         why = cannot_fake(exc)
     except ForwardFailed as exc:  # real tensors tell the model's failure from a fake kernel's
-        why = exc.cause
+        why, failed = exc.cause, exc
     workload = target.workload
     real = getattr(workload.model_factory, "real", None)  # a build that read values: fake copies of a real one
     with mode:  # the state the preflight did not get to size: weights, gradients and two moments, about
@@ -100,8 +101,8 @@ def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["Model
     searching = target.searching
     ranks = (searching.parallel, searching.world_size) if searching.world_size else None  # one rank, on a fake group
     cannot = cannot_measure_here(name, why, target.device, state, available_ram_bytes(), ranks)
-    if cannot is not None:
-        raise UsageError(cannot)
+    if cannot is not None:  # where real tensors cannot tell, both answers
+        raise UsageError(cannot if failed is None else f"{failed}; if they are right, {cannot}")
     if real is not None:
         workload = dataclasses.replace(workload, model_factory=real)
     notice = f"{name}'s forward cannot run under fake tensors ({why}): the dry run's preflight ran on real tensors"

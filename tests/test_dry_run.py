@@ -302,6 +302,10 @@ def test_the_cli_dry_run_predicts_labels_and_stores_nothing(tmp_path):
     (["--model", "tests.models:RaisesInInit"], "--model"),
     # fails on real tensors too: the model's failure, not the fake tensors'
     (["--model", "tests.models:ForwardRaises"], "failed on a batch of 1: ValueError: shapes do not match in my layer"),
+    # for CUDA real tensors cannot tell which it is: both answers in the line
+    (["--model", "tests.models:ForwardRaises", "--device", "cuda"],
+     "ValueError: shapes do not match in my layer (check --data, --loss and the model's example_batch); if they are "
+     "right, ForwardRaises cannot run under fake tensors"),
 ])
 def test_bad_input_to_a_dry_run_is_one_line_and_exit_2(tmp_path, args, says):
     base = ["--model", "autotune.examples:TinyGPT", "--device", "cpu", "--budget", "1GiB", "--dry-run"]
