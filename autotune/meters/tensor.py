@@ -46,7 +46,9 @@ class _Tracker(TorchDispatchMode):
         self.refused_bytes = 0  # the largest total an allocation asked for and was refused
         self.refused_held_bytes = 0  # what was live when that allocation was refused
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (nbytes, finaliser)
-        self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storages an emulation keeps on the host: never counted
+        # storages an emulation keeps on the host, never counted; made on first use (most trials have none, and every
+        # op's outputs would pay the lookup)
+        self._host: WeakIdKeyDictionary | None = None
         self.trace: list[tuple[int, int]] | None = [] if trace else None  # (+/-nbytes, key), in order
         self._keys = 0  # keys handed to traced storages so far
 
@@ -63,7 +65,7 @@ class _Tracker(TorchDispatchMode):
             if t.device.type != self.device_type or t.is_sparse or t.is_meta:
                 continue
             storage = t.untyped_storage()
-            if storage in self._host:
+            if self._host is not None and storage in self._host:
                 continue
             nbytes = storage.nbytes()
             known = self._storages.get(storage)
@@ -155,6 +157,8 @@ class _Tracker(TorchDispatchMode):
         """Never count the storages of ``tensors`` (nor of their views): the host's (see :func:`kept_on_host`)."""
         tensors = list(plain_tensors(tensors))
         self.untrack(tensors)
+        if self._host is None:
+            self._host = WeakIdKeyDictionary()
         for t in tensors:
             self._host[t.untyped_storage()] = True
 
