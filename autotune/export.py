@@ -52,6 +52,7 @@ class _Context:
     wrapper: str | None = None  # --parallel: "ddp" or "fsdp" (FSDP2's fully_shard on each block and the root)
     world_size: int = 1
     compile: str = EAGER  # the torch.compile mode measured ("none": eager)
+    cache: tuple[str, ...] = ()  # the modules whose key/value cache a recomputing plan turned off (plans.cache)
 
     @property
     def compile_call(self) -> str:
@@ -121,6 +122,7 @@ def export(report: Report, framework: str) -> dict[str, Any]:
         wrapper=(report.distributed or {}).get("wrapper"),
         world_size=int((report.distributed or {}).get("world_size", 1)),
         compile=rec.config.compile,
+        cache=tuple(report.workload.get("training_cache") or ()),
     )
     data: dict[str, Any] = {"framework": framework, "autotune_recommendation": {
         "precision": rec.precision, "segments": rec.config.plan, "batch_size": rec.batch_size,
@@ -313,6 +315,11 @@ def _common_notes(ctx: _Context, report: Report, framework: str) -> list[str]:
             f"activation_checkpointing_enable() in newer releases; timm's model.set_grad_checkpointing()), which "
             f"checkpoints every block: the same or lower peak memory, more recompute (slower) than measured"
         )
+    if ctx.recomputes and ctx.cache:
+        notes.append(f"{', '.join(dict.fromkeys(ctx.cache))}: its key/value cache was off in training under the plan, as "
+                     f"measured (a recompute would write it again): {APPLY_HINT} turns it off so, and transformers does "
+                     f"itself under its own gradient checkpointing; applied any other way, pass use_cache=False in "
+                     f"training")
     if report.guard.fp32_modules:
         notes.append(f"the trials kept {', '.join(report.guard.fp32_modules)} in fp32; this export does not: "
                      f"{APPLY_HINT} does")

@@ -18,6 +18,7 @@ measures beside autotune's plans.
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch import nn
 
 from autotune.errors import UsageError
 
-__all__ = ["hf_causal_lm", "hf_masked_lm", "gpt2", "bert", "timm_model", "library_checkpointing"]
+__all__ = ["hf_causal_lm", "hf_masked_lm", "gpt2", "bert", "timm_model", "library_checkpointing", "training_caches"]
 
 
 def _require(package: str) -> Any:
@@ -148,3 +149,27 @@ def library_checkpointing(model: nn.Module) -> str | None:
             return None
         return "set_grad_checkpointing"
     return None
+
+
+def training_caches(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that build a key/value cache in training where their config says so.
+
+    A transformers model keeps ``use_cache=True`` in its config as ``from_config`` and ``from_pretrained`` give it, and
+    its forward then writes every layer's keys and values into a cache; a recompute writes them again (a checkpoint
+    plan fails: the cache grows between the forward and its replay). transformers turns the cache off while its own
+    gradient checkpointing trains (``merge_with_config_defaults``, ``GradientCheckpointingLayer``). These are the
+    modules whose ``forward`` takes ``use_cache`` and whose ``config.use_cache`` is on, outermost first.
+    """
+    found = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True and _takes(module.forward, "use_cache"):
+            found.append(module)
+    return found
+
+
+def _takes(function: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False

@@ -216,6 +216,7 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "parameter_bytes": facts.parameter_bytes,
             "chain": None if facts.chain is None else facts.chain.to_dict(),
             "library_checkpointing": facts.library_checkpointing,
+            "training_cache": list(facts.training_cache),
         },
         budget_bytes=target.budget.bytes,
         headroom=target.budget.headroom,

@@ -18,6 +18,8 @@ from autotune.meters.caching_allocator import CUDA_CONTEXT_BYTES, cublas_workspa
 from autotune.records import Config
 from autotune.training.workload import Workload
 
+from tests.optional import needs
+
 TINY = {"n_layer": 2, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
 MiB = 1 << 20
 
@@ -113,3 +115,53 @@ def test_a_model_fake_tensors_cannot_run_is_not_measured_on_the_cpu_for_a_cuda_p
     with pytest.raises(autotune.UsageError, match=r"Masked cannot run under fake tensors \(aten.nonzero.*for cuda:0"):
         autotune.tune(Masked, device="cuda", dry_run=True, budget="1GiB", precisions=["fp32"], segments=["0"],
                       batch_sizes=[4])
+
+
+def _qkv(dtype=torch.bfloat16, heads=(8, 8), length=(64, 64), head=64):
+    q = torch.randn(2, heads[0], length[0], head, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, heads[1], length[1], head, dtype=dtype, requires_grad=True) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("case, capability, expected", [
+    ({}, (9, 0), "flash"),
+    ({"dtype": torch.float32}, (9, 0), "efficient"),  # flash takes fp16 and bf16 only
+    ({"mask": True}, (9, 0), "efficient"),  # flash takes no mask
+    ({"mask": True, "head": 60}, (9, 0), "math"),  # bf16's GEMM alignment is 8
+    ({"dtype": torch.float32, "head": 62}, (9, 0), "math"),  # fp32's is 4 on sm80+
+    ({}, (7, 0), "math"),  # flash needs sm80, and a V100's memory-efficient kernel no bf16
+    ({"dtype": torch.float16}, (7, 0), "efficient"),
+    ({"head": 200}, (8, 6), "efficient"),  # training with a head of 192-224 on sm86: not flash
+    ({"head": 200}, (8, 0), "flash"),
+    ({"causal_lengths": (32, 64)}, (9, 0), "efficient"),  # flash's causal mask is square only
+    ({"gqa": True}, (9, 0), "flash"),
+    ({"gqa_off": True}, (9, 0), "math"),  # heads differ without enable_gqa
+])
+def test_the_attention_kernel_is_chosen_by_cudas_rules(case, capability, expected):
+    from autotune.execution.cuda_attention import choose
+
+    heads = (8, 2) if case.get("gqa") or case.get("gqa_off") else (8, 8)
+    lengths = case.get("causal_lengths", (64, 64))
+    with fake_tensors():
+        q, k, v = _qkv(case.get("dtype", torch.bfloat16), heads, lengths, case.get("head", 64))
+        mask = torch.ones(2, 1, 64, 64, dtype=torch.bool) if case.get("mask") else None
+        assert choose(q, k, v, mask, 0.0, mask is None, bool(case.get("gqa")), capability) == expected
+
+
+def test_a_cuda_plan_runs_the_attention_kernel_cuda_would_and_keeps_what_it_keeps(no_gpu):
+    """A transformers Llama's SDPA attention, no token padded (the mask skipped, as the real step skips it): flash in
+    bf16, memory-efficient in fp32; the CPU's own kernel is back after the prediction."""
+    needs("transformers")
+    llama = {"model_type": "llama", "seq_len": 32, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    workload = Workload.from_specs("autotune.thirdparty:hf_causal_lm", model_kwargs=llama)
+    for precision, kernel in (("bf16", "flash"), ("fp32", "efficient")):
+        rules = CudaRules.for_this_machine()
+        predicted = predict_trial(workload, Config(precision, "0", 8), cuda=rules)
+        assert predicted.status == "ok", predicted.error
+        assert rules.describe()["attention"] == {kernel: 2}, rules.describe()
+        assert any(f"{kernel} 2" in n for n in rules.notices())
+    with fake_tensors():
+        q, k, v = _qkv(torch.float32)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert type(out.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"

@@ -162,8 +162,9 @@ def test_a_dry_run_of_a_model_whose_fake_kernel_is_stricter_than_the_cpus_measur
 
 
 class TransformerReadingItsMask(TorchTransformer):
-    """``nn.Transformer`` as most use it: its decoder compares the causal mask with one of its own, by value, so fake
-    tensors cannot run it, and it deep-copies its layers as it is built."""
+    """``nn.Transformer`` as most use it: its decoder compares the causal mask with one of its own, by value, and it
+    deep-copies its layers as it is built. The mask is made of constants, so its value is known under fake tensors
+    (autotune.execution.known_values)."""
 
     def forward(self, src, tgt, targets):
         causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
@@ -171,16 +172,31 @@ class TransformerReadingItsMask(TorchTransformer):
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
 
-def test_a_model_that_deep_copies_its_fake_layers_is_planned_without_a_crash(tmp_path):
+class TransformerReadingItsActivations(TransformerReadingItsMask):
+    """The same, reading a value its weights decide (a branch on an activation): fake tensors cannot run it."""
+
+    def forward(self, src, tgt, targets):
+        h = self.embed(src)
+        if bool(h.abs().sum() > 0):
+            h = h * 1.0
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        out = self.transformer(h, self.embed(tgt), tgt_mask=causal)
+        return nn.functional.cross_entropy(self.head(out).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("model, source", [("TransformerReadingItsActivations", "tensor"),
+                                           ("TransformerReadingItsMask", "predicted")])
+def test_a_model_that_deep_copies_its_fake_layers_is_planned_without_a_crash(tmp_path, model, source):
     # Tensor.__deepcopy__ deep-copied each fake tensor's mode with the storages' weak references, each freed twice:
-    # the dry run died of a segmentation fault, every time, once the model was measured for real instead
-    done = _cli(tmp_path, "--model", "tests.test_dry_run:TransformerReadingItsMask", "--device", "cpu", "--budget",
+    # the dry run died of a segmentation fault, every time, once the model was measured for real instead. A model
+    # whose branch reads a value the data alone decides (the mask's) is predicted: no real measurement
+    done = _cli(tmp_path, "--model", f"tests.test_dry_run:{model}", "--device", "cpu", "--budget",
                 "1GiB", "--precisions", "fp32", "--segments", "0,all", "--batch-sizes", "2,4", "--dry-run")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "_local_scalar_dense" in done.stderr and "Warning" not in done.stderr  # said once, and no torch warning
+    assert ("_local_scalar_dense" in done.stderr) == (source == "tensor") and "Warning" not in done.stderr
     report = autotune.load(next((tmp_path / "results").glob("*-dry-run.json")))
     assert report.workload["chain"]["block_types"] == ["TransformerEncoderLayer", "TransformerDecoderLayer"]
-    assert {(m.status, m.memory_source) for m in report.trials} == {("ok", "tensor")}
+    assert {(m.status, m.memory_source) for m in report.trials} == {("ok", source)}
 
 
 class Masked(nn.Module):

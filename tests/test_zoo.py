@@ -17,8 +17,8 @@ from torch import nn
 
 from autotune.plans.checkpointing import _APPLIED, apply_plan, find_chain, order_chain, remove_plan
 from autotune.meters import TensorMeter
-from autotune.execution.plan_check import check_plans
-from autotune.plans import offload
+from autotune.execution.plan_check import check_plans, compare_steps
+from autotune.plans import cache, offload
 from autotune.plans.offload import offloader_of
 from autotune.vocabulary import Plan, auto_plans
 from autotune.thirdparty import library_checkpointing
@@ -86,8 +86,17 @@ def _train_step(name: str, model: nn.Module, seed: int = FORWARD_SEED) -> dict[s
 
 
 @functools.cache
-def _reference(name: str) -> dict[str, torch.Tensor]:
-    return _train_step(name, _build(name))
+def _reference(name: str, cache_off: bool = False) -> dict[str, torch.Tensor]:
+    """The step without a plan; ``cache_off``: with the model's key/value cache off in training, as a plan that
+    recomputes turns it off (autotune.plans.cache; members are built with their configs' defaults, use_cache on)."""
+    model = _build(name)
+    if cache_off:
+        cache.turn_off(model)
+    return _train_step(name, model)
+
+
+def _reference_for(name: str, plan: str) -> dict[str, torch.Tensor]:
+    return _reference(name, cache_off=not Plan(plan).base.off)
 
 
 def _differences(expected: dict, got: dict) -> list[str]:
@@ -147,7 +156,7 @@ def test_every_offered_plan_is_bitwise_exact(member, plan):
     _require(member)
     _, _, _, chain = _setup(member.name)
     assert plan in auto_plans(chain.length)
-    reference = _reference(member.name)
+    reference = _reference_for(member.name, plan)
     model = _build(member.name)
     applied = apply_plan(model, plan, chain)
     assert applied.recomputed == Plan(plan).blocks(chain.length)
@@ -194,6 +203,42 @@ def test_the_comparison_sees_what_a_plan_could_get_wrong():
 
 
 # --- Members with something to show of their own --------------------------------------------------
+
+
+CACHED = ["gpt2", "llama", "t5"]  # built with their configs' defaults, use_cache on: each caches in training
+
+
+@pytest.mark.parametrize("name", CACHED)
+def test_a_recomputing_plan_turns_the_training_cache_off_as_transformers_does(name):
+    """The members keep use_cache=True, as from_config gives it: in training under a plan that recomputes, no cache
+    is built (the recompute would write it again); without gradients, or in eval mode, it is, as in transformers; the
+    config is never changed, and removing the plan removes the switch."""
+    needs("transformers")
+    _, _, batch, chain = _setup(name)
+    model = _build(name)
+    assert model.config.use_cache is True
+    applied = apply_plan(model, "all", chain)
+    assert applied.cache_off and applied.to_dict()["cache_off"] == list(applied.cache_off)
+    assert model(**batch).past_key_values is None  # training, gradients on
+    with torch.no_grad():
+        assert model(**batch).past_key_values is not None
+    model.eval()
+    assert model(**batch).past_key_values is not None
+    model.train()
+    assert model.config.use_cache is True
+    remove_plan(model)
+    assert model(**batch).past_key_values is not None
+    assert apply_plan(_build(name), "0", chain).cache_off == ()  # a plan that recomputes nothing keeps it
+
+
+@pytest.mark.parametrize("name", [*CACHED, "bart"])
+def test_the_training_cache_changes_no_value_beyond_rounding(name):
+    """What the cache changes in a plan-free step is where keys and values lie in memory, not what they are."""
+    needs("transformers")
+    rel, diff, where = compare_steps(_reference(name), _reference(name, cache_off=True))
+    assert rel < 1e-5, (rel, diff, where)
+
+
 
 
 def test_gemma2_layers_get_different_masks():
@@ -264,7 +309,7 @@ def test_offloaded_plans_are_bitwise_exact_and_lighter_on_the_device(member, pla
     monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", 0)
     _require(member)
     _, _, _, chain = _setup(member.name)
-    reference = _reference(member.name)
+    reference = _reference_for(member.name, plan)
     model = _build(member.name)
     apply_plan(model, plan, chain)
     got = _train_step(member.name, model)

@@ -51,7 +51,7 @@ def _causal_batch(batch_size: int) -> dict[str, torch.Tensor]:
 def _causal_lm(model_type: str, **config: Any) -> nn.Module:
     import transformers
 
-    cfg = _config(model_type, use_cache=False, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, **config)
+    cfg = _config(model_type, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, **config)
     return _with_batch(transformers.AutoModelForCausalLM.from_config(cfg), _causal_batch)
 
 
@@ -178,7 +178,7 @@ def t5() -> nn.Module:
     import transformers
 
     cfg = _config("t5", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2, num_heads=4,
-                  relative_attention_num_buckets=8, use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+                  relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0)
     return _with_batch(transformers.AutoModelForSeq2SeqLM.from_config(cfg), _seq2seq_batch)
 
 
@@ -188,7 +188,7 @@ def bart() -> nn.Module:
 
     cfg = _config("bart", vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-                  use_cache=False, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+                  pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
     return _with_batch(transformers.AutoModelForSeq2SeqLM.from_config(cfg), _seq2seq_batch)
 
 

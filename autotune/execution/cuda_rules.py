@@ -18,8 +18,9 @@ CUDA's rules wherever they differ from the CPU's and change what is held:
   :mod:`autotune.meters.caching_allocator` (two cuBLAS workspaces first); the budget holds the reserved
   prediction, as CUDA's meter holds the reserved figure;
 - **what NVML adds**: the CUDA context, an assumption (:data:`~autotune.meters.caching_allocator.CUDA_CONTEXT_BYTES`);
-- **the attention kernel**: the CPU's fused kernel saves O(T) for backward, as CUDA's flash and memory-efficient
-  kernels do; where the CPU ran the math kernel (it saves the T x T scores), the prediction says it may be high.
+- **the attention kernel**: ``scaled_dot_product_attention`` runs the kernel CUDA would choose for the planned
+  GPU (flash, memory-efficient or math, :mod:`autotune.execution.cuda_attention`), not the CPU's; the report counts
+  the calls by kernel (``search.cuda.attention``) and says what was assumed.
 
 Where this machine has a GPU, a CUDA prediction runs on fake CUDA tensors instead, with CUDA's own autocast; the
 allocator's model and the NVML assumption apply the same way. ``benchmarks/gpu_check.py`` compares both with
@@ -28,6 +29,7 @@ measurements.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
@@ -35,8 +37,8 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from autotune.execution.cuda_attention import ORDER_ASSUMED, cuda_attention_on_cpu
 from autotune.meters.caching_allocator import (CUDA_CONTEXT_BYTES, AllocatorSettings, Replay, cublas_workspace_bytes,
                                                nvml_bytes, replay, workspace_trace)
 from autotune.meters.base import MemoryReading
@@ -176,19 +178,6 @@ def cuda_autocast_on_cpu() -> Iterator[list[str]]:
             lib._destroy()
 
 
-class _Attention(TorchDispatchMode):
-    """Counts the CPU's fused attention kernels run (the math kernel is no op of its own: it is matmuls)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fused = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
-            self.fused += 1
-        return func(*args, **(kwargs or {}))
-
-
 @dataclasses.dataclass
 class CudaRules:
     """How a prediction for CUDA is made and read (:mod:`autotune.execution.predict`): where its fake tensors live,
@@ -200,7 +189,7 @@ class CudaRules:
     capability: tuple[int, int] = ASSUMED_CAPABILITY
     context_bytes: int = CUDA_CONTEXT_BYTES
     unknown_ops: list[str] = dataclasses.field(default_factory=list)
-    math_attention: bool = False  # an attention call ran the CPU's math kernel (it saves the T x T scores)
+    attention: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # SDPA calls by kernel
 
     @classmethod
     def for_this_machine(cls, device: torch.device | None = None) -> "CudaRules":
@@ -218,11 +207,10 @@ class CudaRules:
         if self.fake_cuda:
             yield
             return
-        calls = _SdpaCalls()
-        with cuda_autocast_on_cpu() as unknown, calls, _Attention() as attention:
+        with cuda_autocast_on_cpu() as unknown, cuda_attention_on_cpu(self.capability) as calls:
             self.unknown_ops = unknown
             yield
-        self.math_attention = self.math_attention or calls.n > attention.fused
+        self.attention.update(calls)
 
     def replayed(self, trace: tuple[tuple[int, int], ...], budget_bytes: int | None) -> Replay:
         """The allocator's statistics for a trial's allocation trace, its cuBLAS workspaces first, within the
@@ -260,7 +248,9 @@ class CudaRules:
                 "compute_capability": f"{self.capability[0]}.{self.capability[1]}",
                 "cublas_workspace_bytes": cublas_workspace_bytes(*self.capability), "cublas_workspaces": 2,
                 "context_bytes": self.context_bytes, "expandable_segments": self.allocator.expandable_segments,
-                "math_attention": self.math_attention, "autocast_ops_unknown": list(self.unknown_ops)}
+                "attention": dict(sorted(self.attention.items())),
+                "attention_order_assumed": None if self.fake_cuda else ORDER_ASSUMED,
+                "autocast_ops_unknown": list(self.unknown_ops)}
 
     def notices(self) -> tuple[str, ...]:
         """What the predictions assumed where CUDA differs from the CPU, one line each."""
@@ -273,23 +263,13 @@ class CudaRules:
                 f"({format_bytes(cublas_workspace_bytes(*self.capability))} each); NVML's figure adds a CUDA context "
                 f"of {format_bytes(self.context_bytes)} (assumed); the budget holds the reserved prediction. "
                 f"benchmarks/gpu_check.py checks these against a GPU"]
-        if self.math_attention:
-            said.append("attention ran the CPU's math kernel in some trials (it saves the T x T scores for backward); "
-                        "on CUDA the flash or memory-efficient kernel saves O(T): those predictions may be high")
+        if self.attention and not self.fake_cuda:
+            ran = ", ".join(f"{kernel} {n}" for kernel, n in sorted(self.attention.items()))
+            said.append(f"attention predicted as CUDA's scaled_dot_product_attention would run it on compute capability "
+                        f"{self.capability[0]}.{self.capability[1]} (calls by kernel: {ran}), kernels tried in the "
+                        f"order {ORDER_ASSUMED}; what a kernel allocates inside (flash's float32 dq accumulator in "
+                        f"backward) is not counted")
         if self.unknown_ops:
             said.append(f"CUDA's autocast casts {', '.join(self.unknown_ops)} in this torch, with a policy this "
                         f"autotune does not know: predicted with the CPU's")
         return tuple(said)
-
-
-class _SdpaCalls(torch.overrides.TorchFunctionMode):
-    """Counts ``scaled_dot_product_attention`` calls (composite: seen as a torch function, above the kernels)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            self.n += 1
-        return func(*args, **(kwargs or {}))

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotune._log import logger
 from autotune.device import measurable_here
 from autotune.errors import UsageError, first_line
+from autotune.execution.known_values import KnowingFakeTensorMode
 from autotune.execution.trial import _compiled, _measurement, _Run, run_trial
 from autotune.execution.work import outcome
 from autotune.meters import TensorMeter
@@ -123,7 +124,7 @@ def fake_tensors() -> FakeTensorMode:
     """The fake tensors a prediction runs under. Real tensors met inside (a dataset's items, a model's constants) are
     taken as fake ones of the same shape, each kept as long as its real tensor (:func:`_keeping_real_inputs`); a
     fake tensor deep-copied keeps its mode (:func:`_copied_as_itself`)."""
-    return _copied_as_itself(_keeping_real_inputs(FakeTensorMode(allow_non_fake_inputs=True)))
+    return _copied_as_itself(_keeping_real_inputs(KnowingFakeTensorMode(allow_non_fake_inputs=True)))
 
 
 def _copied_as_itself(mode: FakeTensorMode) -> FakeTensorMode:

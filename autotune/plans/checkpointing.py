@@ -22,7 +22,9 @@ policies) that puts back every buffer the block's forward changed, so BatchNorm'
 statistics and ``num_batches_tracked`` are updated once per step, as without a plan. Dropout
 masks are replayed from the saved RNG state. Anything else a block reads that its model changes
 between the forward and the backward pass cannot be replayed: the run-time check
-(:mod:`autotune.execution.plan_check`) finds such plans and drops them.
+(:mod:`autotune.execution.plan_check`) finds such plans and drops them. One such state is known and handled as its
+library does: a transformers model's key/value cache is off in training while a plan recomputes
+(:mod:`autotune.plans.cache`).
 
 Plans set an instance ``forward`` on each picked block that wraps the forward it had (its class's,
 or one set before: ``--fp32-modules``, accelerate's hooks), so module hooks stay outside the
@@ -45,7 +47,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from autotune.errors import AutotuneError, UsageError
-from autotune.plans import offload
+from autotune.plans import cache, offload
 from autotune.vocabulary import Plan
 from autotune.plans.selective import make_policy
 
@@ -94,10 +96,13 @@ class AppliedPlan:
     name: str
     chain: Chain | None
     recomputed: tuple[int, ...] = ()  # indices into chain.blocks
+    cache_off: tuple[str, ...] = ()  # the modules whose key/value cache is off in training (autotune.plans.cache)
 
     def to_dict(self) -> dict[str, Any]:
         data = {"name": self.name, "recomputed_blocks": list(self.recomputed),
                 "chain_length": self.chain.length if self.chain else None}
+        if self.cache_off:
+            data["cache_off"] = list(self.cache_off)
         if Plan(self.name).offload_mode:  # what it keeps for the backward pass, or its state, waits on the host
             data["offload"] = str(Plan(self.name).offload_mode)
         selective = Plan(self.name).selective
@@ -216,12 +221,13 @@ def apply_plan(model: nn.Module, plan: str | int, chain: Chain | None = None, *,
         traced = _traced_contexts(name) if name.selective else None
     for block in blocks:
         _Recompute(block, contexts, traced).install()
-    return AppliedPlan(name, chain, indices)
+    return AppliedPlan(name, chain, indices, tuple(cache.turn_off(model)) if blocks else ())
 
 
 def remove_plan(model: nn.Module) -> None:
     """Undo :func:`apply_plan` on every block of ``model``: each gets back the ``forward`` it had (the model too, where
     it offloaded its activations)."""
+    cache.restore(model)
     for module in model.modules():
         offload.uninstall(module)
     for module in model.modules():

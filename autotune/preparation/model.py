@@ -17,12 +17,12 @@ from torch._subclasses.fake_tensor import is_fake  # private, and in every torch
 from autotune._log import logger
 from autotune.device import autocast_type, available_ram_bytes
 from autotune.errors import ForwardFailed, StateDoesNotFit, UsageError, first_line
-from autotune.execution.predict import CANNOT_FAKE
+from autotune.execution.predict import CANNOT_FAKE, fake_tensors
 from autotune.plans.checkpointing import Chain, find_chain, order_chain
 from autotune.plans.floor import Floor, measure_floor, state_levers
 from autotune.preparation.target import Target
 from autotune.records import usable_bytes
-from autotune.thirdparty import library_checkpointing
+from autotune.thirdparty import library_checkpointing, training_caches
 from autotune.training.optimizer import UNPRIMED_NOTICE, measure_optimizer
 from autotune.training.precision import PRECISIONS, keep_in_fp32
 from autotune.training.workload import Workload, move_model, to_device
@@ -44,6 +44,7 @@ class ModelFacts:
     unprimed: str | None = None  # why the optimizer could not be primed (autotune.training.optimizer)
     gradient_bytes: int | None = None  # the parameters that require gradients (None: all of them)
     optimizer: dict[str, Any] | None = None  # the optimizer made here: its class, settings and source (the report's)
+    training_cache: tuple[str, ...] = ()  # modules whose key/value cache a recomputing plan turns off (plans.cache)
 
     def state(self) -> dict[str, int]:
         """What a step holds whatever the batch, by part: the weights, the gradients of the parameters that train,
@@ -71,7 +72,8 @@ def preflight(target: Target) -> ModelFacts:
     params = list(model.parameters())
     facts = ModelFacts(type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() * p.element_size() for p in params), find_chain(model), None,
-                       gradient_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad))
+                       gradient_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+                       training_cache=tuple(type(m).__name__ for m in training_caches(model)))
     del params
     try:
         # The optimizer's state is measured on the CPU, before the model goes to the device: a model whose state
@@ -130,9 +132,7 @@ def _floor_of(workload: Workload, chain: Chain | None, precisions: Sequence[str]
     if model is not None and is_fake(next(model.parameters(), None)):  # a dry run's model: fake already
         return _floor_measured(model, workload, chain, half, contextlib.nullcontext())
     try:
-        from torch._subclasses.fake_tensor import FakeTensorMode  # private, and in every torch autotune supports
-
-        mode = FakeTensorMode(allow_non_fake_inputs=True)  # the batch stays real: its own bytes are real
+        mode = fake_tensors()  # the batch stays real: its own bytes are real, and its values known
         with mode:
             fake = workload.build_model()
             keep_in_fp32(fake, fp32_modules, "cpu")

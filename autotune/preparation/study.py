@@ -59,6 +59,7 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
     notices: list[str] = []
     plans = with_offload(_plans(searching.plans, facts.chain, facts.model_class, notices),
                          _offload_modes(searching.offload, target.here, notices))
+    _say_cache_off(facts, plans, notices)
     compared = searching.compare_library and facts.library_checkpointing is not None and facts.chain is not None
     # The library comparison measures plan all beside the library's switch: it is checked too.
     checks = [check for mode in searching.compiles
@@ -84,6 +85,16 @@ def _plans(asked: tuple[Plan, ...] | None, chain: Chain | None, model_class: str
     for plan in asked:
         plan.fits(chain.length, chain.describe())
     return asked
+
+
+def _say_cache_off(facts: ModelFacts, plans: Sequence[Plan], notices: list[str]) -> None:
+    """A notice where a plan that recomputes turns the model's key/value cache off in training (plans.cache)."""
+    if facts.training_cache and any(not plan.base.off for plan in plans):
+        notices.append(f"{', '.join(dict.fromkeys(facts.training_cache))}: its key/value cache (config.use_cache) is "
+                       f"off in training under every plan that recomputes, as transformers turns it off under its own "
+                       f"gradient checkpointing (a recompute would write the cache again); plans that recompute "
+                       f"nothing train with it as configured, and autotune.apply does the same")
+        logger.warning(notices[-1])
 
 
 def _offload_modes(modes: tuple[Offload, ...] | None, device: torch.device, notices: list[str]) -> tuple[Offload, ...]:
