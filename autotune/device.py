@@ -388,9 +388,13 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
 
 
 class PlannedCudaBackend(Backend):
-    """A CUDA GPU planned for on a machine without one (``--device cuda --dry-run``): nothing runs on it, so it has
-    no memory size of its own (``--budget`` says the card's), and every precision is offered (bf16 needs compute
-    capability 8.0 or more, which the plan assumes)."""
+    """A CUDA GPU planned for on a machine without one, or another than this machine's (``--device cuda --dry-run``,
+    ``--cuda-capability``): nothing runs on it, so it has no memory size of its own (``--budget`` says the card's);
+    bf16 is offered from compute capability 8.0 (assumed where none is given)."""
+
+    def __init__(self, device: torch.device, capability: tuple[int, int] | None = None) -> None:
+        super().__init__(device)
+        self.capability = capability  # --cuda-capability; None: assumed (the CUDA rules' ASSUMED_CAPABILITY)
 
     @property
     def here(self) -> torch.device:
@@ -400,23 +404,28 @@ class PlannedCudaBackend(Backend):
         return None
 
     def supported_precisions(self) -> list[str]:
-        return ["fp32", "fp16", "bf16"]
+        return ["fp32", "fp16"] + (["bf16"] if self.capability is None or self.capability >= (8, 0) else [])
 
     def default_precisions(self) -> list[str]:
         return self.supported_precisions()
 
     def describe(self) -> dict[str, Any]:
-        return {"device_name": "CUDA GPU (planned on a machine without one)", "total_memory_bytes": None,
-                "planned_on": _cpu_name()}
+        name = "CUDA GPU" if self.capability is None else "CUDA GPU of compute capability {}.{}".format(*self.capability)
+        where = "with CUDA's rules on this machine's CPU" if torch.cuda.is_available() else "on a machine without one"
+        return {"device_name": f"{name} (planned {where})", "total_memory_bytes": None, "planned_on": _cpu_name()}
 
 
-def backend_for(device: str | torch.device, *, planned: bool = False) -> Backend:
+def backend_for(device: str | torch.device, *, planned: bool = False,
+                capability: tuple[int, int] | None = None) -> Backend:
     """Return the backend of ``device``: :class:`CudaBackend` on CUDA (``planned``, for a dry run, where this machine
-    has none: :class:`PlannedCudaBackend`), :class:`Backend` elsewhere."""
+    has none or another GPU is described by its ``capability``: :class:`PlannedCudaBackend`), :class:`Backend`
+    elsewhere."""
     device = torch.device(device)
     if device.type != "cuda":
         return Backend(device)
-    return PlannedCudaBackend(device) if planned and not torch.cuda.is_available() else CudaBackend(device)
+    if planned and (capability is not None or not torch.cuda.is_available()):
+        return PlannedCudaBackend(device, capability)
+    return CudaBackend(device)
 
 
 def make_meter(device: str | torch.device, *, budget_bytes: int | None = None) -> Meter:

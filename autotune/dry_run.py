@@ -56,7 +56,10 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
     ``--batch-multiple`` (up to the space's top): the search's result, what the report's ``search`` adds for a dry
     run, and its notices. ``mode``: the fake tensors the workload's models are built in (:func:`fake_buildable`)."""
     multiple = target.searching.batch_multiple
-    cuda = CudaRules.for_this_machine(target.device) if follows_cuda(target.device) else None
+    searching = target.searching
+    cuda = (CudaRules.for_this_machine(target.device, capability=searching.cuda_capability,
+                                       context_bytes=searching.cuda_context_bytes)
+            if follows_cuda(target.device) else None)
     with _ranks(target.searching, target.here) as ranks:
         predictor = Predictor(study.workload, device=target.device, budget_bytes=target.budget.enforced,
                               settings=target.trial_settings, model_name=facts.model_class,

@@ -162,6 +162,15 @@ class Options:
         None, "exact limits are found in steps of N: the largest multiple of N that fits, and the next one (a dry run "
         "bisects up to the top of --batch-sizes)", group=TRIALS, metavar="N", type=int,
         default_text="1 on the CPU, 8 on CUDA")
+    cuda_capability: str | tuple[int, int] | None = option(
+        None, "with --device cuda --dry-run: the compute capability of the GPU planned for, e.g. 7.0 (V100), 8.0 "
+        "(A100), 8.9 (L4, RTX 4090), 9.0 (H100): its cuBLAS workspaces, whether it has bf16, which attention kernels "
+        "it runs; planned on the CPU with CUDA's rules, also where this machine has a GPU", group=TRIALS,
+        metavar="MAJOR.MINOR", default_text="this machine's GPU, else 9.0 (assumed)")
+    cuda_context: str | int | None = option(
+        None, "with --device cuda --dry-run: the CUDA context of the GPU planned for, which NVML counts beside the "
+        "caching allocator's reserved bytes (measure it on the card: NVML's used memory after torch.ones(1, "
+        "device='cuda'))", group=TRIALS, metavar="SIZE", default_text="512MiB (assumed)")
     exact_limit: bool = option(
         False, "after the search, make the recommended variant's limit exact with real trials (bisecting between the "
         "space's sizes in steps of --batch-multiple) and time the largest size within the headroom; these trials are "
@@ -214,6 +223,7 @@ class Options:
                             ("host_budget", None if self.host_budget is None else parse_size(self.host_budget))):
             object.__setattr__(self, name, value)
         _check_state_offload(self)
+        self._check_planned_gpu()
         if self.dry_run and any(mode != "none" for mode in self.compile):
             raise UsageError("--dry-run predicts eager training under fake tensors; what inductor's kernels hold is "
                              "known only by running them: drop --compile from the dry run, or search without --dry-run")
@@ -258,6 +268,17 @@ class Options:
             raise UsageError(f"--dry-run --parallel {self.parallel} predicts one rank of a job: say how many ranks "
                              f"with --world-size N (and run it without torchrun)")
 
+    def _check_planned_gpu(self) -> None:
+        """``--cuda-capability`` and ``--cuda-context`` describe a GPU a ``--device cuda --dry-run`` plans for."""
+        given = [f for f, v in (("--cuda-capability", self.cuda_capability), ("--cuda-context", self.cuda_context))
+                 if v is not None]
+        if given and not (self.dry_run and str(self.device or "").startswith("cuda")):
+            raise UsageError(f"{given[0]} describes the GPU a plan is made for: use it with --device cuda --dry-run")
+        if self.cuda_capability is not None:
+            object.__setattr__(self, "cuda_capability", parse_capability(self.cuda_capability))
+        if self.cuda_context is not None:
+            object.__setattr__(self, "cuda_context", parse_size(self.cuda_context))
+
     @property
     def guard(self) -> GuardRails:
         return GuardRails(clip_grad_norm=self.clip_grad_norm, fp32_modules=self.fp32_modules)
@@ -278,6 +299,16 @@ class Options:
         return ProbeSettings(top=self.probe_top, epochs=self.probe_epochs, fraction=self.probe_fraction,
                              num_workers=self.num_workers, seed=0, timeout_s=self.trial_timeout)
 
+
+
+def parse_capability(value: str | Sequence[int]) -> tuple[int, int]:
+    """``"8.0"`` (or ``(8, 0)``) as ``(8, 0)``: a CUDA compute capability, from 3.0 (Kepler) to 12.x (Blackwell)."""
+    text = value if isinstance(value, str) else ".".join(map(str, value))
+    major, dot, minor = text.strip().partition(".")
+    if not (dot and major.isdigit() and minor.isdigit() and 3 <= int(major) <= 12):
+        raise UsageError(f"--cuda-capability {text!r} is not a compute capability: write MAJOR.MINOR, e.g. 8.0 for an "
+                         f"A100 or 7.0 for a V100")
+    return int(major), int(minor)
 
 
 def _one_of(names: Sequence[str]) -> str:

@@ -165,3 +165,51 @@ def test_a_cuda_plan_runs_the_attention_kernel_cuda_would_and_keeps_what_it_keep
         q, k, v = _qkv(torch.float32)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         assert type(out.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"
+
+
+def test_a_cuda_plan_steps_torch_optim_as_cuda_does(no_gpu):
+    """Left to its default, AdamW steps with foreach on CUDA: its intermediates for every parameter at once (the
+    square roots of the second moments, the parameters' size) where the loop over tensors made one at a time."""
+    from autotune.execution.cuda_rules import optimizers_as_on_cuda
+
+    wide = {**TINY, "n_embd": 128}
+    sizes = [p.numel() * 4 for p in Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=wide)
+             .build_model().parameters()]
+    peaks = {}
+    for foreach in (None, False):
+        workload = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=wide,
+                                       optimizer="torch.optim:AdamW", optimizer_kwargs={"foreach": foreach})
+        peaks[foreach] = predict_trial(workload, Config("fp32", "0", 1), cuda=CudaRules.for_this_machine())
+    # the loop holds about two intermediates of one parameter at a time (a square root, then its quotient): the
+    # largest here is a sixth of the parameters
+    assert peaks[None].peak_allocated_bytes >= peaks[False].peak_allocated_bytes + 0.5 * sum(sizes)
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    with optimizers_as_on_cuda():
+        pass
+    with fake_tensors():
+        assert _default_to_fused_or_foreach([torch.nn.Linear(2, 2).weight], False) == (False, False)  # put back
+
+
+def test_the_planned_gpu_is_described_by_its_capability_and_context(no_gpu, tmp_path, capsys):
+    space = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", '{"n_layer": 2, "n_embd": 32, "n_head": 4}',
+             "--device", "cuda", "--budget", "1GiB", "--segments", "0", "--batch-sizes", "8", "--dry-run", "--quiet"]
+    for bad, says in ((["--cuda-capability", "8"], "MAJOR.MINOR"), (["--cuda-capability", "nine"], "MAJOR.MINOR"),
+                      (["--cuda-context", "lots"], "lots"), (["--precisions", "bf16", "--cuda-capability", "7.0"],
+                                                             "bf16 is not supported")):
+        assert main([*space, *bad, "--out", str(tmp_path / "bad.json")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert main([*space[:-2], "--cuda-context", "1GiB", "--quiet", "--out", str(tmp_path / "cpu.json")]) == 2
+    assert "--device cuda --dry-run" in capsys.readouterr().err  # --cuda-* describe a planned GPU only
+    report = autotune.tune("autotune.examples:TinyGPT", model_kwargs=TINY, device="cuda", dry_run=True,
+                           budget="1GiB", precisions=["fp16"], segments=["0"], batch_sizes=[8],
+                           cuda_capability="7.0", cuda_context="1343MiB")
+    cuda = report.search["cuda"]
+    assert cuda["compute_capability"] == "7.0" and cuda["compute_capability_source"] == "given"
+    assert cuda["context_bytes"] == 1343 * MiB and cuda["context_source"] == "given"
+    assert cuda["cublas_workspace_bytes"] == cublas_workspace_bytes(7, 0)
+    (trial,) = report.trials
+    assert trial.peak_nvml_bytes == trial.peak_reserved_bytes + 1343 * MiB
+    assert "7.0" in report.environment["device_name"]
+    assert not any("assumed: --cuda" in n for n in report.notices)

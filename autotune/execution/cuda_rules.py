@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import sys
 import threading
 import warnings
 from typing import Any, Callable, Iterator
@@ -44,7 +45,7 @@ from autotune.meters.caching_allocator import (CUDA_CONTEXT_BYTES, AllocatorSett
 from autotune.meters.base import MemoryReading
 from autotune.units import format_bytes
 
-__all__ = ["CUDA_POLICIES", "CudaRules", "cuda_autocast_on_cpu", "ASSUMED_CAPABILITY"]
+__all__ = ["CUDA_POLICIES", "CudaRules", "cuda_autocast_on_cpu", "optimizers_as_on_cuda", "ASSUMED_CAPABILITY"]
 
 _LOWER = ("_convolution", "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
           "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "cudnn_convolution",
@@ -97,7 +98,7 @@ ASSUMED_CAPABILITY = (9, 0)
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 _BANNED = ("torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast (CUDA's autocast "
            "refuses them): use torch.nn.functional.binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss")
-_registering = threading.Lock()
+_registering = threading.RLock()  # the rules are registered process-wide, one prediction at a time
 
 
 def _eligible(t: Any) -> bool:
@@ -178,6 +179,33 @@ def cuda_autocast_on_cpu() -> Iterator[list[str]]:
             lib._destroy()
 
 
+def _as_on_cuda(params: list[Any], differentiable: bool, use_fused: bool = False) -> tuple[bool, bool]:
+    """``torch.optim.optimizer._default_to_fused_or_foreach`` as it answers for real CUDA parameters."""
+    if torch.jit.is_scripting() or differentiable:
+        return False, False
+    fused = use_fused and all(p is None or torch.is_floating_point(p) for p in params)
+    return fused, not fused
+
+
+@contextlib.contextmanager
+def optimizers_as_on_cuda() -> Iterator[None]:
+    """Inside the block, torch.optim's optimizers left to their default implementation take CUDA's: ``foreach``,
+    whose steps make their intermediates for all parameters at once (AdamW's square roots of the second moments:
+    the size of the parameters), where fake tensors took the one-tensor-at-a-time loop (a fake or CPU parameter is
+    no type ``foreach`` supports). Process-wide, put back after."""
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("torch.optim.") and callable(getattr(m, "_default_to_fused_or_foreach", None))]
+    before = [(m, m._default_to_fused_or_foreach) for m in modules]
+    with _registering:
+        try:
+            for module, _ in before:
+                module._default_to_fused_or_foreach = _as_on_cuda
+            yield
+        finally:
+            for module, original in before:
+                module._default_to_fused_or_foreach = original
+
+
 @dataclasses.dataclass
 class CudaRules:
     """How a prediction for CUDA is made and read (:mod:`autotune.execution.predict`): where its fake tensors live,
@@ -190,24 +218,33 @@ class CudaRules:
     context_bytes: int = CUDA_CONTEXT_BYTES
     unknown_ops: list[str] = dataclasses.field(default_factory=list)
     attention: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # SDPA calls by kernel
+    described: tuple[bool, bool] = (False, False)  # the capability and the context given (--cuda-*), not assumed
 
     @classmethod
-    def for_this_machine(cls, device: torch.device | None = None) -> "CudaRules":
-        """Fake CUDA tensors where this machine has a GPU (``device``'s capability), else the CPU's with CUDA's
-        rules."""
-        if torch.cuda.is_available():
+    def for_this_machine(cls, device: torch.device | None = None, *, capability: tuple[int, int] | None = None,
+                         context_bytes: int | None = None) -> "CudaRules":
+        """Fake CUDA tensors where this machine has a GPU (``device``'s capability), else the CPU's with CUDA's rules;
+        the CPU's too for a GPU described by its ``capability`` (``--cuda-capability``). ``context_bytes``: the
+        CUDA context as measured on the card (``--cuda-context``), else assumed."""
+        context = CUDA_CONTEXT_BYTES if context_bytes is None else context_bytes
+        if torch.cuda.is_available() and capability is None:
             device = torch.device("cuda", torch.cuda.current_device() if device is None or device.index is None
                                   else device.index)
-            return cls(device, fake_cuda=True, capability=torch.cuda.get_device_capability(device))
-        return cls(torch.device("cpu"))
+            return cls(device, fake_cuda=True, capability=torch.cuda.get_device_capability(device),
+                       context_bytes=context)
+        return cls(torch.device("cpu"), capability=capability or ASSUMED_CAPABILITY, context_bytes=context,
+                   described=(capability is not None, context_bytes is not None))
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
-        """Inside: CUDA's autocast rules where the fake tensors are the CPU's; attention kernels watched."""
+        """Inside: torch.optim's default implementation CUDA's (:func:`optimizers_as_on_cuda`); where the fake tensors
+        are the CPU's, CUDA's autocast rules and attention kernels too."""
         if self.fake_cuda:
-            yield
+            with optimizers_as_on_cuda():
+                yield
             return
-        with cuda_autocast_on_cpu() as unknown, cuda_attention_on_cpu(self.capability) as calls:
+        with optimizers_as_on_cuda(), cuda_autocast_on_cpu() as unknown, \
+                cuda_attention_on_cpu(self.capability) as calls:
             self.unknown_ops = unknown
             yield
         self.attention.update(calls)
@@ -246,23 +283,32 @@ class CudaRules:
         """What the report's ``search.cuda`` records: where the predictions ran and what they assumed."""
         return {"predicted_on": "fake CUDA tensors" if self.fake_cuda else "fake CPU tensors, CUDA's autocast",
                 "compute_capability": f"{self.capability[0]}.{self.capability[1]}",
+                "compute_capability_source": "given" if self.described[0] or self.fake_cuda else "assumed",
+                "context_source": "given" if self.described[1] else "assumed",
                 "cublas_workspace_bytes": cublas_workspace_bytes(*self.capability), "cublas_workspaces": 2,
                 "context_bytes": self.context_bytes, "expandable_segments": self.allocator.expandable_segments,
                 "attention": dict(sorted(self.attention.items())),
                 "attention_order_assumed": None if self.fake_cuda else ORDER_ASSUMED,
                 "autocast_ops_unknown": list(self.unknown_ops)}
 
+    def _source(self, which: int) -> str:
+        """`` (assumed...)`` after a figure of the GPU the user did not give (``--cuda-capability``, ``--cuda-context``)."""
+        if self.described[which] or (which == 0 and self.fake_cuda):
+            return ""
+        return f" (assumed: {('--cuda-capability', '--cuda-context')[which]} says the card's)"
+
     def notices(self) -> tuple[str, ...]:
         """What the predictions assumed where CUDA differs from the CPU, one line each."""
         where = ("on fake CUDA tensors (this machine's GPU)" if self.fake_cuda else
-                 "on fake CPU tensors with CUDA's autocast op lists (this machine has no GPU)")
+                 "on fake CPU tensors with CUDA's autocast op lists" +
+                 (" (this machine has no GPU)" if not torch.cuda.is_available() else " (another GPU than this one)"))
         settings = "expandable segments" if self.allocator.expandable_segments else "default settings"
         said = [f"--device cuda --dry-run: each trial predicted {where}; reserved bytes from its allocation trace by a "
-                f"model of the caching allocator ({settings}), "
-                f"with 2 cuBLAS workspaces of a compute capability {self.capability[0]}.{self.capability[1]} GPU "
-                f"({format_bytes(cublas_workspace_bytes(*self.capability))} each); NVML's figure adds a CUDA context "
-                f"of {format_bytes(self.context_bytes)} (assumed); the budget holds the reserved prediction. "
-                f"benchmarks/gpu_check.py checks these against a GPU"]
+                f"model of the caching allocator ({settings}), with 2 cuBLAS workspaces of "
+                f"{format_bytes(cublas_workspace_bytes(*self.capability))} each, as on compute capability "
+                f"{self.capability[0]}.{self.capability[1]}{self._source(0)}; NVML's figure adds a CUDA context of "
+                f"{format_bytes(self.context_bytes)}{self._source(1)}; the optimizer's default is CUDA's (foreach); "
+                f"the budget holds the reserved prediction. benchmarks/gpu_check.py checks these against a GPU"]
         if self.attention and not self.fake_cuda:
             ran = ", ".join(f"{kernel} {n}" for kernel, n in sorted(self.attention.items()))
             said.append(f"attention predicted as CUDA's scaled_dot_product_attention would run it on compute capability "

@@ -70,6 +70,8 @@ class Searching:
     dry_run: bool
     parallel: str  # none, ddp, fsdp
     world_size: int | None  # a dry run's ranks (--world-size): the job it predicts one rank of
+    cuda_capability: tuple[int, int] | None = None  # --cuda-capability: the GPU a dry run plans for
+    cuda_context_bytes: int | None = None  # --cuda-context: its CUDA context, as NVML counts it
 
     @property
     def sharding_ranks(self) -> int | None:
@@ -111,7 +113,8 @@ class Target:
 def resolve(options: Options, job: "Job | None" = None) -> Target:
     """Stage 1: the device, the workload (with the data's worst batch of every size), budgets and precisions."""
     device = resolve_device(options.device, planned=options.dry_run)
-    backend = backend_for(job.device(device) if job else device, planned=options.dry_run)
+    backend = backend_for(job.device(device) if job else device, planned=options.dry_run,
+                          capability=options.cuda_capability)
     workload = Workload.from_specs(options.model, model_kwargs=options.model_kwargs, data=options.data, loss=options.loss,
                                    optimizer=options.optimizer, optimizer_kwargs=options.optimizer_kwargs,
                                    step=options.step)
@@ -153,7 +156,7 @@ def _searching(options: Options, device: torch.device) -> Searching:
         options.batch_sizes, options.segments, options.offload, options.compile, options.strategy, options.n_trials,
         batch_multiple(options.batch_multiple, device), options.exact_limit, options.static_compile,
         options.probe_settings if options.probe else None, options.target_batch_size, options.compare_library,
-        options.dry_run, options.parallel, options.world_size)
+        options.dry_run, options.parallel, options.world_size, options.cuda_capability, options.cuda_context)
 
 
 def _host_budget(given: int | None, local_ranks: int = 1) -> tuple[int | None, str]:
