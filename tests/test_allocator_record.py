@@ -204,6 +204,17 @@ def test_a_gap_of_1_mib_or_less_after_a_block_is_the_blocks_own():
     assert (model.allocated, model._live[a].size, len(model._pools[False].keys)) == (20 * MiB, 20 * MiB, 0)
 
 
+def test_a_record_no_allocator_could_have_made_stops_the_replay_where_it_stops_making_sense():
+    a = 1 << 32  # a block held at the end, and one freed during the trace that would lie inside it
+    record = _hand_made([[4 * MiB, 4 * MiB, "active_allocated"], [16 * MiB, 0, "inactive"]], [
+        ("free_requested", a + MiB, 4 * MiB, 0), ("free_completed", a + MiB, 4 * MiB, 0),
+        ("segment_alloc", a + 64 * MiB, 20 * MiB, 0), ("alloc", a + 64 * MiB, 3 * MiB, 0)])
+    result = replay_record(record)
+    assert result["first_difference"] == {"device": 0, "event": 0, "action": "free_requested",
+                                          "stopped": f"blocks at the start overlap at {a + MiB:#x}"}
+    assert result["recorded"]["segment_allocs"] == 1 and result["replayed"]["segment_allocs"] == 0
+
+
 def test_the_allocator_settings_of_a_record():
     record = {"segments": [], "device_traces": [], "allocator_settings": {
         "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,max_non_split_rounding_mb:64", "max_split_size": 128 * MiB,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from autotune.errors import UsageError
 from autotune.meters.caching_allocator import (_VA_PAGES, SMALL_BUFFER_BYTES, SMALL_SIZE_BYTES, AllocatorOutOfMemory,
                                                AllocatorSettings, CachingAllocator, MiB, _Block, round_size)
 from autotune.meters.record_start import Start, rebuild_start
@@ -67,6 +66,7 @@ class _Replayer(CachingAllocator):
         self.refusals = 0  # the driver refuses this many more requests
         self._next_address = _SYNTHETIC_BASE
         self._held = sorted(start.blocks)
+        self.inconsistent: str | None = None  # why the starting state is not one allocator's, where it is not
         for address, size, stream, small in start.segments:
             self._lay(address, address + size, [(address, size)], small, stream, None, start.blocks)
         for small, stream in sorted({(m[3], m[2]) for m in start.mapped}):
@@ -124,8 +124,8 @@ class _Replayer(CachingAllocator):
         previous = None
         for lo, hi, is_mapped, handed in pieces:
             if hi < lo:
-                raise ValueError(f"blocks overlap at {hi:#x}")
-            if hi > lo:
+                self.inconsistent = self.inconsistent or f"blocks at the start overlap at {hi:#x}"
+            elif hi > lo:
                 previous = self._piece(previous, _Block(lo, hi - lo, small, segment, is_mapped, stream),
                                        held[lo][1] if handed else None)
         self.segments += 1
@@ -183,30 +183,51 @@ class _DeviceReplay:
         self.lost: set[int] = set()  # allocations the model could not make (where the GPU could): freed by no one
 
     def run(self) -> dict:
-        """Replay every event; return what the record and the replay say."""
+        """Replay every event; return what the record and the replay say. Where the record stops making sense to
+        the model (a block freed that it does not hold), the replay stops there: the first difference says why."""
+        if self.model.inconsistent:
+            return self._stop(0, self.model.inconsistent)
         actions, n, i = self.actions, len(self.actions), 0
         while i < n:
-            j = i
-            while j < n and actions[j] in _UP + _DOWN:
-                j += 1
-            lead = next((k for k in range(i, j) if actions[k] not in _DOWN), j)  # segments given back come first
-            downs, ups = range(i, lead), range(lead, j)
-            oom = j < n and actions[j] == "oom"
-            refusals = 1 << 30 if oom else 1  # an oom: the driver refuses every request; a retry: the first
-            if downs and j < n and (ups and actions[j] == "alloc" or oom) and not self.model.serves(
-                    self.sizes[j], self.streams[j]):
-                self.failed += 1  # an allocation failed, gave the cache back and (unless oom) got a segment
-                self._step(j, range(i, j), refusals)
-            else:  # a cached block would have served it: what was given back went first, in empty_cache()
-                if downs:
-                    self.empty_caches += 1
-                    self._step(None, downs, 0)
-                if j < n:
-                    self.failed += oom
-                    self._step(j, ups, refusals if oom else 0)
-                elif ups:
-                    self._step(None, ups, 0)
-            i = j + 1
+            try:
+                i = self._run_step(i)
+            except (KeyError, ValueError) as exc:
+                return self._stop(i, f"{type(exc).__name__}: {exc}")
+        return self._result()
+
+    def _run_step(self, i: int) -> int:
+        """Replay the segment events from event ``i`` on and the event after them; return the next event's index."""
+        actions, n = self.actions, len(self.actions)
+        j = i
+        while j < n and actions[j] in _UP + _DOWN:
+            j += 1
+        lead = next((k for k in range(i, j) if actions[k] not in _DOWN), j)  # segments given back come first
+        downs, ups = range(i, lead), range(lead, j)
+        oom = j < n and actions[j] == "oom"
+        refusals = 1 << 30 if oom else 1  # an oom: the driver refuses every request; a retry: the first
+        if downs and j < n and (ups and actions[j] == "alloc" or oom) and not self.model.serves(
+                self.sizes[j], self.streams[j]):
+            self.failed += 1  # an allocation failed, gave the cache back and (unless oom) got a segment
+            self._step(j, range(i, j), refusals)
+        else:  # a cached block would have served it: what was given back went first, in empty_cache()
+            if downs:
+                self.empty_caches += 1
+                self._step(None, downs, 0)
+            if j < n:
+                self.failed += oom
+                self._step(j, ups, refusals if oom else 0)
+            elif ups:
+                self._step(None, ups, 0)
+        return j + 1
+
+    def _stop(self, k: int, why: str) -> dict:
+        """Stop replaying at event ``k`` for ``why``; the record's own figures are counted to its end."""
+        self.first_difference = self.first_difference or {
+            "device": self.device, "event": k, "action": self.actions[k] if k < len(self.actions) else None,
+            "stopped": why}
+        for action, nbytes in zip(self.actions[k:], self.sizes[k:]):
+            if action in _UP + _DOWN:
+                self.recorded.note(action, self.recorded.reserved + (nbytes if action in _UP else -nbytes))
         return self._result()
 
     def _step(self, k: int | None, recorded: range, refusals: int) -> None:
@@ -294,15 +315,12 @@ def replay_record(record: dict) -> dict:
     """Replay a record (:func:`~autotune.meters.memory_snapshot.load_record`) device by device; return what the
     record and the replay say: ``recorded`` and ``replayed`` (``segment_allocs``, ``segment_frees``, summed over
     devices; ``peak_reserved_bytes``, the largest device's), ``first_difference`` (the first event where they
-    differ, or ``None``) and each device's detail. Raises :class:`~autotune.errors.UsageError` for a record that
-    no allocator could have made (a block freed that was never handed out, blocks that overlap)."""
+    differ, or ``None``; with ``stopped``, why the replay stopped there: a record no allocator could have made)
+    and each device's detail."""
     settings, unmodelled = record_settings(record)
     devices = sorted({s["device"] for s in record["segments"]}
                      | {d for d, trace in enumerate(record["device_traces"]) if trace["action"]})
-    try:
-        results = [_DeviceReplay(record, device, settings).run() for device in devices]
-    except (KeyError, ValueError) as exc:
-        raise UsageError(f"the record does not replay: {type(exc).__name__}: {exc}") from None
+    results = [_DeviceReplay(record, device, settings).run() for device in devices]
     both = {side: {"segment_allocs": sum(r[side]["segment_allocs"] for r in results),
                    "segment_frees": sum(r[side]["segment_frees"] for r in results),
                    "peak_reserved_bytes": max([r[side]["peak_reserved_bytes"] for r in results], default=0)}
