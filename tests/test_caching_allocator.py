@@ -175,9 +175,49 @@ def test_expandable_segments_unmap_free_pages_before_the_retry():
     assert r.oom and (r.reserved_bytes, r.segments) == (0, 0)
 
 
+# -- streams: a stream's segments and free blocks are its own ------------------------------------------------
+
+
+def test_a_block_freed_on_one_stream_is_reused_only_there():
+    allocator = CachingAllocator()
+    allocator.malloc(1, 3 * MiB, stream=0)
+    allocator.free(1)  # a free 20 MiB segment of stream 0's
+    allocator.malloc(2, 3 * MiB, stream=7)  # stream 7 cannot take it: a segment of its own
+    assert (allocator.reserved, allocator.segments) == (40 * MiB, 2)
+    allocator.malloc(3, 3 * MiB, stream=0)  # stream 0 takes its own back
+    assert (allocator.reserved, allocator._live[3].address, allocator._live[3].stream) == (40 * MiB, 0, 0)
+
+
+def test_empty_cache_gives_back_every_streams_free_segments():
+    allocator = CachingAllocator()
+    for key, stream in ((1, 0), (2, 7), (3, 9)):
+        allocator.malloc(key, 12 * MiB, stream=stream)
+    allocator.free(1)
+    allocator.free(3)
+    allocator.release_cached()
+    assert (allocator.reserved, allocator.segments) == (12 * MiB, 1)
+
+
+def test_max_split_size_gives_back_an_oversize_block_of_the_requests_stream():
+    allocator = CachingAllocator(AllocatorSettings(max_split_bytes=40 * MiB), capacity_bytes=100 * MiB)
+    allocator.malloc(1, 50 * MiB, stream=7)
+    allocator.malloc(2, 45 * MiB, stream=0)  # a 46 MiB segment
+    allocator.free(1)
+    allocator.free(2)
+    allocator.malloc(3, 12 * MiB, stream=0)  # 96 + 12 > 100: stream 0's oversize 46 MiB goes, stream 7's 50 stays
+    assert (allocator.reserved, allocator.segments, allocator.retries) == (62 * MiB, 2, 0)
+
+
+def test_expandable_segments_are_one_per_stream():
+    allocator = CachingAllocator(EXPANDABLE)
+    allocator.malloc(1, 3 * MiB, stream=0)
+    allocator.malloc(2, 3 * MiB, stream=7)  # 17 MiB are free in stream 0's page, none of them stream 7's
+    assert (allocator.reserved, allocator.segments) == (40 * MiB, 2)
+
+
 def test_random_traces_keep_segments_whole_and_the_counts_true():
-    """Every segment is a chain of blocks end to end, free neighbours of one mapping always merged, reserved the
-    mapped bytes and allocated the live blocks', through frees, out-of-memory retries and empty_cache."""
+    """Every segment is a chain of blocks end to end of one stream's, free neighbours of one mapping always merged,
+    reserved the mapped bytes and allocated the live blocks', through frees, out-of-memory retries and empty_cache."""
     for seed, settings in enumerate((AllocatorSettings(), EXPANDABLE, AllocatorSettings(max_split_bytes=64 * MiB))):
         rnd = random.Random(seed)
         allocator, live = CachingAllocator(settings, capacity_bytes=300 * MiB), []
@@ -189,7 +229,7 @@ def test_random_traces_keep_segments_whole_and_the_counts_true():
             else:
                 try:
                     allocator.malloc(key, rnd.choice([rnd.randint(1, MiB), rnd.randint(MiB, 12 * MiB),
-                                                      rnd.randint(10 * MiB, 90 * MiB)]))
+                                                      rnd.randint(10 * MiB, 90 * MiB)]), stream=rnd.choice((0, 7)))
                     live.append(key)
                 except AllocatorOutOfMemory:
                     pass
@@ -205,6 +245,7 @@ def _check_segments(allocator):
         block, address = head, head.address
         while block is not None:
             assert block.address == address and (block.next is None or block.next.prev is block)
+            assert block.stream == head.stream
             assert block.next is None or block.allocated or block.next.allocated or block.mapped != block.next.mapped
             chained.add(block)
             mapped += block.size if block.mapped else 0

@@ -14,11 +14,14 @@ and later keep them and move the constants to ``c10/core/AllocatorConfig.h``), n
 ``release_cached_blocks``/``release_blocks``, and for expandable segments ``find_expandable_block``,
 ``try_allocate_expandable_block``, ``map_block`` and ``unmap_block``.
 
-Not modelled: streams (one stream's trace: a block freed on one stream is reused only there, ``record_stream``
-delays reuse), CUDA graphs' private pools, ``garbage_collection_threshold`` and ``roundup_power2_divisions`` (off
-by default), and a driver that runs out before the budget does: capacity is checked as under
-``set_per_process_memory_fraction``, on reserved bytes plus the segment asked for. Addresses are a model's: new
-segments follow each other, so among equal sizes the older segment is picked first. Torch-free.
+Streams are modelled the way torch keys its pools (``BlockComparatorSize``: stream, size, address): a segment is
+the stream's that asked for it, and a block freed on a stream is reused only there (``record_stream``'s delay is the
+caller's to replay: free a block when torch's trace says ``free_completed``). Not modelled: CUDA graphs' private pools,
+``garbage_collection_threshold`` and ``roundup_power2_divisions`` (off by default), and a driver that runs out
+before the budget does: capacity is checked as under ``set_per_process_memory_fraction``, on reserved bytes plus
+the segment asked for (a subclass may refuse more, and place segments: :mod:`autotune.meters.allocator_record`
+replays the driver's answers from a GPU's record). Addresses are a model's: new segments follow each other, so
+among equal sizes the older segment is picked first. Torch-free.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import dataclasses
 from typing import Iterable
 
 from autotune.errors import AutotuneError
+from autotune.meters.cuda_overheads import CUDA_CONTEXT_BYTES, cublas_workspace_bytes, nvml_bytes, workspace_trace
 
 __all__ = ["AllocatorSettings", "Replay", "CachingAllocator", "AllocatorOutOfMemory", "replay", "round_size",
            "segment_size", "cublas_workspace_bytes", "workspace_trace", "nvml_bytes", "CUDA_CONTEXT_BYTES"]
@@ -40,10 +44,6 @@ LARGE_BUFFER_BYTES = 20 * MiB  # kLargeBuffer (large_segment_size_mb in torch 2.
 MIN_LARGE_ALLOC_BYTES = 10 * MiB  # kMinLargeAlloc: from here on a request gets a segment of its own size...
 ROUND_LARGE_BYTES = 2 * MiB  # kRoundLarge: ...rounded up to 2 MiB
 _VA_PAGES = 1 << 20  # an expandable segment's address space, in pages (torch reserves 1.125 x the device's memory)
-
-# An assumption, not a measurement: the CUDA context (driver state, the kernels lazy loading has loaded) takes about
-# 300-600 MiB per process on recent GPUs; measure it where it matters (NVML's device-used before any tensor).
-CUDA_CONTEXT_BYTES = 512 * MiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +99,15 @@ def segment_size(size: int, *, large_segment_bytes: int = LARGE_BUFFER_BYTES) ->
 
 class _Block:
     """A piece of a segment, free or handed out; ``prev`` and ``next`` are its neighbours in the segment.
-    ``segment`` is an expandable segment's (base address, page size), ``None`` for a cudaMalloc'd one."""
+    ``segment`` is an expandable segment's (base address, page size), ``None`` for a cudaMalloc'd one; ``stream``
+    is the segment's, the stream that asked for it."""
 
-    __slots__ = ("address", "size", "small", "segment", "mapped", "allocated", "requested", "prev", "next")
+    __slots__ = ("address", "size", "small", "segment", "mapped", "stream", "allocated", "requested", "prev", "next")
 
     def __init__(self, address: int, size: int, small: bool, segment: tuple[int, int] | None,
-                 mapped: bool = True) -> None:
+                 mapped: bool = True, stream: int = 0) -> None:
         self.address, self.size, self.small, self.segment, self.mapped = address, size, small, segment, mapped
+        self.stream = stream
         self.allocated, self.requested = False, 0
         self.prev: _Block | None = None
         self.next: _Block | None = None
@@ -116,29 +118,31 @@ class _Block:
 
 
 class _Pool:
-    """One pool's free, mapped blocks, in the order best fit searches them: by size, then address."""
+    """One pool's free, mapped blocks, in the order best fit searches them: by stream, size, then address."""
 
     def __init__(self) -> None:
-        self.keys: list[tuple[int, int]] = []
+        self.keys: list[tuple[int, int, int]] = []
         self.blocks: dict[int, _Block] = {}
 
     def add(self, block: _Block) -> None:
-        bisect.insort(self.keys, (block.size, block.address))
+        bisect.insort(self.keys, (block.stream, block.size, block.address))
         self.blocks[block.address] = block
 
     def remove(self, block: _Block) -> None:
-        del self.keys[bisect.bisect_left(self.keys, (block.size, block.address))], self.blocks[block.address]
+        del self.keys[bisect.bisect_left(self.keys, (block.stream, block.size, block.address))]
+        del self.blocks[block.address]
 
-    def fit(self, size: int) -> int:
-        """The index of the smallest block of at least ``size`` bytes (``len(keys)`` where none is)."""
-        return bisect.bisect_left(self.keys, (size, -1))
+    def fit(self, size: int, stream: int) -> int:
+        """The index of the smallest block of at least ``size`` bytes on ``stream`` (``len(keys)`` where none is)."""
+        index = bisect.bisect_left(self.keys, (stream, size, -1))
+        return index if index < len(self.keys) and self.keys[index][0] == stream else len(self.keys)
 
     def at(self, index: int) -> _Block:
-        return self.blocks[self.keys[index][1]]
+        return self.blocks[self.keys[index][2]]
 
 
 class CachingAllocator:
-    """One device's caching allocator on one stream: :meth:`malloc` and :meth:`free` by key, and its statistics.
+    """One device's caching allocator: :meth:`malloc` (on a stream) and :meth:`free` by key, and its statistics.
 
     ``capacity_bytes`` is what reserved memory may reach (``set_per_process_memory_fraction``'s fraction of the
     device; ``None``: no limit). An allocation that would pass it gives the cache back and tries again, as torch's
@@ -155,19 +159,20 @@ class CachingAllocator:
         self.allocated = self.reserved = self.requested = self.segments = self.retries = 0
         self.peak_allocated = self.peak_reserved = self.peak_requested = self.peak_segments = 0
 
-    def malloc(self, key: int, nbytes: int) -> None:
-        """Allocate ``nbytes`` under ``key`` (``malloc``): a cached block if one fits, else a new segment."""
+    def malloc(self, key: int, nbytes: int, *, stream: int = 0) -> None:
+        """Allocate ``nbytes`` under ``key`` on ``stream`` (``malloc``): a cached block of the stream's if one fits,
+        else a new segment."""
         if nbytes == 0:
             self._empty.add(key)
             return
         size = round_size(nbytes)
         small = size <= SMALL_SIZE_BYTES  # get_pool
         asked = segment_size(size, large_segment_bytes=self.settings.large_segment_bytes)
-        block = self._cached_block(size, small)
+        block = self._cached_block(size, small, stream)
         if block is None:
-            block = (self._new_block(size, asked, small)
-                     or (self._release_available(size, small) and self._new_block(size, asked, small))
-                     or self._retry(size, asked, small))
+            block = (self._new_block(size, asked, small, stream)
+                     or (self._release_available(size, small, stream) and self._new_block(size, asked, small, stream))
+                     or self._retry(size, asked, small, stream))
         if not block:
             raise AllocatorOutOfMemory(asked, self.reserved)
         block = self._hand_out(block, size)
@@ -194,7 +199,7 @@ class CachingAllocator:
     def release_cached(self) -> None:
         """Give every wholly free segment back to the driver, large pool first (``release_cached_blocks``: what
         ``torch.cuda.empty_cache()`` does, and a failed allocation before its last try); expandable segments unmap
-        their free whole pages."""
+        their free whole pages; stream by stream, smallest first, as torch's pools are ordered."""
         for small in (False, True):
             pool = self._pools[small]
             unmap = []
@@ -216,15 +221,16 @@ class CachingAllocator:
                       reserved_bytes=self.reserved, segments=self.segments, peak_segments=self.peak_segments,
                       retries=self.retries, oom_request_bytes=oom_request_bytes)
 
-    def _cached_block(self, size: int, small: bool) -> _Block | None:
-        """The best-fitting free block of the pool, taken out of it (``get_free_block``), or ``None``."""
+    def _cached_block(self, size: int, small: bool, stream: int) -> _Block | None:
+        """The best-fitting free block of the pool on ``stream``, taken out of it (``get_free_block``), or ``None``."""
         pool = self._pools[small]
-        index = pool.fit(size)
+        index = pool.fit(size, stream)
         if index == len(pool.keys):
             return None
         block = pool.at(index)
         if self.settings.expandable_segments:  # sized by what it could grow to: one that ends at unmapped pages waits
-            while index + 1 < len(pool.keys) and pool.at(index + 1).growable_size < block.growable_size:
+            while (index + 1 < len(pool.keys) and pool.keys[index + 1][0] == stream
+                   and pool.at(index + 1).growable_size < block.growable_size):
                 index += 1
                 block = pool.at(index)
         cut = self.settings.max_split_bytes
@@ -248,40 +254,41 @@ class CachingAllocator:
         block.allocated = True  # unsplit, the whole block counts as allocated
         return block
 
-    def _new_block(self, size: int, asked: int, small: bool) -> _Block | None:
-        """A new segment of ``asked`` bytes (``alloc_block``), or ``None`` where it would pass the capacity.
-        Expandable segments check the same figure and then map only the pages ``size`` needs."""
-        if self.capacity_bytes is not None and self.reserved + asked > self.capacity_bytes:
+    def _new_block(self, size: int, asked: int, small: bool, stream: int) -> _Block | None:
+        """A new segment of ``asked`` bytes (``alloc_block``), or ``None`` where it would pass the capacity or the
+        driver refuses it. Expandable segments check the same figure and then map only the pages ``size`` needs."""
+        if self.capacity_bytes is not None and self.reserved + asked > self.capacity_bytes or self._refused(asked):
             return None
         if self.settings.expandable_segments:
-            return self._expand(size, small)
-        block = _Block(self._address(asked), asked, small, None)
+            return self._expand(size, small, stream)
+        block = _Block(self._address(asked, small, stream, expandable=False), asked, small, None, stream=stream)
         self._reserve(asked)
         self.segments += 1
         self.peak_segments = max(self.peak_segments, self.segments)
+        self._traced("segment_alloc", block.address, asked, stream)
         return block
 
-    def _retry(self, size: int, asked: int, small: bool) -> _Block | None:
+    def _retry(self, size: int, asked: int, small: bool, stream: int) -> _Block | None:
         """Give the cache back and try once more (``release_cached_blocks`` then ``alloc_block(isRetry)``)."""
         self.release_cached()
         self.retries += 1
-        return self._new_block(size, asked, small)
+        return self._new_block(size, asked, small, stream)
 
-    def _release_available(self, size: int, small: bool) -> bool:
-        """With a ``max_split_size``: free the smallest oversize cached block that covers the request, else the
-        largest oversize ones until they do (``release_available_cached_blocks``); without one, nothing."""
+    def _release_available(self, size: int, small: bool, stream: int) -> bool:
+        """With a ``max_split_size``: free the stream's smallest oversize cached block that covers the request, else
+        its largest oversize ones until they do (``release_available_cached_blocks``); without one, nothing."""
         cut = self.settings.max_split_bytes
         if cut is None or self.settings.expandable_segments:
             return False
         pool = self._pools[small]
         wanted = max(size, cut)
-        index = pool.fit(wanted)
-        if index < len(pool.keys):
+        index = bisect.bisect_left(pool.keys, (stream, wanted, -1))
+        if index < len(pool.keys) and pool.keys[index][0] == stream:
             self._release_segment(pool.at(index))
             return True
         released = 0
-        for block_size, address in reversed(list(pool.keys)):
-            if released >= wanted or block_size < cut:
+        for block_stream, block_size, address in reversed(pool.keys[:index]):
+            if released >= wanted or block_size < cut or block_stream != stream:
                 break
             released += block_size
             self._release_segment(pool.blocks[address])
@@ -292,18 +299,30 @@ class CachingAllocator:
         self._pools[block.small].remove(block)
         self.reserved -= block.size
         self.segments -= 1
+        self._traced("segment_free", block.address, block.size, block.stream)
 
     def _reserve(self, nbytes: int) -> None:
         self.reserved += nbytes
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
-    def _address(self, nbytes: int) -> int:
+    # What the driver answers; a replay of a GPU's record overrides these three (autotune.meters.allocator_record).
+    def _address(self, nbytes: int, small: bool, stream: int, *, expandable: bool) -> int:
+        """The address of a new segment (``cudaMalloc``) or expandable segment's address space: the model's next."""
         self._next_address += nbytes
         return self._next_address - nbytes
 
+    def _refused(self, nbytes: int) -> bool:
+        """Whether the driver refuses a segment of ``nbytes`` (a failed ``cudaMalloc``); the model's never does."""
+        return False
+
+    def _traced(self, action: str, address: int, nbytes: int, stream: int) -> None:
+        """Note a segment event of ``stream``'s, named as torch's trace names it (``segment_alloc``,
+        ``segment_free``, ``segment_map``, ``segment_unmap``), after the reserved bytes changed; the model keeps no
+        trace."""
+
     def _split_front(self, block: _Block, size: int) -> _Block:
         """Cut the first ``size`` bytes of ``block`` (in no pool) off as a block of their own, and return it."""
-        front = _Block(block.address, size, block.small, block.segment, block.mapped)
+        front = _Block(block.address, size, block.small, block.segment, block.mapped, block.stream)
         front.prev, front.next = block.prev, block
         if block.prev is not None:
             block.prev.next = front
@@ -329,10 +348,10 @@ class CachingAllocator:
                 block.next.prev = block
         block.size += other.size
 
-    def _expand(self, size: int, small: bool) -> _Block:
+    def _expand(self, size: int, small: bool, stream: int) -> _Block:
         """A free block of at least ``size`` bytes made by mapping pages at the lowest address where there is room
         (``try_allocate_expandable_block``), taken out of its pool."""
-        block = self._room(size, small)
+        block = self._room(size, small, stream)
         if not block.mapped:
             block = self._map(block, min(block.size, size))
         while block.size < size:
@@ -340,10 +359,11 @@ class CachingAllocator:
         self._pools[small].remove(block)
         return block
 
-    def _room(self, size: int, small: bool) -> _Block:
-        """The lowest block from which free and unmapped blocks in a row hold ``size`` bytes; a new expandable
-        segment where none does (``find_expandable_block``): 2 MiB pages for the small pool, 20 MiB for the large."""
-        for address in sorted(self._unmapped[small]):
+    def _room(self, size: int, small: bool, stream: int) -> _Block:
+        """The lowest block of the stream's from which free and unmapped blocks in a row hold ``size`` bytes; a new
+        expandable segment where none does (``find_expandable_block``): 2 MiB pages for the small pool, 20 MiB for
+        the large."""
+        for address in sorted(a for a, b in self._unmapped[small].items() if b.stream == stream):
             block = self._unmapped[small][address]
             if block.prev is not None and not block.prev.allocated:
                 block = block.prev
@@ -353,8 +373,8 @@ class CachingAllocator:
             if room >= size:
                 return block
         page = SMALL_BUFFER_BYTES if small else self.settings.large_segment_bytes
-        base = self._address(page * _VA_PAGES)
-        block = _Block(base, page * _VA_PAGES, small, (base, page), mapped=False)
+        base = self._address(page * _VA_PAGES, small, stream, expandable=True)
+        block = _Block(base, page * _VA_PAGES, small, (base, page), mapped=False, stream=stream)
         self._unmapped[small][block.address] = block
         self.segments += 1
         self.peak_segments = max(self.peak_segments, self.segments)
@@ -369,10 +389,12 @@ class CachingAllocator:
             rest, block = block, self._split_front(block, mapped)
             self._unmapped[rest.small][rest.address] = rest
         block.mapped = True
+        address = block.address
         self._merge(block, block.prev)
         self._merge(block, block.next)
         self._pools[block.small].add(block)
         self._reserve(mapped)
+        self._traced("segment_map", address, mapped, block.stream)
         return block
 
     def _unmap(self, block: _Block) -> _Block | None:
@@ -396,6 +418,7 @@ class CachingAllocator:
         self._merge(block, block.next)
         self._unmapped[block.small][block.address] = block
         self.reserved -= end - begin
+        self._traced("segment_unmap", begin, end - begin, block.stream)
         return block
 
 
@@ -418,30 +441,3 @@ def replay(trace: Iterable[tuple[int, int]], *, settings: AllocatorSettings = Al
     except AllocatorOutOfMemory as exc:
         return allocator.summary(oom_request_bytes=exc.request_bytes)
     return allocator.summary()
-
-
-def cublas_workspace_bytes(major: int, minor: int = 0) -> int:
-    """Return torch's default cuBLAS workspace, in bytes, for a GPU of compute capability ``major.minor``.
-
-    ``parseChosenWorkspaceSize`` (aten/src/ATen/cuda/CublasHandlePool.cpp) with ``CUBLAS_WORKSPACE_CONFIG`` unset:
-    ``:4096:8`` (32 MiB) on Hopper and Blackwell (major 9, 10, 12; torch before 2.7 or so: 9.0 only), else
-    ``:4096:2:16:8`` (8 MiB + 128 KiB). torch allocates it through the caching allocator (``getNewWorkspace``), one
-    per cuBLAS handle and stream, so it counts in allocated and reserved, not only in NVML's figure.
-    """
-    del minor  # every minor version of those majors
-    return 4096 * 1024 * 8 if major in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
-
-
-def workspace_trace(workspace_bytes: int, *, threads: int = 2) -> list[tuple[int, int]]:
-    """Return allocation events for cuBLAS workspaces, to put before a trace (keys -1, -2, ...: a tensor meter's
-    are positive). An assumption about where matmuls run: a training step's thread and autograd's CUDA device
-    thread (backward) each hold a cuBLAS handle, so ``threads=2``; inference, 1. They are held until the process
-    ends."""
-    return [(workspace_bytes, -1 - i) for i in range(threads)]
-
-
-def nvml_bytes(reserved_bytes: int, *, context_bytes: int = CUDA_CONTEXT_BYTES, other_bytes: int = 0) -> int:
-    """Return the device memory NVML reports as used, in bytes: what the caching allocator reserved, the CUDA
-    context (``context_bytes``: :data:`CUDA_CONTEXT_BYTES` is an assumption, measure it where it matters) and
-    ``other_bytes`` (other processes; memory libraries take outside the allocator, such as NCCL's buffers)."""
-    return reserved_bytes + context_bytes + other_bytes
