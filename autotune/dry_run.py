@@ -73,7 +73,7 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
               "memory_meter": meter if not measured else
               "tensor (measured on the CPU: the model cannot run under fake tensors)"}
     if ranks is not None:  # the report's distributed, not its search (with_dry_run)
-        search["distributed"] = ranks.describe()
+        search["distributed"] = ranks.describe(target.precisions)
     if cuda is not None:
         search["cuda"] = cuda.describe()
     return result, search, (DRY_RUN_NOTICE, *_rank_notice(ranks), *(cuda.notices() if cuda else ()),

@@ -20,7 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from autotune.errors import UsageError
-from autotune.vocabulary import EAGER, GROWTH_INTERVAL, INIT_LOSS_SCALE, Plan, compile_mode, is_static
+from autotune.vocabulary import EAGER, GROWTH_INTERVAL, INIT_LOSS_SCALE, PRECISIONS, Plan, compile_mode, is_static
 
 if TYPE_CHECKING:
     from autotune.report import Report
@@ -29,8 +29,12 @@ __all__ = ["FRAMEWORKS", "export", "write_exports", "parse_frameworks", "lightni
 
 FRAMEWORKS = ("hf", "lightning", "deepspeed", "accelerate")
 
-LIGHTNING_PRECISION = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
-ACCELERATE_PRECISION = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
+# bf16-fsdp does not autocast: the Trainer's and the Accelerator's own setting is fp32's, and FSDP2's policy is the
+# strategy's or the plugin's (the notes say how to pass it)
+LIGHTNING_PRECISION = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-fsdp": "32-true"}
+ACCELERATE_PRECISION = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "bf16-fsdp": "no"}
+# FSDP2's MixedPrecisionPolicy of bf16-fsdp, as Python writes it (FullyShardedDataParallelPlugin takes it as an object)
+MP_POLICY = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
 NAMES = {"hf": "Hugging Face", "lightning": "Lightning", "deepspeed": "DeepSpeed", "accelerate": "accelerate"}
 # The switches TrainingArguments(gradient_checkpointing=True) calls; "unknown": a report from before the tuner looked.
 HF_SWITCHES = ("activation_checkpointing_enable", "gradient_checkpointing_enable", "unknown")
@@ -59,6 +63,11 @@ class _Context:
         """The call that compiles the model as measured (after the plan is applied: autotune.apply's model)."""
         mode = compile_mode(self.compile)  # a static measurement too: see STATIC_NOTE
         return "model = torch.compile(model" + ("" if mode == "default" else f", mode={mode!r}") + ")"
+
+    @property
+    def fsdp_mixed(self) -> bool:
+        """Whether the precision is FSDP2's MixedPrecisionPolicy (bf16-fsdp), not autocast."""
+        return PRECISIONS[self.precision].fsdp_only
 
     @property
     def block_types(self) -> list[str]:
@@ -163,7 +172,7 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
     args: dict[str, Any] = {
         "per_device_train_batch_size": ctx.micro,
         "gradient_accumulation_steps": ctx.steps,
-        "bf16": ctx.precision == "bf16",
+        "bf16": ctx.precision in ("bf16", "bf16-fsdp"),  # bf16-fsdp: the nearest (its note)
         "fp16": ctx.precision == "fp16",
         "gradient_checkpointing": ctx.recomputes and ctx.library in HF_SWITCHES and not ctx.offloads,
     }
@@ -192,8 +201,17 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
                      "old names, which v6 removes")
     if ctx.clip is not None:
         args["max_grad_norm"] = ctx.clip
-    if ctx.device_type == "cpu" and ctx.precision == "bf16":
+    if ctx.device_type == "cpu" and ctx.precision in ("bf16", "bf16-fsdp"):
         notes.append("without a GPU, TrainingArguments refuses bf16=True unless use_cpu=True is passed too")
+    if ctx.fsdp_mixed:
+        notes.append(f"measured {ctx.precision}: FSDP2's {MP_POLICY}, without autocast. TrainingArguments has no "
+                     f"setting for it: bf16=True (set) makes accelerate's FSDP2 gather the parameters in bf16 as "
+                     f"measured, but reduce the gradients in bf16 and autocast too. To train as measured, set "
+                     f"bf16=False and, once the Trainer is made and before train(), "
+                     f"trainer.accelerator.state.fsdp_plugin.mixed_precision_policy = {MP_POLICY}")
+    elif ctx.wrapper == "fsdp" and ctx.precision != "fp32":
+        notes.append(f"measured {ctx.precision}: autocast over FSDP2's fp32 parameters; with {ctx.precision}=True "
+                     f"accelerate's FSDP2 also gathers the parameters and reduces the gradients in {ctx.precision}")
     if ctx.wrapper == "fsdp":  # FSDP2 on each block (transformers' auto-wrap by layer class) and the root
         args["fsdp"] = "full_shard auto_wrap" + (" offload" if ctx.plan.state else "")
         args["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
@@ -221,17 +239,38 @@ def _lightning(ctx: _Context, notes: list[str]) -> dict[str, Any]:
             f"nearest equivalent pass FSDPStrategy(auto_wrap_policy={{{', '.join(ctx.block_types) or 'BlockClass'}}}, "
             f"sharding_strategy='FULL_SHARD'" + (", cpu_offload=True" if ctx.plan.state else "") + "); for the "
             f"wrapper measured, ModelParallelStrategy with fully_shard called in the LightningModule's configure_model"
-            + (" with offload_policy=CPUOffloadPolicy()" if ctx.plan.state else ""))
+            + (" with offload_policy=CPUOffloadPolicy()" if ctx.plan.state else "")
+            + (f" and mp_policy={MP_POLICY}" if ctx.fsdp_mixed else ""))
+        notes.append(_lightning_fsdp_precision(ctx))
     return {"trainer": trainer, "batch_size": ctx.micro}
+
+
+def _lightning_fsdp_precision(ctx: _Context) -> str:
+    """What Lightning's FSDP precision does against what was measured under FSDP2 (Lightning 2.6: FSDPPrecision)."""
+    if ctx.fsdp_mixed:
+        return (f"measured {ctx.precision}: FSDP2's {MP_POLICY} without autocast. No Trainer precision says it (under "
+                f"FSDPStrategy 'bf16-mixed' gathers, reduces and keeps buffers in bf16 and autocasts as well; "
+                f"'bf16-true' also makes the weights bf16): precision is '32-true', and the policy is the strategy's, "
+                f"FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) "
+                f"with FSDP1, or the mp_policy above with ModelParallelStrategy")
+    if ctx.precision == "fp32":
+        return "precision '32-true' under FSDPStrategy gathers, reduces and computes in fp32, as measured"
+    return (f"measured {ctx.precision}: autocast over FSDP2's fp32 parameters. Under FSDPStrategy "
+            f"'{LIGHTNING_PRECISION[ctx.precision]}' autocasts and also casts the gathered parameters, the gradients' "
+            f"reduction and the buffers to 16 bits (FSDP1's MixedPrecision); to keep them in fp32 as measured pass "
+            f"FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32, "
+            f"buffer_dtype=torch.float32))")
 
 
 def _deepspeed(ctx: _Context, notes: list[str]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": ctx.micro,
         "gradient_accumulation_steps": ctx.steps,
-        "bf16": {"enabled": ctx.precision == "bf16"},
+        "bf16": {"enabled": ctx.precision in ("bf16", "bf16-fsdp")},
         "fp16": {"enabled": ctx.precision == "fp16"},
     }
+    if ctx.fsdp_mixed:
+        config["communication_data_type"] = "fp32"  # the gradients reduced in fp32, as FSDP2's reduce_dtype did
     if ctx.precision == "fp16":
         # Dynamic loss scaling as autotune's GradScaler does it: start at 2**16, halve on every overflow
         # (hysteresis 1), double after growth_interval clean steps. DeepSpeed's factors are fixed at 2 and 1/2,
@@ -240,7 +279,12 @@ def _deepspeed(ctx: _Context, notes: list[str]) -> dict[str, Any]:
                               loss_scale_window=GROWTH_INTERVAL, hysteresis=1, min_loss_scale=1)
     if ctx.clip is not None:
         config["gradient_clipping"] = ctx.clip
-    if ctx.precision != "fp32":
+    if ctx.fsdp_mixed:
+        notes.append(
+            f"measured {ctx.precision}: FSDP2's {MP_POLICY} without autocast. DeepSpeed's bf16 section computes with "
+            f"bf16 weights over fp32 master weights in the optimizer, and communication_data_type fp32 reduces the "
+            f"gradients in fp32: the same arithmetic, with DeepSpeed's own buffers (its memory differs)")
+    elif ctx.precision != "fp32":
         notes.append(
             f"DeepSpeed's {ctx.precision} section casts the model's weights to 16 bits (fp32 master weights in the "
             f"optimizer) instead of autocasting an fp32 model as the trials did, so memory and speed differ from the "
@@ -279,10 +323,27 @@ def _accelerate(ctx: _Context, notes: list[str]) -> dict[str, Any]:
                                   "transformer_cls_names_to_wrap": ctx.block_types} if ctx.block_types else {})}
         notes.append("pass Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(**fsdp_plugin), ...) and launch "
                      f"with accelerate launch --num_processes {ctx.world_size} (or torchrun)")
+        _accelerate_fsdp_precision(ctx, out, notes)
     elif ctx.wrapper == "ddp":
         notes.append(f"accelerate wraps the model in DistributedDataParallel when launched on {ctx.world_size} "
                      f"processes (accelerate launch --num_processes {ctx.world_size}, or torchrun): as measured")
     return out
+
+
+def _accelerate_fsdp_precision(ctx: _Context, out: dict[str, Any], notes: list[str]) -> None:
+    """The FSDP2 policy as measured (accelerate 1.16: an Accelerator's own mixed_precision gives the plugin a policy
+    that casts parameters and reduction to it, unless the plugin already has one)."""
+    if ctx.fsdp_mixed:  # a dtype is no JSON: the policy by name, for the plugin as an object
+        out["mixed_precision_policy"] = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+        notes.append(f"measured {ctx.precision}: FSDP2's {MP_POLICY} without autocast, so mixed_precision is 'no' and "
+                     f"the policy is the plugin's: FullyShardedDataParallelPlugin(**fsdp_plugin, "
+                     f"mixed_precision_policy={MP_POLICY}) (mixed_precision_policy above, by name). mixed_precision="
+                     f"'bf16' instead would reduce the gradients in bf16 and autocast as well")
+    elif ctx.precision != "fp32":  # autocast over fp32 FSDP2, as measured: the plugin's policy fp32, set before
+        out["fsdp_plugin"]["mixed_precision_policy"] = "fp32"
+        notes.append(f"the plugin's mixed_precision_policy 'fp32' keeps FSDP2's gathered parameters and reduction in "
+                     f"fp32 under the Accelerator's {ctx.precision} autocast, as measured; without it accelerate would "
+                     f"cast both to {ctx.precision}")
 
 
 _BUILDERS: dict[str, Callable[[_Context, list[str]], dict[str, Any]]] = {
@@ -328,7 +389,7 @@ def _common_notes(ctx: _Context, report: Report, framework: str) -> list[str]:
                      f"({ctx.micro * ctx.world_size} per micro-step) under {ctx.wrapper.upper()}, with "
                      f"{ctx.steps} accumulation step(s); the peak holds on every rank")
     if ctx.device_type == "cpu" and ctx.precision != "fp32":
-        notes.append(f"the trials ran on a CPU: the {ctx.precision} setting asks for the same autocast mode on the "
-                     f"device you train on (a GPU), where peak memory and speed differ; run autotune there to "
-                     f"measure them")
+        notes.append(f"the trials ran on a CPU: the {ctx.precision} setting asks for the same "
+                     f"{'mixed precision' if ctx.fsdp_mixed else 'autocast mode'} on the device you train on (a GPU), "
+                     f"where peak memory and speed differ; run autotune there to measure them")
     return notes

@@ -14,7 +14,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from autotune.errors import UsageError
-from autotune.vocabulary import HEADROOM, Offload, parse_compile, parse_offload, parse_plans
+from autotune.vocabulary import FSDP_ONLY, HEADROOM, PRECISIONS, Offload, parse_compile, parse_offload, parse_plans
 from autotune.records import Budget, GuardRails, ProbeSettings, TrialSettings
 from autotune.search.space import parse_batch_sizes, parse_precisions
 from autotune.search.strategies import make_strategy
@@ -92,7 +92,9 @@ class Options:
         "the largest)", group=SPACE, metavar="SIZE,SIZE")
     headroom: float = option(HEADROOM, "share of the budget the recommendation leaves free", group=SPACE, type=float)
     precisions: str | Sequence[str] | None = option(
-        None, "comma-separated fp32,fp16,bf16", group=SPACE, default_text="auto: the modes the device runs well")
+        None, "comma-separated fp32,fp16,bf16 (autocast); bf16-fsdp under --parallel fsdp: FSDP2's "
+        "MixedPrecisionPolicy, bf16 parameters gathered and computed with, fp32 gradient reduction", group=SPACE,
+        default_text="auto: the modes the device runs well (autocast)")
     segments: str | Sequence[Any] | None = option(
         "auto", "checkpoint plans, e.g. 0,2,every2,all,sac-linear: 0 is off, N recomputes the blocks of the first N-1 "
         "of N segments, everyN every N-th block, all every block, sac-* per operation; auto: a spread from 0 to all",
@@ -224,6 +226,7 @@ class Options:
             object.__setattr__(self, name, value)
         _check_state_offload(self)
         self._check_planned_gpu()
+        _check_fsdp_precision(self)
         if self.dry_run and any(mode != "none" for mode in self.compile):
             raise UsageError("--dry-run predicts eager training under fake tensors; what inductor's kernels hold is "
                              "known only by running them: drop --compile from the dry run, or search without --dry-run")
@@ -338,6 +341,23 @@ def _check_state_offload(options: "Options") -> None:
         raise UsageError(f"--offload state (and plans +state) keep the training state in host memory with FSDP2's "
                          f"CPUOffloadPolicy: run under torchrun with --parallel fsdp (one rank is enough: torchrun "
                          f"--nproc-per-node 1), not --parallel {options.parallel}")
+
+
+def _check_fsdp_precision(options: "Options") -> None:
+    """``bf16-fsdp`` is FSDP2's ``MixedPrecisionPolicy``: it needs ``--parallel fsdp``, and it has no autocast for
+    ``--fp32-modules`` to step out of."""
+    asked = [p for p in options.precisions or () if p in FSDP_ONLY]
+    if not asked:
+        return
+    policy = PRECISIONS[asked[0]].policy
+    if options.parallel != "fsdp":
+        raise UsageError(f"--precisions {asked[0]} is FSDP2's {policy}: it trains under --parallel fsdp (torchrun "
+                         f"--nproc-per-node N ... --parallel fsdp, or --dry-run --parallel fsdp --world-size N), not "
+                         f"--parallel {options.parallel}; search bf16 (autocast) without it")
+    if options.fp32_modules:
+        raise UsageError(f"--fp32-modules keeps modules outside autocast, and {asked[0]} does not autocast (FSDP2 "
+                         f"gathers every parameter in {PRECISIONS[asked[0]].param_dtype}): search bf16 for "
+                         f"--fp32-modules {','.join(options.fp32_modules)}, or drop it")
 
 
 def _budgets(value: str | Sequence[str | int] | None) -> tuple[int, ...]:

@@ -247,7 +247,8 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
         target_batch_size=searching.target_batch_size,
         budgets=tuple(sorted(target.budget.extra)),
         distributed=None if target.job is None else {
-            **target.job.describe(), "isolation": "each rank's trial in its own process (--isolation none)",
+            **target.job.describe(target.precisions),
+            "isolation": "each rank's trial in its own process (--isolation none)",
             "batch_size": "per rank (micro-batch); samples/s count every rank's"},
     )
 

@@ -121,6 +121,14 @@ BAD_INPUT = [
     (["--model", "autotune.examples:TinyGPT", "--segments", "0,half"], "unknown checkpoint plan"),
     (["--model", "autotune.examples:TinyGPT", "--segments", "every13"], "at most 12"),
     (["--model", "autotune.examples:TinyGPT", "--precisions", "fp8"], "unknown precision"),
+    # FSDP2's MixedPrecisionPolicy is the wrapper's: without --parallel fsdp (here none) there is none to set it on
+    (["--model", "autotune.examples:TinyGPT", "--precisions", "bf16,bf16-fsdp"],
+     "--precisions bf16-fsdp is FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): it trains "
+     "under --parallel fsdp"),
+    (["--model", "autotune.examples:TinyGPT", "--precisions", "bf16-fsdp", "--dry-run", "--parallel", "ddp",
+      "--world-size", "2"], "not --parallel ddp"),
+    (["--model", "autotune.examples:TinyGPT", "--precisions", "bf16-fsdp", "--dry-run", "--parallel", "fsdp",
+      "--world-size", "2", "--fp32-modules", "LayerNorm"], "bf16-fsdp does not autocast"),
     (["--model", "autotune.examples:TinyGPT", "--strategy", "bayes"], "unknown --strategy"),
     (["--model", "autotune.examples:TinyGPT", "--n-trials", "5"], "--n-trials is the trial budget of --strategy optuna"),
     (["--model", "autotune.examples:TinyGPT", "--strategy", "optuna", "--n-trials", "0"], "must be at least 1"),

@@ -258,3 +258,53 @@ def test_hf_turns_on_checkpointing_only_for_a_model_with_the_transformers_switch
     assert data["training_arguments"]["gradient_checkpointing"] is on
     assert ("gradient_checkpointing_kwargs" in data["training_arguments"]) is on
     assert any("it is left off" in n and "autotune.apply(model, report)" in n for n in data["notes"]) is not on
+
+
+# --- under FSDP2: autocast over fp32 shards (fp16, bf16), or FSDP2's own policy (bf16-fsdp) ---------------------------
+
+
+def _fsdp(report: autotune.Report, precision: str, segments: str = "sac-torchtitan") -> autotune.Report:
+    """``variant`` as measured under FSDP2 on eight ranks."""
+    return dataclasses.replace(variant(report, precision, segments),
+                               distributed={"wrapper": "fsdp", "world_size": 8, "backend": "nccl"})
+
+
+def test_bf16_fsdp_asks_each_framework_for_fsdp2_s_policy_without_autocast(quickstart):
+    report = _fsdp(quickstart, "bf16-fsdp")
+    policy = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
+    hf, lightning = export(report, "hf"), export(report, "lightning")
+    deepspeed, accelerate = export(report, "deepspeed"), export(report, "accelerate")
+    assert json.loads(json.dumps([hf, lightning, deepspeed, accelerate], allow_nan=False))
+    assert hf["training_arguments"]["bf16"] is True  # the nearest: its note says what differs and the exact way
+    assert any(f"fsdp_plugin.mixed_precision_policy = {policy}" in n and "bf16=False" in n for n in hf["notes"])
+    assert lightning["trainer"]["precision"] == "32-true"  # no autocast: the policy is the strategy's
+    fsdp1 = "MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
+    assert any(fsdp1 in n for n in lightning["notes"])
+    assert any(f"mp_policy={policy}" in n for n in lightning["notes"])  # ModelParallelStrategy's fully_shard
+    assert deepspeed["config"]["bf16"] == {"enabled": True} and deepspeed["config"]["communication_data_type"] == "fp32"
+    assert accelerate["accelerator"]["mixed_precision"] == "no"
+    assert accelerate["mixed_precision_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    assert "mixed_precision_policy" not in accelerate["fsdp_plugin"]  # a dtype is no JSON: the note says how
+    plugin = needs("accelerate.utils", "the frameworks extra").FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    made = plugin(**accelerate["fsdp_plugin"], mixed_precision_policy=MixedPrecisionPolicy(
+        **{k: getattr(torch, v) for k, v in accelerate["mixed_precision_policy"].items()}))
+    assert (made.mixed_precision_policy.param_dtype, made.mixed_precision_policy.reduce_dtype) == (
+        torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_autocast_under_fsdp_keeps_accelerate_s_fsdp2_in_fp32_as_measured(quickstart, precision):
+    accelerate = export(_fsdp(quickstart, precision), "accelerate")
+    assert accelerate["accelerator"]["mixed_precision"] == precision
+    assert accelerate["fsdp_plugin"]["mixed_precision_policy"] == "fp32"
+    made = needs("accelerate.utils", "the frameworks extra").FullyShardedDataParallelPlugin
+    plugin = made(**accelerate["fsdp_plugin"])
+    plugin.set_mixed_precision(precision)  # what the Accelerator's state does with its own mixed_precision
+    assert (plugin.mixed_precision_policy.param_dtype, plugin.mixed_precision_policy.reduce_dtype) == (
+        torch.float32, torch.float32)
+    lightning = " ".join(export(_fsdp(quickstart, precision), "lightning")["notes"])
+    assert "mixed_precision=MixedPrecision(param_dtype=torch.float32" in lightning
+    assert f"with {precision}=True accelerate's FSDP2 also gathers" in " ".join(
+        export(_fsdp(quickstart, precision), "hf")["notes"])

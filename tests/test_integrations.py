@@ -116,6 +116,16 @@ def test_a_trainer_without_a_train_dataset_or_with_an_unsized_one_is_one_clear_l
     assert trainer.args.per_device_train_batch_size == 8  # nothing changed
 
 
+def test_a_trainer_cannot_be_tuned_for_a_precision_its_arguments_cannot_say(tmp_path):
+    from autotune.integrations.transformers import tune_trainer
+
+    trainer, BUDGET = hf_trainer(tmp_path)
+    with pytest.raises(UsageError, match="cannot write precision bf16-fsdp back: TrainingArguments has no setting for "
+                                         "FSDP2's MixedPrecisionPolicy"):
+        tune_trainer(trainer, budget=BUDGET, precisions="bf16, BF16-FSDP")
+    assert (trainer.args.per_device_train_batch_size, trainer.args.bf16) == (8, False)  # before any trial
+
+
 def test_the_report_names_the_optimizer_the_training_arguments_make_with_its_weight_decay_groups(tmp_path):
     from autotune.integrations.transformers import tune_trainer
 

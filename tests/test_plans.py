@@ -36,7 +36,8 @@ def test_auto_spreads_from_nothing_to_everything_without_repeats():
         sets = [Plan(p).blocks(length) for p in plans]
         assert len(set(sets)) == len(sets) and plans[0] == "0" and plans[-1] == "all"
         assert [len(s) for s in sets] == sorted(len(s) for s in sets)
-        assert set(SELECTIVE) <= set(auto_plans(length))
+        assert {n for n, plan in SELECTIVE.items() if plan.auto} <= set(auto_plans(length))
+        assert "sac-torchtitan" not in auto_plans(length)  # searched where named (Llama: what sac-lean keeps)
 
 
 def test_order_and_bounds():
@@ -52,6 +53,8 @@ def test_order_and_bounds():
     ("all", "sac-matmul", True), ("all", "sac-linear", True), ("8", "sac-lean", False),
     ("sac-linear", "sac-matmul", True), ("sac-lean", "sac-matmul", True), ("sac-lean", "sac-linear", False),
     ("sac-matmul", "0", False), ("0", "sac-matmul", False), ("2", "2", True),
+    ("all", "sac-torchtitan", True), ("sac-torchtitan", "sac-lean", False), ("sac-lean", "sac-torchtitan", False),
+    ("sac-torchtitan", "sac-matmul", False),  # it keeps abs and max, which sac-matmul recomputes
 ])
 def test_plans_are_partly_ordered_by_the_memory_they_need(a, b, ordered):
     assert Plan(a).needs_no_more_memory_than(b, 12) is ordered

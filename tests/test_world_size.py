@@ -120,6 +120,18 @@ def test_the_report_says_it_predicted_one_rank_and_the_group_is_gone(tmp_path):
     assert "rank 0 predicted on a fake process group" in report.table()
 
 
+def test_the_dry_run_says_each_precisions_mixed_precision(tmp_path):
+    report = autotune.tune("autotune.examples:TinyGPT", model_kwargs=KWARGS, device="cpu", budget="64MiB",
+                           precisions="fp32,bf16-fsdp", segments="0,sac-torchtitan", batch_sizes="2", dry_run=True,
+                           parallel="fsdp", world_size=2, results_dir=str(tmp_path))
+    assert report.distributed["mixed_precision"] == (
+        "autocast; bf16-fsdp: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)")
+    assert {(m.precision, m.config.plan, m.status) for m in report.trials} == {
+        (p, s, "ok") for p in ("fp32", "bf16-fsdp") for s in ("0", "sac-torchtitan")}
+    peaks = {(m.precision, m.config.plan): m.peak_bytes for m in report.trials}
+    assert peaks[("bf16-fsdp", "0")] < peaks[("fp32", "0")]  # bf16 activations and gathered blocks
+
+
 # -- through the CLI ----------------------------------------------------------------------------------------------
 
 
@@ -184,13 +196,60 @@ def test_the_rank_count_nothing_fits_suggests_is_checked_by_a_dry_run(tmp_path):
 
 REAL_KWARGS = {"n_layer": 2, "block_size": 16, "n_embd": 32, "n_head": 2, "vocab_size": 101}
 REAL = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", json.dumps(REAL_KWARGS),
-        "--device", "cpu", "--budget", "2.5MiB", "--precisions", "fp32,bf16", "--segments", "0,all",
-        "--batch-sizes", "2,8,32"]
+        "--device", "cpu", "--budget", "2.5MiB"]
+AUTOCAST = ["--precisions", "fp32,bf16", "--segments", "0,all", "--batch-sizes", "2,8,32"]
+# FSDP2's own mixed precision and torchtitan's per-op plan (which keeps none of TinyGPT's outputs: biases, bmm)
+FSDP_MIXED = ["--precisions", "bf16-fsdp", "--segments", "0,all,sac-torchtitan", "--batch-sizes", "2,8,32,64"]
+
+
+@pytest.mark.parametrize("spec, kwargs", [("tests.zoo:llama", None), ("autotune.examples:TinyGPT", REAL_KWARGS)])
+def test_one_rank_under_fsdp2_s_mixed_precision_is_predicted_to_the_byte(spec, kwargs):
+    """bf16-fsdp and the selective plans, rank 0 of one: predicted on the fake process group, measured on a real gloo
+    group, in this process: the same bytes. On a Llama (no biases: torchtitan's plan alternates its mm, and keeps
+    what sac-lean keeps; fused attention), and on TinyGPT, whose LayerNorms get bf16 weights: the CPU's kernel then
+    keeps its statistics in bf16 (the predictor counted them in fp32, as with fp32 weights: 2,560 bytes too many
+    here, 5 LayerNorms x 128 rows x 2 statistics x 2 bytes)."""
+    import torch.distributed as dist
+
+    from autotune.execution.job import Job
+    from autotune.execution.predict import predict_trial
+    from autotune.execution.trial import run_trial
+    from autotune.records import TrialSettings
+    from autotune.training.wrapping import Wrapping
+
+    from tests.optional import needs
+
+    if spec.startswith("tests.zoo"):
+        needs("transformers")
+    load = Workload.from_specs(spec, model_kwargs=json.dumps(kwargs) if kwargs else None)
+    load = load.with_chain(find_chain(load.build_model()))
+    settings = TrialSettings(measure_steps=1, settle_steps=0)
+    configs = [Config(p, s, 8) for p in ("bf16-fsdp", "fp32") for s in ("0", "sac-torchtitan", "sac-lean")]
+    with one_rank("fsdp", 1, torch.device("cpu")) as ranks:
+        predicted = [predict_trial(load, c, settings=settings, parallel=ranks.wrapping()) for c in configs]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        job = Job("fsdp", 0, 1, 0, "gloo")
+        measured = []
+        for config in configs:
+            job.trials += 1  # each trial's mesh its own name, as the job's trials have
+            measured.append(run_trial(load, config, device="cpu", meter=TensorMeter("cpu"), settings=settings,
+                                      parallel=Wrapping(job, dist.group.WORLD, torch.device("cpu"))))
+    finally:
+        dist.destroy_process_group()
+    assert [m.status for m in measured] == ["ok"] * len(configs), [m.error for m in measured]
+    assert [p.peak_bytes for p in predicted] == [m.peak_bytes for m in measured], (predicted, measured)
+    peaks = {(c.precision, c.plan): m.peak_bytes for c, m in zip(configs, measured)}
+    assert peaks[("bf16-fsdp", "0")] < peaks[("fp32", "0")]
+    if spec.startswith("tests.zoo"):
+        for precision in ("bf16-fsdp", "fp32"):
+            assert peaks[(precision, "sac-torchtitan")] == peaks[(precision, "sac-lean")] < peaks[(precision, "0")]
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("wrapper,offload", [("ddp", "none"), ("fsdp", "none,state")])
-def test_the_predicted_rank_is_a_real_gloo_ranks_peak_to_the_byte(tmp_path, wrapper, offload):
+@pytest.mark.parametrize("wrapper,offload,grid", [("ddp", "none", AUTOCAST), ("fsdp", "none,state", AUTOCAST),
+                                                  ("fsdp", "none", FSDP_MIXED)], ids=["ddp", "fsdp", "fsdp-bf16-fsdp"])
+def test_the_predicted_rank_is_a_real_gloo_ranks_peak_to_the_byte(tmp_path, wrapper, offload, grid):
     """Two ranks on gloo under torchrun, every configuration of the grid measured (fits and out-of-memory alike,
     FSDP2's state in host memory too), against rank 0 predicted at world size 2: the statuses and host peaks are the
     prediction's; rank 0's peak is, to the byte, in most configurations; every difference is one of two:
@@ -203,11 +262,13 @@ def test_the_predicted_rank_is_a_real_gloo_ranks_peak_to_the_byte(tmp_path, wrap
       on either rank, in 1 or 2 of 24 configurations a run; once the whole 50,816, fp32 plan all batch 2 under
       FSDP2), so it is timing, not the trial: a gloo collective runs
       on gloo's own thread and holds its buffers until it is done, where the fake group's collectives are done at
-      once, so a buffer FSDP2 has let go may still be counted when the step's peak comes.
+      once, so a buffer FSDP2 has let go may still be counted when the step's peak comes. Under bf16-fsdp the
+      buffer is a block's bf16 all-gather (25,472 bytes: plan 0 at batch 2, on both ranks in each of four runs) or
+      its fp32 reduce-scatter input (up to 50,752 bytes, plan all at batch 8 or 32, rank 0).
     """
     from tests.test_distributed import torchrun
 
-    space = [*REAL, "--offload", offload, "--parallel", wrapper]
+    space = [*REAL, *grid, "--offload", offload, "--parallel", wrapper]
     real = torchrun(*space, "--strategy", "grid", "--measure-steps", "1", "--settle-steps", "0", "--no-probe",
                     "--no-library-compare", "--storage", f"sqlite:///{tmp_path / 'real.db'}", "--out", "real.json",
                     cwd=tmp_path)

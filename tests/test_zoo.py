@@ -1,6 +1,7 @@
 """Every checkpoint plan on a zoo of architectures trains exactly the model it was given.
 
-For each zoo member (tests/zoo.py) and each plan ``auto_plans`` offers for its chain: one fp32
+For each zoo member (tests/zoo.py) and each plan autotune offers for its chain (``auto_plans``, and the selective
+plans searched only where named: ``sac-torchtitan``): one fp32
 forward and backward pass from the same weights, batch and seed gives a bitwise identical loss,
 bitwise identical gradients for every parameter and identical buffers (BatchNorm statistics
 included) with the plan as without it. Where the library has a per-layer checkpointing switch of
@@ -20,7 +21,7 @@ from autotune.meters import TensorMeter
 from autotune.execution.plan_check import check_plans, compare_steps
 from autotune.plans import cache, offload
 from autotune.plans.offload import offloader_of
-from autotune.vocabulary import Plan, auto_plans
+from autotune.vocabulary import SELECTIVE, Plan, auto_plans
 from autotune.thirdparty import library_checkpointing
 from autotune.training.workload import Workload
 
@@ -28,7 +29,14 @@ from tests.optional import needs
 from tests.zoo import BY_NAME, ZOO
 
 MEMBERS = [pytest.param(m, id=m.name, marks=m.marks()) for m in ZOO]
-PLAN_CASES = [pytest.param(m, plan, id=f"{m.name}-{plan}", marks=m.marks()) for m in ZOO for plan in auto_plans(m.length)]
+
+
+def _offered(length: int) -> list[str]:
+    """Every plan autotune offers for ``length`` blocks: ``auto``'s, and the selective plans searched where named."""
+    return list(dict.fromkeys([*auto_plans(length), *SELECTIVE]))
+
+
+PLAN_CASES = [pytest.param(m, plan, id=f"{m.name}-{plan}", marks=m.marks()) for m in ZOO for plan in _offered(m.length)]
 FORWARD_SEED = 1234  # reseeded right before every forward pass, so dropout draws the same masks
 
 
@@ -155,7 +163,7 @@ def test_the_chain_holds_the_repeated_blocks(member):
 def test_every_offered_plan_is_bitwise_exact(member, plan):
     _require(member)
     _, _, _, chain = _setup(member.name)
-    assert plan in auto_plans(chain.length)
+    assert plan in _offered(chain.length)
     reference = _reference_for(member.name, plan)
     model = _build(member.name)
     applied = apply_plan(model, plan, chain)
@@ -337,7 +345,7 @@ def test_check_plans_finds_the_zoo_exact(name):
     _require(member)
     _, _, _, chain = _setup(name)
     workload = Workload.from_specs(member.build).with_chain(chain)
-    plans = auto_plans(chain.length)
+    plans = _offered(chain.length)
     checks = check_plans(workload, plans, batch_size=member.batch_size, device="cpu")
     assert [c.plan for c in checks] == [p for p in plans if p != "0"]
     assert {c.plan: c.status for c in checks} == {c.plan: "exact" for c in checks}, [c.describe() for c in checks]

@@ -30,14 +30,14 @@ import math
 import statistics
 from typing import Callable, Iterable, Mapping
 
-from autotune.vocabulary import EAGER, Plan, Status, Variant
+from autotune.vocabulary import EAGER, PRECISIONS, Plan, Status, Variant
 from autotune.records import Measurement
 
 __all__ = ["MemoryLine", "MemoryModel", "fit_line"]
 
-# Bytes per element of the activations autocast produces: a first guess of how precisions compare,
-# replaced by the measured ratio once a plan is measured in both.
-_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+# Bytes per element of the activations a precision produces (autocast's, or FSDP2's bf16-fsdp): a first guess of how
+# precisions compare, replaced by the measured ratio once a plan is measured in both.
+_ELEMENT_BYTES = {name: 2 if p.compute_dtype else 4 for name, p in PRECISIONS.items()}
 
 
 @dataclasses.dataclass(frozen=True)

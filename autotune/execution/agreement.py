@@ -99,7 +99,7 @@ def combine(parts: list[Measurement | RankInterrupted | RankRefused], job: "Job"
         wall_s=max(m.wall_s for m in ms),
         setup_s=max((m.setup_s for m in ms if m.setup_s is not None), default=None),
         steps_s=max((m.steps_s for m in ms if m.steps_s is not None), default=None),
-        distributed={**job.describe(), "outcome_rank": origin, "ranks": ranks},
+        distributed={**job.describe((first.config.precision,)), "outcome_rank": origin, "ranks": ranks},
     )
 
 
@@ -130,7 +130,7 @@ def combine_probe(parts: list[Any], job: "Job") -> Any:
         peak_reserved_bytes_max=_largest(rs, "peak_reserved_bytes_max"),
         nonfinite_losses=sum(r.nonfinite_losses for r in rs),
         wall_s=max(r.wall_s for r in rs),
-        distributed={**job.describe(), "outcome_rank": origin, "ranks": [
+        distributed={**job.describe((first.config.precision,)), "outcome_rank": origin, "ranks": [
             {"rank": i, "accepted": r.accepted, "peak_bytes_max": r.peak_bytes_max, "samples": r.samples,
              **({"reason": r.reason} if r.reason else {})} for i, r in enumerate(rs)]},
     )

@@ -13,12 +13,13 @@ import contextlib
 import dataclasses
 import datetime
 import os
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
 from autotune.errors import UsageError
 from autotune.units import parse_size
+from autotune.vocabulary import PRECISIONS
 from autotune.device import collective_backend, rank_device
 
 __all__ = ["RANK_BUDGETS_ENV", "Job", "Ended", "RankInterrupted", "RankRefused", "join", "leave", "rank_budget",
@@ -74,9 +75,11 @@ class Job:
         """The device this rank trains on: its local GPU on CUDA (``--device cuda`` means each rank's own)."""
         return rank_device(device, self.local_rank)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, precisions: Iterable[str] = ()) -> dict[str, Any]:
+        """The job in the report's and a trial's ``distributed``; ``precisions``: those of the search, or the trial's
+        (``mixed_precision`` says how each trains: autocast, or FSDP2's policy for bf16-fsdp)."""
         return {"backend": self.backend, "world_size": self.world_size, "wrapper": self.wrapper,
-                "mixed_precision": "autocast"}
+                "mixed_precision": _mixed_precision(precisions)}
 
     def send(self, command: tuple) -> None:
         torch.distributed.broadcast_object_list([command], src=0, group=self.control)
@@ -90,6 +93,16 @@ class Job:
         parts: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(parts, obj, group=self.control)
         return parts
+
+
+def _mixed_precision(precisions: Iterable[str]) -> str:
+    """``autocast`` (fp16 and bf16 autocast over the wrapper's fp32 parameters; fp32 has nothing to cast), FSDP2's
+    policy for bf16-fsdp alone, and for a search of both, both: ``autocast; bf16-fsdp: MixedPrecisionPolicy(...)``."""
+    names = list(precisions)
+    autocast = ["autocast"] if not names or any(not PRECISIONS[n].fsdp_only for n in names) else []
+    policies = [PRECISIONS[n].policy if len(names) == 1 else f"{n}: {PRECISIONS[n].policy}"
+                for n in names if PRECISIONS[n].fsdp_only]
+    return "; ".join(autocast + policies)
 
 
 _JOB: Job | None = None  # this process's job: joined once

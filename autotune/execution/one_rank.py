@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -57,9 +57,9 @@ class OneRank:
         self.job.trials += 1
         return _FakeRankWrapping(self.job, dist.group.WORLD, self.device)
 
-    def describe(self) -> dict[str, Any]:
-        """What the report's ``distributed`` says: a prediction of rank 0, no job run."""
-        return {**self.job.describe(), "rank": 0, "predicted": True,
+    def describe(self, precisions: Iterable[str] = ()) -> dict[str, Any]:
+        """What the report's ``distributed`` says: a prediction of rank 0, no job run (``precisions``: the search's)."""
+        return {**self.job.describe(precisions), "rank": 0, "predicted": True,
                 "process_group": "PyTorch's fake process group in this process (no communication): one rank's "
                                  "training predicted under fake tensors",
                 "batch_size": "per rank (micro-batch)"}

@@ -108,8 +108,12 @@ def quiet_fake_kernels() -> Iterator[None]:
 
 _KEEPING = threading.local()  # on while a prediction makes its batch: the fake copies of real inputs are kept
 
-_FLOAT_STATS = (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
-                torch.ops.aten._native_batch_norm_legit_no_training.default, torch.ops.aten.native_layer_norm.default)
+# The normalisations whose mean and inverse standard deviation the real kernels may save in float32, and where their
+# parameters (weight, bias, and BatchNorm's running statistics) are among their arguments
+_FLOAT_STATS = {torch.ops.aten.native_batch_norm.default: slice(1, 5),
+                torch.ops.aten._native_batch_norm_legit.default: slice(1, 5),
+                torch.ops.aten._native_batch_norm_legit_no_training.default: slice(1, 5),
+                torch.ops.aten.native_layer_norm.default: slice(2, 4)}
 
 
 class Unpredictable(Exception):
@@ -220,14 +224,21 @@ class _AsTheKernelsDo(TorchDispatchMode):
     """Where a fake kernel's outputs differ from the real kernel's, the real kernel's (found by comparing the tensor
     meter's counts on real and fake tensors over the bundled models and the zoo).
 
-    ``native_batch_norm`` and ``native_layer_norm`` on half-precision input (BatchNorm under autocast, a LayerNorm
-    outside it) save their mean and inverse standard deviation in float32 on the CPU and on CUDA; their fake kernels
-    make them in the input's dtype.
+    ``native_batch_norm`` and ``native_layer_norm`` on half-precision input save their mean and inverse standard
+    deviation in float32 on CUDA always, and on the CPU where a parameter is float32 (BatchNorm under autocast, a
+    LayerNorm outside it); on the CPU with half parameters (bf16-fsdp's, FSDP2 gathering them in bf16) in the input's
+    dtype, as the fake kernels always make them.
     """
+
+    def __init__(self, cuda: bool) -> None:
+        super().__init__()
+        self.cuda = cuda  # the prediction is for CUDA's kernels
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in _FLOAT_STATS and args[0].dtype in (torch.float16, torch.bfloat16):
+        params = _FLOAT_STATS.get(func)
+        if params is not None and args[0].dtype in (torch.float16, torch.bfloat16) and (self.cuda or any(
+                isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in args[params])):
             out = (out[0], *(torch.empty_like(t, dtype=torch.float32) for t in out[1:3]), *out[3:])
         return out
 
@@ -293,7 +304,8 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     try:
         meter = TensorMeter(device, budget_bytes=budget_bytes, trace=cuda is not None)
         rules = cuda.applied() if cuda else contextlib.nullcontext()
-        with mode or fake_tensors(), _AsTheKernelsDo(), rules, meter.measure() as handle:
+        with mode or fake_tensors(), _AsTheKernelsDo(cuda is not None or device.type == "cuda"), rules, \
+                meter.measure() as handle:
             run.build()
             run.step(run.batch)  # the optimizer's state primed: one step holds all a step holds
             if run.unprimed is not None:

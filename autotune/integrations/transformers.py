@@ -41,7 +41,7 @@ from torch import nn
 from autotune.errors import UsageError
 from autotune.integrations.common import (ModelCopy, distributed_job, on_host, recommendation_of, say_changes,
                                           trainer_options, trains_plan)
-from autotune.vocabulary import ALL
+from autotune.vocabulary import ALL, FSDP_ONLY, PRECISIONS
 from autotune.report import Report
 
 __all__ = ["tune_trainer"]
@@ -55,6 +55,7 @@ def tune_trainer(trainer: Any, **options: Any) -> Report:
     """
     from autotune.tuner import tune
 
+    _check_precisions(options.get("precisions"))
     args = trainer.args
     dataset, collator = _training_data(trainer)
     defaults = trainer_options(args.per_device_train_batch_size * args.gradient_accumulation_steps,
@@ -72,6 +73,18 @@ def tune_trainer(trainer: Any, **options: Any) -> Report:
                       step=_ComputeLoss(trainer), **{**defaults, **options})
     said = _write_back(trainer, report)
     return dataclasses.replace(report, notices=(*report.notices, said))
+
+
+def _check_precisions(asked: Any) -> None:
+    """Refuse FSDP2's bf16-fsdp before any trial: its write-back would be TrainingArguments' bf16, which autocasts and
+    reduces in bf16 (the export's note says how to train it by hand)."""
+    names = asked.split(",") if isinstance(asked, str) else list(asked or ())
+    fsdp = [n.strip().lower() for n in names if n.strip().lower() in FSDP_ONLY]
+    if fsdp:
+        raise UsageError(f"tune_trainer cannot write precision {fsdp[0]} back: TrainingArguments has no setting for "
+                         f"FSDP2's {PRECISIONS[fsdp[0]].policy} (bf16=True autocasts and reduces in bf16); tune the "
+                         f"trainer with bf16, or search {fsdp[0]} with python -m autotune --parallel fsdp and "
+                         f"--export hf")
 
 
 def _wrapper(args: Any) -> str:

@@ -14,7 +14,19 @@ The plans are listed once, as groups of operations kept (:data:`autotune.plans.S
   (its batched matmuls and the (T, T) scores) and the element-wise work. Less memory than
   ``sac-matmul`` where attention's scores are large.
 * ``sac-lean``: as ``sac-matmul``, but keep only every other ``mm``/``addmm`` output
-  (torchtitan's default policy): less memory, more recompute.
+  (after torchtitan's policy): less memory, more recompute.
+* ``sac-torchtitan``: torchtitan's per-op policy as its published Llama 3 rows ran it (its save list
+  of December 2024): keep the fused attention kernels' outputs, ``abs`` and ``max`` (the amax of
+  float8's scaling) and every other ``mm``; recompute the rest, ``addmm`` (a linear layer with a
+  bias), ``bmm`` and convolutions included. On a model without biases and with fused attention
+  (Llama) it keeps what ``sac-lean`` keeps.
+
+Every other output of a group is counted per checkpointed call (each block call gets a fresh policy,
+as torchtitan's does): the first, third, ... are kept. The recompute keeps what the forward pass kept:
+torch 2.13's SAC replays the forward's decisions without asking the policy again, and a torch that
+asks it (``ctx.is_recompute``) gets them from a count the policy keeps apart for that pass. Under
+``torch.compile`` one policy per plan is traced (:func:`autotune.plans.checkpointing._traced_contexts`),
+so the count runs on from block to block there.
 
 Random operations are never kept: they run again in the recompute from the RNG state the
 checkpoint saved, so dropout draws the same masks. The same recompute context that restores the
@@ -47,21 +59,25 @@ def _ops(*names: str) -> frozenset:
     return frozenset(found)
 
 
-_LINEAR = _ops("mm", "addmm")  # nn.Linear: addmm with a bias, mm without (3-D inputs are flattened to 2-D)
+_MM = _ops("mm")  # nn.Linear without a bias (3-D inputs are flattened to 2-D), and 2-D matmuls
+_LINEAR = _MM | _ops("addmm")  # nn.Linear: addmm with a bias, mm without
 _BATCHED = _ops("bmm", "baddbmm")  # attention's q @ k^T and att @ v, written out
+# torchtitan's list names the two CUDA kernels SDPA dispatches to; the others are the same attention elsewhere
 _ATTENTION = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                   "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
                   "_flash_attention_forward", "_efficient_attention_forward")
 _CONVOLUTION = _ops("convolution", "cudnn_convolution", "mkldnn_convolution")
-_GROUPS = {"linear": _LINEAR, "batched": _BATCHED, "attention": _ATTENTION, "convolution": _CONVOLUTION}
+_AMAX = _ops("abs", "max")  # max(abs(x)), float8's scaling factor: the whole-tensor max only (max.default)
+_GROUPS = {"linear": _LINEAR, "mm": _MM, "batched": _BATCHED, "attention": _ATTENTION, "convolution": _CONVOLUTION,
+           "amax": _AMAX}
 
 
 def make_policy(name: str) -> Callable[..., CheckpointPolicy]:
     """A fresh policy of selective plan ``name`` for one checkpointed call (``policy_fn`` of torch's SAC).
 
     It keeps the outputs of the plan's ``save`` groups and every other output of its ``alternate``
-    groups, counted per pass, so the recompute keeps exactly what the forward pass kept; the rest
-    is recomputed.
+    groups (the first, third, ...), counted per pass, so a recompute that asks again keeps exactly
+    what the forward pass kept; the rest is recomputed.
     """
     plan = SELECTIVE[name]
     save = frozenset().union(*(_GROUPS[g] for g in plan.save))

@@ -26,7 +26,7 @@ from autotune.thirdparty import library_checkpointing, training_caches
 from autotune.training.optimizer import UNPRIMED_NOTICE, measure_optimizer
 from autotune.training.precision import PRECISIONS, keep_in_fp32
 from autotune.training.workload import Workload, move_model, to_device
-from autotune.vocabulary import Offload
+from autotune.vocabulary import SIXTEEN_BIT, Offload
 
 __all__ = ["ModelFacts", "preflight", "floor_facts"]
 
@@ -128,7 +128,7 @@ def _floor_of(workload: Workload, chain: Chain | None, precisions: Sequence[str]
     model's takes seconds) on a model built under them; where the model cannot build or run so (a shape that
     depends on values), on the CPU, on ``model`` or a build of it.
     """
-    half = "bf16" if {"bf16", "fp16"} & set(precisions) else "fp32"
+    half = "bf16" if set(SIXTEEN_BIT) & set(precisions) else "fp32"  # bf16-fsdp's activations: bf16's bytes too
     if model is not None and is_fake(next(model.parameters(), None)):  # a dry run's model: fake already
         return _floor_measured(model, workload, chain, half, contextlib.nullcontext())
     try:

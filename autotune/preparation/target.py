@@ -22,7 +22,7 @@ from autotune.records import Budget, ProbeSettings, TrialSettings
 from autotune.training.compiled import require_compiler
 from autotune.training.data import scan_items, worst_indices
 from autotune.training.workload import Workload, parse_model_kwargs
-from autotune.vocabulary import EAGER, Offload, Plan
+from autotune.vocabulary import EAGER, Offload, Plan, runs_where
 
 if TYPE_CHECKING:
     from autotune.execution.job import Job
@@ -189,10 +189,11 @@ def _with_data(workload: Workload, batch_sizes: Sequence[int]) -> tuple[Workload
 
 
 def _precisions(asked: Sequence[str] | None, backend: Backend) -> tuple[str, ...]:
-    """The precisions to search: those asked for (each must run here), else the device's defaults."""
+    """The precisions to search: those asked for (each must run here), else the device's defaults (autocast modes:
+    FSDP2's ``bf16-fsdp`` is searched where asked for, and runs where bf16 does)."""
     if asked is None:
         return tuple(backend.default_precisions())
-    supported = backend.supported_precisions()
+    supported = runs_where(backend.supported_precisions())
     unsupported = [p for p in asked if p not in supported]
     if unsupported:
         raise UsageError(f"{', '.join(unsupported)} is not supported on {backend.device}: use --precisions "

@@ -11,7 +11,7 @@ from typing import Any
 
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
-from autotune.vocabulary import ALL, HALF, Plan
+from autotune.vocabulary import ALL, SIXTEEN_BIT, Plan
 
 __all__ = ["Shortfall", "shortfall"]
 
@@ -82,7 +82,7 @@ def shortfall(report: Any) -> Shortfall:
     sharded = (report.distributed or {}).get("wrapper") == "fsdp"
     usable = usable_bytes(report.budget_bytes, report.headroom)
     untried = tuple(lever for lever, left_out in (
-        ("half", not set(HALF) & set(space["precisions"])),
+        ("half", not set(SIXTEEN_BIT) & set(space["precisions"])),
         ("checkpointing", all(p.off for p in plans) and bool(report.workload.get("chain"))),
         ("batch 1", min(space["batch_sizes"]) > 1),
         ("offload", report.environment.get("device_type") == "cuda" and not any(p.offload for p in plans)),

@@ -24,7 +24,7 @@ from autotune._log import logger
 from autotune.plans.checkpointing import Chain, apply_plan
 from autotune.errors import UsageError
 from autotune.training.compiled import compile_model
-from autotune.vocabulary import EAGER, CheckStatus, Plan, compile_mode
+from autotune.vocabulary import EAGER, PRECISIONS, CheckStatus, Plan, compile_mode
 from autotune.training.precision import get_mode, keep_in_fp32
 from autotune.records import GuardRails, Measurement, accumulation_plan
 from autotune.device import autocast_type
@@ -53,8 +53,14 @@ class Applied:
     compile: str = EAGER  # the torch.compile mode ``model`` is compiled in ("none": eager)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The autocast context for the forward pass and the loss (a no-op for fp32)."""
+        """The autocast context for the forward pass and the loss (a no-op for fp32, and for bf16-fsdp: FSDP2 casts)."""
         return get_mode(self.precision).autocast(self.device_type)
+
+    @property
+    def mp_policy(self) -> Any:
+        """bf16-fsdp: FSDP2's ``MixedPrecisionPolicy`` to wrap the model with (``fully_shard(block,
+        mp_policy=run.mp_policy)`` on each block, then the root); None for the other precisions (autocast)."""
+        return get_mode(self.precision).mp_policy()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``, through the GradScaler when there is one."""
@@ -178,6 +184,10 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
     if plan.state:  # the wrapper's part of the plan: apply() cannot do it for the caller
         logger.warning("plan %s was measured with the training state in host memory: wrap the model as it was, FSDP2's "
                        "fully_shard on each block and the root with offload_policy=CPUOffloadPolicy()", plan)
+    if PRECISIONS[fields["precision"]].fsdp_only:  # the wrapper's precision: apply() cannot wrap for the caller
+        logger.warning("precision %s was measured under FSDP2's %s: wrap the model as it was, fully_shard on each "
+                       "block and the root with mp_policy=run.mp_policy, and train without autocast (run.autocast() "
+                       "does nothing for it)", fields["precision"], PRECISIONS[fields["precision"]].policy)
     applied = prepare(model, precision=fields["precision"], plan=plan, chain=chain, guard=guard,
                       device_type=device_type, micro_batch_size=micro,
                       accumulation_steps=int(accumulation.get("accumulation_steps") or 1))

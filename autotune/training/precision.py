@@ -1,6 +1,8 @@
-"""Precision modes: fp32, fp16 autocast with a GradScaler, bf16 autocast without one.
+"""Precision modes: fp32, fp16 autocast with a GradScaler, bf16 autocast without one, and bf16-fsdp: FSDP2's
+``MixedPrecisionPolicy`` (bf16 parameters gathered and computed with, fp32 gradient reduction), no autocast.
 
-Which modes a device runs is the device backend's to say (:mod:`autotune.device`).
+Which modes a device runs is the device backend's to say (:mod:`autotune.device`); the FSDP2 policy is applied where
+the model is wrapped (:mod:`autotune.training.wrapping`).
 """
 
 from __future__ import annotations
@@ -19,14 +21,27 @@ from autotune.vocabulary import GROWTH_INTERVAL, INIT_LOSS_SCALE, PRECISIONS as 
 __all__ = ["PRECISIONS", "PrecisionMode", "get_mode", "keep_in_fp32", "INIT_LOSS_SCALE"]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class PrecisionMode:
-    """How one precision mode trains: the autocast dtype (None for fp32) and whether it scales the loss."""
+    """How one precision mode trains: the autocast dtype (None for fp32 and bf16-fsdp), whether it scales the loss,
+    and for bf16-fsdp the dtypes of FSDP2's policy."""
 
     name: str
     autocast_dtype: torch.dtype | None
     uses_scaler: bool
+    param_dtype: torch.dtype | None = None  # FSDP2's MixedPrecisionPolicy: parameters gathered in this dtype
+    reduce_dtype: torch.dtype | None = None  # ... and gradients reduced in this one
+
+    def mp_policy(self) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` of this mode (``fully_shard(..., mp_policy=...)``), None for the autocast
+        modes and fp32 (FSDP2's default policy: parameters and reduction in their own dtype)."""
+        if self.param_dtype is None:
+            return None
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         """Return the autocast context for a forward pass on ``device_type`` (a no-op for fp32)."""
@@ -41,14 +56,18 @@ class PrecisionMode:
         return torch.amp.GradScaler(device_type, init_scale=INIT_LOSS_SCALE, growth_interval=GROWTH_INTERVAL)
 
 
+def _dtype(name: str | None) -> torch.dtype | None:
+    return getattr(torch, name) if name else None
+
+
 PRECISIONS: dict[str, PrecisionMode] = {  # the ground floor's modes (autotune.vocabulary.precision), with torch's dtypes
-    name: PrecisionMode(name, getattr(torch, p.autocast_dtype) if p.autocast_dtype else None, p.uses_scaler)
+    name: PrecisionMode(name, _dtype(p.autocast_dtype), p.uses_scaler, _dtype(p.param_dtype), _dtype(p.reduce_dtype))
     for name, p in _NAMED.items()
 }
 
 
 def get_mode(name: str) -> PrecisionMode:
-    """Return the :class:`PrecisionMode` called ``name`` ("fp32", "fp16" or "bf16")."""
+    """Return the :class:`PrecisionMode` called ``name`` ("fp32", "fp16", "bf16" or "bf16-fsdp")."""
     try:
         return PRECISIONS[name]
     except KeyError:

@@ -17,6 +17,7 @@ from autotune.training.applied import Applied, prepare
 from autotune.training.compiled import compile_model, mark_batch_dynamic
 from autotune.training.optimizer import prime as prime_optimizer
 from autotune.training.workload import Workload, move_model
+from autotune.vocabulary import PRECISIONS
 
 if TYPE_CHECKING:
     from autotune.training.wrapping import Wrapping
@@ -59,6 +60,10 @@ class Trainer:
         if state and self.parallel is None:
             raise UsageError(f"plan {self.config.plan} keeps FSDP2's sharded state in host memory: it trains under "
                              f"--parallel fsdp (torchrun, one rank is enough)")
+        precision = PRECISIONS[self.config.precision]
+        if precision.fsdp_only and self.parallel is None:
+            raise UsageError(f"precision {precision.name} is FSDP2's {precision.policy}: it trains under --parallel "
+                             f"fsdp (torchrun, one rank is enough)")
         with built_on_host(self.device) if state else contextlib.nullcontext() as host:
             model = self._prepared(host)
             self.optimizer = self.workload.optimizer.make(model, self.lr)  # the wrapper's parameters (FSDP2's: shards)
@@ -92,7 +97,8 @@ class Trainer:
             move_model(model, self.device)
         self.module = model  # the user's module (batches come from its example_batch), under any wrapper
         if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
-            self.run.model = self.parallel.wrap(model, blocks, offload_state=host is not None, meta=meta)
+            self.run.model = self.parallel.wrap(model, blocks, offload_state=host is not None, meta=meta,
+                                                precision=self.config.precision)
         self.run.model = compile_model(self.run.model, self.config.compile)  # compiled outermost, as users do
         return model
 

@@ -1,8 +1,9 @@
 """How a model trains on one trial's process group: DDP, or FSDP2 on each repeated block and the root.
 
-Mixed precision is autocast under both wrappers, as in a single process: FSDP2's
-``MixedPrecisionPolicy`` (parameters cast for the all-gather) is not searched, and each trial's
-``distributed.mixed_precision`` says so.
+Mixed precision is autocast under both wrappers (fp16, bf16), as in a single process, except the precision
+``bf16-fsdp``: FSDP2's own ``MixedPrecisionPolicy`` on every unit (each block and the root), parameters gathered and
+computed with in bf16, gradients reduced in fp32, the shards and the optimizer's state in fp32, no autocast
+(torchtitan's). Each trial's ``distributed.mixed_precision`` says which.
 
 **An FSDP2 rank never holds the whole model on its device**, as torchtitan's ranks do not: the model is
 copied to the meta device (shapes, no memory), prepared and sharded there, and then only the rank's
@@ -33,6 +34,8 @@ from autotune._log import notice_once
 from autotune.errors import AutotuneError, UsageError
 from autotune.meters.tensor import meter_aside
 from autotune.training.host_state import offload_policy
+from autotune.training.precision import get_mode
+from autotune.vocabulary import PRECISIONS
 from autotune.device import autocast_type, device_ids
 
 if TYPE_CHECKING:
@@ -77,16 +80,21 @@ class Wrapping:
         return workload.kept_model(seed)
 
     def wrap(self, model: nn.Module, blocks: tuple[str, ...], *, offload_state: bool = False,
-             meta: "MetaBuild | None" = None) -> nn.Module:
+             meta: "MetaBuild | None" = None, precision: str = "fp32") -> nn.Module:
         """``model`` (on its device, plan applied) under DDP, or FSDP2 on each of ``blocks`` and the root.
 
         ``offload_state`` (a ``PLAN+state``, FSDP2 only): the state in host memory under FSDP2's ``CPUOffloadPolicy``
         (:mod:`autotune.training.host_state`); the model may then still be on the CPU: FSDP2 moves and shards one
         block at a time. ``meta``: ``model`` is on the meta device (:meth:`build`): sharded there, then this rank's
-        shards made on the device and filled."""
+        shards made on the device and filled. ``precision``: the trial's; ``bf16-fsdp`` (FSDP2 only) is FSDP2's
+        ``MixedPrecisionPolicy`` on every unit."""
         if offload_state and self.job.wrapper != "fsdp":
             raise UsageError(f"a plan with +state keeps FSDP2's sharded state in host memory: it needs --parallel fsdp, "
                              f"not {self.job.wrapper}")
+        mp_policy = get_mode(precision).mp_policy()
+        if mp_policy is not None and self.job.wrapper != "fsdp":
+            raise UsageError(f"precision {precision} is FSDP2's {PRECISIONS[precision].policy}: it needs --parallel "
+                             f"fsdp, not {self.job.wrapper}")
         if self.job.wrapper == "ddp":
             return self._ddp(model)
         try:
@@ -95,6 +103,8 @@ class Wrapping:
             from torch.distributed._composable.fsdp import fully_shard
         mesh = self._mesh()
         policy = {"offload_policy": offload_policy(self.device)} if offload_state else {}
+        if mp_policy is not None:
+            policy["mp_policy"] = mp_policy
         for path in blocks:
             fully_shard(model.get_submodule(path), mesh=mesh, **policy)
         fully_shard(model, mesh=mesh, **policy)

@@ -12,10 +12,10 @@ is a set of blocks, each recomputed on its own with exactly the arguments of its
   transformers and timm do this).
 * ``everyN`` (``every2``, ``every4``, ...): blocks 0, N, 2N, ...: transformers' ``every_n_layers``.
   A smooth trade-off between memory and recompute time.
-* ``sac-matmul``, ``sac-linear``, ``sac-lean``: selective plans (:data:`SELECTIVE`). Every block
-  is wrapped, and inside it a per-operation policy (:mod:`autotune.plans.selective`) keeps the
-  outputs of some operations and recomputes the rest: a point between no checkpointing and
-  recomputing whole blocks.
+* ``sac-matmul``, ``sac-linear``, ``sac-lean``, ``sac-torchtitan``: selective plans (:data:`SELECTIVE`).
+  Every block is wrapped, and inside it a per-operation policy (:mod:`autotune.plans.selective`)
+  keeps the outputs of some operations and recomputes the rest: a point between no checkpointing
+  and recomputing whole blocks.
 * ``PLAN+offload`` (``0+offload``, ``all+offload``, ``sac-linear+offload``): the plan, and what it
   keeps for the backward pass (saved tensors of blocks not recomputed, the inputs recomputed
   blocks keep) held in host memory in between (:mod:`autotune.plans.offload`, ``--offload
@@ -104,14 +104,16 @@ MODIFIERS = (  # in the order a canonical name writes them
 class Selective:
     """A selective plan: which operations' outputs it keeps (the rest is recomputed), as groups of aten ops.
 
-    The groups (:mod:`autotune.plans.selective`): ``linear`` (``mm``/``addmm``), ``batched``
-    (``bmm``/``baddbmm``), ``attention`` (the fused attention kernels), ``convolution``.
+    The groups (:mod:`autotune.plans.selective`): ``linear`` (``mm``/``addmm``), ``mm`` (``mm`` alone: a linear
+    layer without a bias), ``batched`` (``bmm``/``baddbmm``), ``attention`` (the fused attention kernels),
+    ``convolution``, ``amax`` (``abs`` and the whole-tensor ``max``: float8's scaling factors).
     """
 
     prior: float  # the share of a block's activation memory it is expected to free: the memory model's prior
     keeps: str  # what it keeps, in words (the JSON and the exports' notes)
     save: tuple[str, ...]  # groups whose every output is kept
-    alternate: tuple[str, ...] = ()  # groups of which every other output is kept (counted per pass)
+    alternate: tuple[str, ...] = ()  # groups of which every other output is kept (counted per block call and pass)
+    auto: bool = True  # one of the plans --segments auto searches
 
 
 # The selective plans, listed once. Priors measured on TinyGPT, fp32, batch 16 (docs/plans.md, "Selective plans").
@@ -122,9 +124,15 @@ SELECTIVE = {
                           ("batched", "attention", "convolution"), alternate=("linear",)),
     "sac-linear": Selective(0.75, "keep the linear layers' outputs; recompute attention and the element-wise work",
                             ("linear",)),
+    # torchtitan's per-op policy as its Llama 3 rows ran it (December 2024): on a model whose linear layers have no
+    # bias and whose attention is fused it keeps what sac-lean keeps, so --segments auto leaves it to be named. It keeps
+    # nothing of TinyGPT's blocks (biases, attention written out): its prior is plan all's there (84% freed)
+    "sac-torchtitan": Selective(0.85, "keep attention, max/abs and every other mm output (torchtitan's per-op policy); "
+                                     "recompute addmm, bmm, convolutions and the element-wise work",
+                                ("attention", "amax"), alternate=("mm",), auto=False),
 }
-_HINT = ("0 (off), a segment count such as 2, all, everyN such as every2, sac-matmul, sac-linear, sac-lean (any of "
-         "them with +offload, +state or both), or auto")
+_HINT = ("0 (off), a segment count such as 2, all, everyN such as every2, sac-matmul, sac-linear, sac-lean, "
+         "sac-torchtitan (any of them with +offload, +state or both), or auto")
 
 
 class Plan(str):
@@ -346,7 +354,7 @@ def auto_plans(length: int) -> list[Plan]:
 
     ``0``, ``every4`` (a quarter of the blocks), the powers of two below ``length`` as segment
     counts (half, three quarters, ... of the blocks) and ``all``; plans that would recompute the
-    same blocks as an earlier one are left out. Then the selective plans.
+    same blocks as an earlier one are left out. Then the selective plans (but ``sac-torchtitan``, searched where named).
     """
     if length < 1:
         return [Plan(NONE)]
@@ -356,4 +364,4 @@ def auto_plans(length: int) -> list[Plan]:
         if plan.every and plan.every > length:
             continue
         seen.setdefault(plan.blocks(length), plan)
-    return plan_order([*seen.values(), *SELECTIVE], length)
+    return plan_order([*seen.values(), *(name for name, plan in SELECTIVE.items() if plan.auto)], length)
