@@ -33,6 +33,7 @@ from torch import nn
 from autotune.execution import job as distributed
 from autotune.training.wrapping import Wrapping
 from autotune.meters import TensorMeter
+from autotune.plans import cache
 from autotune.vocabulary import Plan
 from autotune.records import Config, TrialSettings
 from autotune.execution.trial import run_trial
@@ -96,10 +97,12 @@ def whole(tensors: dict[str, torch.Tensor], job) -> dict[str, torch.Tensor]:
             else t.detach().clone() for name, t in tensors.items()}
 
 
-def one_step(workload: Workload, plan: str, job, group, x=None, y=None, batch_size: int = 0) -> tuple[dict, dict]:
+def one_step(workload: Workload, plan: str, job, group, x=None, y=None, batch_size: int = 0,
+             cache_off: bool = False) -> tuple[dict, dict]:
     """The gradients of one step and the parameters after it, through autotune's Trainer (SGD: see the test).
 
-    The batch is ``((x, y), None)``, or the workload's own batch of ``batch_size``.
+    The batch is ``((x, y), None)``, or the workload's own batch of ``batch_size``. ``cache_off``: the model's
+    key/value cache off in training, as a plan that recomputes turns it off (autotune.plans.cache).
     """
     if group is not None:
         job.trials += 1  # each wrapping its own mesh, as autotune's trials have
@@ -107,6 +110,8 @@ def one_step(workload: Workload, plan: str, job, group, x=None, y=None, batch_si
                       parallel=None if group is None else Wrapping(job, group, torch.device("cpu")))
     trainer.build()
     model = trainer.run.model
+    if cache_off:
+        cache.turn_off(trainer.module)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = ((x, y), None) if x is not None else workload.make_batch(trainer.module, batch_size)
     with trainer.run.autocast():
@@ -147,9 +152,9 @@ def zoo_plans_under_the_wrappers(job) -> dict[str, float | str]:
             wjob = distributed.Job(wrapper, job.rank, job.world_size, job.local_rank, job.backend, job.control,
                                    trials=job.trials)
             grads = {}
-            for plan in ("0", "all", "2"):
+            for plan in ("0", "all", "2"):  # plan 0 with the cache off, as the plans that recompute turn it off
                 group = dist.new_group(backend="gloo")
-                grads[plan] = one_step(workload, plan, wjob, group, batch_size=member.batch_size)[0]
+                grads[plan] = one_step(workload, plan, wjob, group, batch_size=member.batch_size, cache_off=True)[0]
                 dist.destroy_process_group(group)
             job.trials = wjob.trials
             for plan in ("all", "2"):
