@@ -86,10 +86,6 @@ def test_past_the_budget_a_prediction_fails_where_the_measurement_does_with_the_
 
 # Where the meter does not see the same storages under fake tensors, and why (held within 1%):
 EXPLAINED = {
-    # transformers reads the attention mask's values on a real batch (all ones: no mask is built); under fake tensors
-    # it cannot, and builds the mask: the prediction holds the mask's bytes more
-    "distilbert": "transformers builds the attention mask it skips when a real mask is all ones",
-    "bart": "transformers builds the attention mask it skips when a real mask is all ones",
     # the CPU's mse_loss returns its scalar in a 64-byte storage, its fake kernel in a 4-byte one
     "compiled_block": "the CPU's mse_loss keeps its scalar in a larger storage than its fake kernel",
     "sequential_mlp": "the CPU's mse_loss keeps its scalar in a larger storage than its fake kernel",
