@@ -21,6 +21,7 @@ its value unknown instead.
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from typing import Any, Callable
@@ -235,9 +236,14 @@ def _shaped(func: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
 def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
     """The tensors ``func`` writes (its schema's mutable arguments, ``out=`` included), fake or real."""
     written: list[torch.Tensor] = []
-    for i, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+    for i, name, kwarg_only in _write_positions(func):
+        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
         written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
     return written
+
+
+@functools.lru_cache(maxsize=None)
+def _write_positions(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    """Where ``func``'s schema has arguments it writes: (position, name, keyword-only), looked up once per op."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
