@@ -16,7 +16,10 @@ CUDA's rules wherever they differ from the CPU's and change what is held:
   convolutions, attention) keep the CPU's autocast, cache included.
 - **what the caching allocator reserves**, from the trial's allocation trace by
   :mod:`autotune.meters.caching_allocator` (two cuBLAS workspaces first); the budget holds the reserved
-  prediction, as CUDA's meter holds the reserved figure;
+  prediction, as CUDA's meter holds the reserved figure. The trace keeps the stream each storage was made on, and
+  the allocator caches a block for its stream alone: FSDP2 selects its all-gather and reduce-scatter streams with
+  its device's ``stream`` context, ``torch.cpu.stream`` where the prediction runs on the CPU, so its gathered
+  blocks and reduced gradients are reserved on those streams as on a GPU;
 - **what NVML adds**: the CUDA context, an assumption (:data:`~autotune.meters.caching_allocator.CUDA_CONTEXT_BYTES`);
 - **the attention kernel**: ``scaled_dot_product_attention`` runs the kernel CUDA would choose for the planned
   GPU (flash, memory-efficient or math, :mod:`autotune.execution.cuda_attention`), not the CPU's; the report counts
@@ -281,13 +284,13 @@ class CudaRules:
             yield
         self.attention.update(calls)
 
-    def replayed(self, trace: tuple[tuple[int, int], ...], budget_bytes: int | None) -> Replay:
+    def replayed(self, trace: tuple[tuple[int, ...], ...], budget_bytes: int | None) -> Replay:
         """The allocator's statistics for a trial's allocation trace, its cuBLAS workspaces first, within the
         budget (``set_per_process_memory_fraction``'s rule: reserved bytes)."""
         workspaces = workspace_trace(cublas_workspace_bytes(*self.capability), threads=2)
         return replay([*workspaces, *trace], settings=self.allocator, capacity_bytes=budget_bytes)
 
-    def read(self, reading: MemoryReading, trace: tuple[tuple[int, int], ...],
+    def read(self, reading: MemoryReading, trace: tuple[tuple[int, ...], ...],
              budget_bytes: int | None) -> tuple[MemoryReading, str | None]:
         """A prediction's reading as CUDA's meter would give it (the budget compared with reserved bytes, NVML's
         figure beside), from the tensor meter's reading and allocation trace; and, where the modelled allocator
