@@ -290,3 +290,25 @@ def test_the_predicted_rank_is_a_real_gloo_ranks_peak_to_the_byte(tmp_path, wrap
         assert -moments_row <= second["peak_bytes"] - p.peak_bytes <= unit, (m.config, second, p.peak_bytes)
         exact += first["peak_bytes"] == p.peak_bytes
     assert exact >= len(measured.trials) // 2, exact
+
+
+def test_fsdp2_s_gathers_and_reductions_are_traced_on_its_own_streams(workload):
+    """FSDP2 makes each unit's all-gather buffers on its all-gather copy-in stream and the reduced gradients on its
+    reduce-scatter stream (``torch.cpu.stream`` here, as ``torch.cuda.stream`` on a GPU): the trace a CUDA plan replays
+    says so, and the caching allocator's model reserves more for them than for one stream, as a GPU's does."""
+    from autotune.meters.caching_allocator import replay
+
+    trainer = Trainer(workload, Config("fp32", "0", BATCH), torch.device("cpu"))
+    with one_rank("fsdp", 2, torch.device("cpu")) as ranks:
+        trainer.parallel = ranks.wrapping()
+        meter = TensorMeter("cpu", trace=True)
+        with fake_tensors(), meter.measure() as handle:
+            trainer.build()
+            trainer.step(workload.make_batch(trainer.module, BATCH))
+            trace = handle.trace
+        trainer.release()
+    on = {s: sum(1 for e in trace if e[0] > 0 and (e[2] if len(e) > 2 else 0) == s) for s in (1, 2)}
+    # a gather's buffer (its input a view of it) for each block in forward and backward and for the root once (it stays
+    # gathered from its forward to its backward); a reduction's output for each block and the root
+    assert on == {1: 2 * KWARGS["n_layer"] + 1, 2: KWARGS["n_layer"] + 1}
+    assert replay(trace).peak_reserved_bytes > replay([e[:2] for e in trace]).peak_reserved_bytes
