@@ -339,7 +339,7 @@ def test_offloaded_plans_are_bitwise_exact_and_lighter_on_the_device(member, pla
 # --- The run-time check ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "cnn_batchnorm", "per_layer_args"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "cnn_batchnorm", "per_layer_args"])  # llama: use_cache on, as loaded
 def test_check_plans_finds_the_zoo_exact(name):
     member = BY_NAME[name]
     _require(member)
