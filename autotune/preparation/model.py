@@ -45,10 +45,12 @@ class ModelFacts:
     gradient_bytes: int | None = None  # the parameters that require gradients (None: all of them)
     optimizer: dict[str, Any] | None = None  # the optimizer made here: its class, settings and source (the report's)
     training_cache: tuple[str, ...] = ()  # modules whose key/value cache a recomputing plan turns off (plans.cache)
+    trainable_parameter_count: int | None = None  # the parameters that require gradients (None: all of them)
 
     def state(self) -> dict[str, int]:
-        """What a step holds whatever the batch, by part: the weights, the gradients of the parameters that train,
-        and the optimizer's state (measured; where it could not be, AdamW's two moments of the trained ones)."""
+        """What a step holds whatever the batch, by part: the weights (frozen ones too), the gradients of the
+        parameters that train, and the optimizer's state (measured: an optimizer holds state for the parameters that
+        train only; where it could not be, AdamW's two moments of those)."""
         gradients = self.parameter_bytes if self.gradient_bytes is None else self.gradient_bytes
         optimizer = 2 * gradients if self.optimizer_state_bytes is None else self.optimizer_state_bytes
         return {"weights": self.parameter_bytes, "gradients": gradients, "optimizer_state": optimizer}
@@ -73,6 +75,7 @@ def preflight(target: Target) -> ModelFacts:
     facts = ModelFacts(type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() * p.element_size() for p in params), find_chain(model), None,
                        gradient_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+                       trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
                        training_cache=tuple(type(m).__name__ for m in training_caches(model)))
     del params
     try:
