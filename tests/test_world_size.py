@@ -246,6 +246,49 @@ def test_one_rank_under_fsdp2_s_mixed_precision_is_predicted_to_the_byte(spec, k
             assert peaks[(precision, "sac-torchtitan")] == peaks[(precision, "sac-lean")] < peaks[(precision, "0")]
 
 
+def test_a_frozen_models_ddp_rank_peaks_at_the_weights_broadcast_and_is_predicted_so():
+    """DDP's construction broadcasts every weight from rank 0, flattened into buckets (one here): the weights twice over,
+    for a moment. A step of a model whose weights are frozen (the zoo's LoRA Llama) holds them once and little else,
+    so at a small batch with every block recomputed the broadcast is the trial's peak. Predicted on the fake group
+    (torch's own broadcast run there) as a real gloo rank measures it, to the byte; before, the prediction skipped
+    the broadcast as below a step's peak, which it is not here (plan all: 306,536 bytes predicted, 344,384 measured)."""
+    import torch.distributed as dist
+
+    from autotune.execution.job import Job
+    from autotune.execution.predict import predict_trial
+    from autotune.execution.trial import run_trial
+    from autotune.records import TrialSettings
+    from autotune.training.wrapping import Wrapping
+
+    from tests.optional import needs
+    from tests.zoo import BY_NAME
+
+    member = BY_NAME["llama_lora"]
+    for package in member.needs:
+        needs(package)
+    load = Workload.from_specs(member.build)
+    load = load.with_chain(find_chain(load.build_model()))
+    settings = TrialSettings(measure_steps=1, settle_steps=0)
+    configs = [Config("fp32", plan, 2) for plan in ("0", "all")]
+    with one_rank("ddp", 1, torch.device("cpu")) as ranks:
+        predicted = [predict_trial(load, c, settings=settings, parallel=ranks.wrapping()) for c in configs]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        job = Job("ddp", 0, 1, 0, "gloo")
+        measured = []
+        for config in configs:
+            job.trials += 1
+            measured.append(run_trial(load, config, device="cpu", meter=TensorMeter("cpu"), settings=settings,
+                                      parallel=Wrapping(job, dist.group.WORLD, torch.device("cpu"))))
+    finally:
+        dist.destroy_process_group()
+    assert [m.status for m in measured] == ["ok", "ok"], [m.error for m in measured]
+    assert [p.peak_bytes for p in predicted] == [m.peak_bytes for m in measured]
+    model = load.build_model()
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    assert measured[1].peak_bytes == 2 * weights  # the broadcast's moment: the weights and their flat copy
+
+
 @pytest.mark.serial
 @pytest.mark.parametrize("wrapper,offload,grid", [("ddp", "none", AUTOCAST), ("fsdp", "none,state", AUTOCAST),
                                                   ("fsdp", "none", FSDP_MIXED)], ids=["ddp", "fsdp", "fsdp-bf16-fsdp"])
