@@ -228,8 +228,8 @@ def _shaped(func: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
     t = args[0] if args else None
     if not isinstance(t, FakeTensor):
         return args, kwargs
-    if t.device.type != "cpu":
-        return None
+    if t.device.type != "cpu" or t.requires_grad:
+        return None  # like a weight (an optimizer's zeroed state): what the data decides starts from no weight
     like = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) if func in _LIKE
             else torch.empty(0, dtype=t.dtype))
     return (like, *args[1:]), kwargs
