@@ -36,7 +36,7 @@ __all__ = ["Applied", "apply", "prepare", "accumulation_plan"]
 class Applied:
     """What a training loop needs to train with a recommendation."""
 
-    model: nn.Module  # with the checkpoint plan and fp32 modules applied (same parameters)
+    model: nn.Module  # with the checkpoint plan and fp32 modules applied, bf16-true: cast (the same parameters)
     precision: str
     segments: str  # the checkpoint plan's name
     micro_batch_size: int
@@ -53,7 +53,8 @@ class Applied:
     compile: str = EAGER  # the torch.compile mode ``model`` is compiled in ("none": eager)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The autocast context for the forward pass and the loss (a no-op for fp32, and for bf16-fsdp: FSDP2 casts)."""
+        """The autocast context for the forward pass and the loss (a no-op for fp32, for bf16-fsdp: FSDP2 casts, and
+        for bf16-true: the model is bf16)."""
         return get_mode(self.precision).autocast(self.device_type)
 
     @property
@@ -202,16 +203,18 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
 def prepare(model: nn.Module, *, precision: str, plan: str, chain: Chain | None, guard: GuardRails,
             device_type: str, micro_batch_size: int, accumulation_steps: int = 1, record_loss_scale: bool = False,
             record_grad_norm: bool = False, host_budget_bytes: int | None = None) -> Applied:
-    """Apply the guard rails' fp32 modules and the checkpoint plan to ``model`` in place; return its :class:`Applied`.
-    ``host_budget_bytes`` bounds what an offloading plan (``PLAN+offload``) holds in host memory. A plan ``PLAN+state``
+    """Apply the guard rails' fp32 modules, a true precision's dtype (bf16-true casts the model's floating parameters
+    and buffers, and its inputs at each call) and the checkpoint plan to ``model`` in place; return its
+    :class:`Applied`. ``host_budget_bytes`` bounds what an offloading plan (``PLAN+offload``) holds in host memory. A plan ``PLAN+state``
     prepares the model as ``PLAN`` does: the state's place is the wrapper's (FSDP2's ``CPUOffloadPolicy``).
 
     The one way a model is prepared for training: :func:`apply` for users, and every trial and
     probe candidate (recording loss scales, and for the probe gradient norms).
     """
-    keep_in_fp32(model, guard.fp32_modules, device_type)
-    applied_plan = apply_plan(model, plan, chain, host_budget_bytes=host_budget_bytes)
     mode = get_mode(precision)
+    keep_in_fp32(model, guard.fp32_modules, device_type)
+    mode.hold(model)  # bf16-true: the model cast to bf16, and its inputs at each call
+    applied_plan = apply_plan(model, plan, chain, host_budget_bytes=host_budget_bytes)
     return Applied(
         model=model,
         precision=mode.name,
