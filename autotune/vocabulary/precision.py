@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["Precision", "PRECISIONS", "PRECISION_NAMES", "HALF", "SIXTEEN_BIT", "FSDP_ONLY", "TRUE", "INIT_LOSS_SCALE",
-           "GROWTH_INTERVAL", "NOT_OFFERED", "ROUNDING_NOTE", "runs_where"]
+           "GROWTH_INTERVAL", "NOT_OFFERED", "ROUNDING_NOTE", "STOCHASTIC_ROUNDING", "rounding_notice", "runs_where"]
 
 INIT_LOSS_SCALE = 2.0**16  # fp16's GradScaler starts here (the practitioner's guide): halve on inf/NaN, grow when quiet
 GROWTH_INTERVAL = 2000  # fp16: clean steps before the scale doubles (GradScaler's default, stated for the exports)
@@ -95,7 +95,18 @@ NOT_OFFERED = {
 ROUNDING_NOTE = ("{name} holds the weights in {dtype}, 8 significant bits: an update smaller than half a unit in the "
                  "last place of its weight (2**-9 to 2**-8 of the weight's magnitude: 0.002 to 0.004 on a weight of "
                  "1.0) rounds back to the weight and is lost, where fp32 master weights would keep it; the probe "
-                 "counts the updates lost")
+                 "counts the updates lost ({lost}). Stochastic rounding keeps them on average: {remedy}")
+# An optimizer that rounds bf16 weights stochastically (torchao 0.18: torchao.optim._AdamW, AdamW8bit, AdamW4bit and
+# AdamWFp8 take bf16_stochastic_round; _AdamW keeps AdamW's state in the parameters' dtype)
+STOCHASTIC_ROUNDING = ("--optimizer torchao.optim:_AdamW --optimizer-kwargs '{\"bf16_stochastic_round\": true}' "
+                       "(or torchao.optim:AdamW8bit with it, for 8-bit state too)")
+
+
+def rounding_notice(name: str, *, torchao: bool) -> str:
+    """:data:`ROUNDING_NOTE` for the true mode ``name``, naming torchao's stochastic rounding (installed here or not:
+    ``torchao``)."""
+    remedy = STOCHASTIC_ROUNDING + (", torchao installed here" if torchao else ", after pip install torchao")
+    return ROUNDING_NOTE.format(name=name, dtype=PRECISIONS[name].weight_dtype, lost="its lost_updates", remedy=remedy)
 
 
 def runs_where(autocast_modes: list[str]) -> list[str]:
