@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from typing import Any
 
 import torch
@@ -64,10 +65,17 @@ class EightBitLayout(torch.optim.Optimizer):
                      absmax2=torch.zeros(blocks, dtype=torch.float32, device=p.device))
 
 
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:  # in sys.modules without a spec: None there means its import is blocked
+        return sys.modules.get(package) is not None
+
+
 def stand_in(spec: Any, *, planned_cuda: bool) -> tuple[Any, str | None]:
     """``--optimizer`` as given, or for a CUDA plan naming bitsandbytes' 8-bit AdamW where bitsandbytes is not
     installed, :class:`EightBitLayout` and the notice that says so."""
-    if not planned_cuda or spec not in EIGHT_BIT_NAMES or importlib.util.find_spec("bitsandbytes") is not None:
+    if not planned_cuda or spec not in EIGHT_BIT_NAMES or _installed("bitsandbytes"):
         return spec, None
     return EightBitLayout, (f"--optimizer {spec}: bitsandbytes is not installed here, so its state is predicted from "
                             f"its layout (8-bit moments, a float32 absmax per block of {EIGHT_BIT_BLOCK}, 32-bit "

@@ -86,7 +86,8 @@ NOT_OFFERED = {
     "fp16-true": "fp16-true (weights, gradients and optimizer state in fp16) is not offered: a GradScaler cannot "
                  "unscale fp16 gradients, and without a loss scale AdamW's second moment (a thousandth of the "
                  "squared gradient) underflows to zero while its eps of 1e-8 rounds to 0 in fp16, so the first step "
-                 "divides by zero (every weight of the bundled TinyGPT and ResNetish was inf or NaN after one step). "
+                 "divides by zero (after one step at lr 1e-4, 642,855 of TinyGPT's 642,944 weights were inf or NaN: "
+                 "results/true_precision-cpu.md). "
                  "Search bf16-true where the device has bf16, or fp16 (autocast, fp32 master weights) with an "
                  "optimizer of less state (--optimizer bitsandbytes.optim:AdamW8bit)",
 }
