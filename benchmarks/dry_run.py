@@ -271,10 +271,12 @@ def main() -> None:
         with open(os.path.join(args.out, "dry_run-cpu.json")) as f:
             data = {**json.load(f), "environment": data["environment"]}
     names = args.only or (("plan_kinds", "exact_limits") if args.quick else SECTIONS)
-    data.update({name: SECTIONS[name](args.out) for name in names})
-    with open(os.path.join(args.out, "dry_run-cpu.json"), "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+    os.makedirs(os.path.join(args.out, ".tmp"), exist_ok=True)  # the CLI runs' reports
+    for name in names:  # written after each section: a later one that fails keeps the earlier ones' work
+        data[name] = SECTIONS[name](args.out)
+        with open(os.path.join(args.out, "dry_run-cpu.json"), "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
     with open(os.path.join(args.out, "dry_run-cpu.md"), "w") as f:
         f.write(markdown(data))
     print(markdown(data))
