@@ -52,3 +52,16 @@ def test_the_adapters_are_counted_as_peft_counts_lora_on_every_linear_layer():
     trained = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     assert counted == trained and layers == 2 * 7  # q, k, v, o, gate, up, down in each block
     assert adapter_parameters(_model("autotune.examples:ResNetish"), None) == (0, 0)  # no blocks: no lever
+
+
+def test_a_model_with_frozen_parameters_is_offered_no_adapters():
+    from autotune.training.state import smaller_state
+
+    model = _model("autotune.examples:TinyGPT")
+    chain = find_chain(model)
+    parts = {"weights": 1, "gradients": 1, "optimizer_state": 10**9}
+    assert smaller_state(model, chain, OptimizerSpec(), 1e-4, parts, true_runs=True,
+                         true_searched=False).adapter_parameters > 0
+    model.lm_head.weight.requires_grad_(False)  # tied to the embedding: both frozen, as a PEFT base is
+    offered = smaller_state(model, chain, OptimizerSpec(), 1e-4, parts, true_runs=True, true_searched=False)
+    assert offered.adapter_parameters == 0 and offered.true_parts is not None

@@ -87,12 +87,13 @@ def smaller_state(model: nn.Module, chain: Chain | None, spec: OptimizerSpec, lr
                   true_runs: bool, true_searched: bool) -> SmallerState:
     """The figures of every lever for ``model``'s state (``state``: the parts counted, the optimizer's included):
     bf16-true where the device runs it and it was not what was counted, the 8-bit and factored optimizers where their
-    state is smaller than the optimizer's, the adapters where the blocks have Linear layers."""
+    state is smaller than the optimizer's, the adapters where the blocks have Linear layers and nothing is frozen."""
     trained = [p for p in model.parameters() if p.requires_grad]
     eight_bit = eight_bit_state_bytes(p.numel() for p in trained)
     factored = factored_state_bytes(trained)
     true = held_parts(model, spec, lr, torch.bfloat16) if true_runs and not true_searched else None
-    adapters, layers = adapter_parameters(model, chain)
+    # a model with frozen parameters (a PEFT model's base) has its adapters already: no lever of adapters to offer
+    adapters, layers = adapter_parameters(model, chain) if len(trained) == len(list(model.parameters())) else (0, 0)
     below = state["optimizer_state"]
     return SmallerState(
         true_parts=true if true is not None and true["optimizer_state"] is not None else None,
