@@ -269,7 +269,9 @@ def main() -> None:
             "environment": {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__}}
     if args.only:
         with open(os.path.join(args.out, "dry_run-cpu.json")) as f:
-            data = {**json.load(f), "environment": data["environment"]}
+            kept = json.load(f)
+        data = {**kept, "environment": data["environment"],
+                "command": f"{kept['command']}, then python benchmarks/dry_run.py --only {' '.join(args.only)}"}
     names = args.only or (("plan_kinds", "exact_limits") if args.quick else SECTIONS)
     os.makedirs(os.path.join(args.out, ".tmp"), exist_ok=True)  # the CLI runs' reports
     for name in names:  # written after each section: a later one that fails keeps the earlier ones' work
