@@ -97,9 +97,9 @@ def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["Model
         why, failed = exc.cause, exc
     workload = target.workload
     real = getattr(workload.model_factory, "real", None)  # a build that read values: fake copies of a real one
-    with mode:  # the state the preflight did not get to size: weights, gradients and two moments, about
-        model = workload.build_model(seed=0)
-        state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    with mode:  # the state the preflight did not get to size: weights, and gradients and two moments of those that
+        model = workload.build_model(seed=0)  # train, about
+        state = sum((4 if p.requires_grad else 1) * p.numel() * p.element_size() for p in model.parameters())
     name = type(model).__name__  # as the Predictor's notices name it
     searching = target.searching
     ranks = (searching.parallel, searching.world_size) if searching.world_size else None  # one rank, on a fake group

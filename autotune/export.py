@@ -426,6 +426,12 @@ def _common_notes(ctx: _Context, report: Report, framework: str) -> list[str]:
                      f"measured (a recompute would write it again): {APPLY_HINT} turns it off so, and transformers does "
                      f"itself under its own gradient checkpointing; applied any other way, pass use_cache=False in "
                      f"training")
+    trainable, total = report.workload.get("trainable_parameter_count"), report.workload.get("parameter_count")
+    if trainable is not None and total and trainable < total:
+        notes.append(f"the model trains {trainable:,} of its {total:,} parameters (the rest frozen: an adapter's, as a "
+                     f"PEFT model's), as measured: train the model your factory returns, as it is; the adapter's own "
+                     f"settings (its rank, alpha, target modules) are the model's, which this export neither reads nor "
+                     f"changes, and another adapter is another model to tune")
     if report.guard.fp32_modules:
         notes.append(f"the trials kept {', '.join(report.guard.fp32_modules)} in fp32; this export does not: "
                      f"{APPLY_HINT} does")

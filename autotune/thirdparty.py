@@ -5,11 +5,14 @@ Each factory builds a model with random weights (nothing is downloaded) and give
 
     python -m autotune --model autotune.thirdparty:gpt2 --model-kwargs '{"n_layer": 12, "seq_len": 512}'
     python -m autotune --model autotune.thirdparty:timm_model --model-kwargs '{"name": "vit_small_patch16_224"}'
+    python -m autotune --model autotune.thirdparty:hf_lora --model-kwargs '{"model_type": "llama", "r": 8}'
 
 With ``--data`` the user's own batches are used instead. Transformers take a dict batch with
 ``labels`` and return an output with ``.loss``; timm models take ``(images, labels)`` and get a
 cross-entropy ``loss(output, target)`` method. autotune finds the checkpoint chain in their block
-lists (``transformer.h``, ``bert.encoder.layer``, ``blocks``) like any other model.
+lists (``transformer.h``, ``bert.encoder.layer``, ``blocks``) like any other model. :func:`hf_lora` puts a PEFT LoRA
+adapter on a causal language model (the base frozen): autotune trains it as it is, its blocks found inside PEFT's
+wrappers (``base_model.model.model.layers``).
 
 :func:`library_checkpointing` turns on the library's own per-layer checkpointing
 (``activation_checkpointing_enable()``, timm's ``set_grad_checkpointing()``), which the tuner
@@ -20,14 +23,15 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from autotune.errors import UsageError
+from autotune.errors import UsageError, first_line
 
-__all__ = ["INSTALLABLE", "not_found", "hf_causal_lm", "hf_masked_lm", "gpt2", "bert", "timm_model", "library_checkpointing", "training_caches"]
+__all__ = ["INSTALLABLE", "not_found", "hf_causal_lm", "hf_masked_lm", "hf_lora", "gpt2", "bert", "timm_model",
+           "library_checkpointing", "training_caches"]
 
 
 # Packages users name in --optimizer (or --model, --data), by the names pip installs them under: the optimizers with
@@ -47,11 +51,13 @@ def not_found(exc: ModuleNotFoundError, module_name: str) -> str:
     return f"importing {module_name!r} failed: {exc}"
 
 
-def _require(package: str) -> Any:
+def _require(package: str, extra: str | None = None) -> Any:
+    """Import ``package``, or say in one line what to install (``extra``: autotune's optional extra that brings it)."""
     try:
         return __import__(package)
     except ImportError as exc:
-        raise UsageError(f"this model needs {package} ({exc}): pip install {package}") from None
+        also = f" (autotune's extra {extra!r} brings it)" if extra else ""
+        raise UsageError(f"this model needs {package} ({exc}): pip install {package}{also}") from None
 
 
 def _hf_config(model_type: str, config: dict[str, Any]) -> Any:
@@ -107,6 +113,24 @@ def hf_masked_lm(model_type: str = "bert", seq_len: int | None = None, mask_shar
 
     model.example_batch = types.MethodType(example_batch, model)
     return model
+
+
+def hf_lora(model_type: str = "llama", seq_len: int | None = None, *, r: int = 8, lora_alpha: int = 16,
+            target_modules: Sequence[str] = ("q_proj", "v_proj"), lora_dropout: float = 0.0, **config: Any) -> nn.Module:
+    """A causal language model (:func:`hf_causal_lm`) with a PEFT LoRA adapter: the base frozen, the adapter trained.
+
+    ``r``, ``lora_alpha``, ``target_modules`` and ``lora_dropout`` are PEFT's ``LoraConfig`` fields (the defaults:
+    rank 8 on the attention's query and value projections, as LitGPT's and PEFT's examples train); ``config`` goes to
+    the model type's config class. Needs peft (``pip install peft``, or autotune's ``peft`` extra).
+    """
+    peft = _require("peft", extra="peft")
+    model = hf_causal_lm(model_type, seq_len, **config)
+    adapter = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules),
+                              lora_dropout=lora_dropout, task_type="CAUSAL_LM")
+    try:
+        return peft.get_peft_model(model, adapter)
+    except ValueError as exc:  # target modules the model lacks
+        raise UsageError(f"peft: {first_line(exc)}") from None
 
 
 def gpt2(seq_len: int | None = None, **config: Any) -> nn.Module:

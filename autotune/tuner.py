@@ -223,6 +223,11 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             **({"state_by_precision": facts.held} if facts.held else {}),
             "parameter_count": facts.parameter_count,
             "parameter_bytes": facts.parameter_bytes,
+            # the parameters that train: the gradients and the optimizer's state are theirs (an adapter's, over frozen
+            # weights)
+            "trainable_parameter_count": (facts.parameter_count if facts.trainable_parameter_count is None
+                                          else facts.trainable_parameter_count),
+            "trainable_parameter_bytes": facts.state()["gradients"],
             "chain": None if facts.chain is None else facts.chain.to_dict(),
             "library_checkpointing": facts.library_checkpointing,
             "training_cache": list(facts.training_cache),

@@ -396,7 +396,7 @@ def predict_traced(workload: Workload, config: Config, device: torch.device, set
     run = predict._Predicted(workload.unwarmed(), config, device, settings)
     meter = TensorMeter(device, trace=True)
     try:
-        with predict.fake_tensors(), predict._AsTheKernelsDo(), rules.applied(), meter.measure():
+        with predict.fake_tensors(), predict._AsTheKernelsDo(cuda=True), rules.applied(), meter.measure():
             run.build()
             for _ in range(steps):
                 run.step(run.batch)

@@ -50,6 +50,32 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+def _global_state() -> dict:
+    """torch's process-wide settings a test could leave changed: the module after it would run under them."""
+    import sys
+
+    state = {"threads": torch.get_num_threads(), "default_dtype": torch.get_default_dtype(),
+             "deterministic": torch.are_deterministic_algorithms_enabled(), "grad": torch.is_grad_enabled(),
+             "matmul_precision": torch.get_float32_matmul_precision()}
+    for name in ("torch._inductor.config", "torch._dynamo.config", "torch._functorch.config"):
+        config = sys.modules.get(name)  # imported by a test that compiles: compared from then on
+        if config is not None:
+            state.update({f"{name}.{key}": value for key, value in config.get_config_copy().items()
+                          if not callable(value)})
+    return state
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _global_state_put_back():
+    """Every module leaves torch's global configuration as it found it, so that the suite passes in any order and
+    in one process (a module that changed inductor's config broke the next one that compiled)."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    changed = {key: (before[key], after[key]) for key in before if key in after and before[key] != after[key]}
+    assert not changed, f"this module left torch's global configuration changed: {changed}"
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)

@@ -91,10 +91,11 @@ def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, WIDTH, generator=g), torch.randn(GLOBAL_BATCH, generator=g)
 
 
-def whole(tensors: dict[str, torch.Tensor], job) -> dict[str, torch.Tensor]:
-    """Each tensor whole: FSDP2's dim-0 shards (DTensors) gathered on the control group, in rank order."""
+def whole(tensors: dict[str, torch.Tensor | None], job) -> dict[str, torch.Tensor]:
+    """Each tensor whole: FSDP2's dim-0 shards (DTensors) gathered on the control group, in rank order; a None (a
+    frozen parameter's gradient) left out."""
     return {name: torch.cat(job.gather(t.to_local().detach().clone()), dim=0) if hasattr(t, "to_local")
-            else t.detach().clone() for name, t in tensors.items()}
+            else t.detach().clone() for name, t in tensors.items() if t is not None}
 
 
 def one_step(workload: Workload, plan: str, job, group, x=None, y=None, batch_size: int = 0,
@@ -124,16 +125,21 @@ def one_step(workload: Workload, plan: str, job, group, x=None, y=None, batch_si
 
 
 def largest_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():  # a gradient made in one step only
+        return float("inf")
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) if b[k].abs().max() > 0
                else float((a[k] - b[k]).abs().max()) for k in b)
 
 
-ZOO = ("cnn_batchnorm", "per_layer_args", "dropout_experts", "t5", "mixtral")  # BatchNorm, per-layer arguments,
-# dropout and experts, an encoder-decoder whose first blocks compute what the others get, routed experts
+ZOO = ("cnn_batchnorm", "per_layer_args", "dropout_experts", "t5", "mixtral", "llama_lora")  # BatchNorm, per-layer
+# arguments, dropout and experts, an encoder-decoder whose first blocks compute what the others get, routed experts, a
+# LoRA adapter over a frozen base (parameters with and without gradients in one FSDP2 unit)
+MORE_PLANS = {"llama_lora": {"ddp": ("all+offload",), "fsdp": ("all+offload", "0+state")}}  # offload, FSDP2's host state
 
 
-def zoo_plans_under_the_wrappers(job) -> dict[str, float | str]:
-    """Per zoo model, wrapper and plan: one step's gradients against plan 0's under the same wrapper."""
+def zoo_plans_under_the_wrappers(job, trained: dict[str, list[str]]) -> dict[str, float | str]:
+    """Per zoo model, wrapper and plan: one step's gradients against plan 0's under the same wrapper; ``trained``
+    gets the parameters with a gradient, per model and wrapper."""
     from autotune.plans.checkpointing import find_chain
     from tests.zoo import BY_NAME
 
@@ -152,12 +158,14 @@ def zoo_plans_under_the_wrappers(job) -> dict[str, float | str]:
             wjob = distributed.Job(wrapper, job.rank, job.world_size, job.local_rank, job.backend, job.control,
                                    trials=job.trials)
             grads = {}
-            for plan in ("0", "all", "2"):  # plan 0 with the cache off, as the plans that recompute turn it off
+            plans = ("0", "all", "2", *MORE_PLANS.get(name, {}).get(wrapper, ()))
+            for plan in plans:  # plan 0 with the cache off, as the plans that recompute turn it off
                 group = dist.new_group(backend="gloo")
                 grads[plan] = one_step(workload, plan, wjob, group, batch_size=member.batch_size, cache_off=True)[0]
                 dist.destroy_process_group(group)
             job.trials = wjob.trials
-            for plan in ("all", "2"):
+            trained[f"{name}/{wrapper}"] = sorted(grads["0"])
+            for plan in plans[1:]:
                 found[f"{name}/{wrapper}/{plan}"] = largest_relative_difference(grads[plan], grads["0"])
     return found
 
@@ -281,7 +289,7 @@ def main(out: str) -> None:
     found["state_offload"] = state_offload_trials(job, workload, half)
     found["sharded_builds"] = sharded_builds(job)
     found["states"] = optimizer_states(job, {"adamw": workload, "sgd": sgd})
-    found["zoo"] = zoo_plans_under_the_wrappers(job)
+    found["zoo"] = zoo_plans_under_the_wrappers(job, found.setdefault("zoo_trained", {}))
     if job.rank == 0:
         found["parameter_bytes"] = sum(p.numel() * 4 for p in Wide().parameters())
         found["block_bytes"] = sum(p.numel() * 4 for p in Block().parameters())

@@ -19,6 +19,8 @@ from autotune.examples import ResNetish, TinyGPT
 from autotune.meters import AllocatorMeter, TensorMeter
 from autotune.meters.oom import BudgetExceededError
 
+from tests.inductor import cheap_inductor
+
 ROOT = Path(__file__).resolve().parents[1]
 GPT = {"n_layer": 2, "n_embd": 64, "block_size": 64}
 RESNET = {"depth": 2, "channels": 16, "image_size": 16}
@@ -208,13 +210,7 @@ IN, HIDDEN, ROWS = 32, 8192, 512  # the hidden activation, ROWS x HIDDEN fp32: 1
 @pytest.fixture(scope="module")
 def mlp(tmp_path_factory):
     """A two-layer MLP, its batch, and its loss eager and compiled (compiled once here, outside any meter)."""
-    import torch._inductor.config as inductor
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
-        patch.setattr(inductor.cpp, "vec_isa_ok", False)  # scalar kernels: no g++ probe of each vector ISA (~20 s)
-        patch.setattr(inductor, "cpp_cache_precompile_headers", False)  # /tmp/torchinductor_<user>, not the cache
-        patch.setattr(inductor, "compile_threads", 1)  # no pool of compile workers left running after the module
+    with cheap_inductor(tmp_path_factory.mktemp("inductor-cache")):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
         x = torch.randn(ROWS, IN)

@@ -299,6 +299,22 @@ def test_the_trace_follows_allocations_frees_resizes_moves_and_passing_peaks():
     del b, c
 
 
+def test_the_trace_says_which_stream_made_each_storage_and_the_replay_caches_for_it():
+    """torch.cpu.stream, as code written for any device selects a stream (FSDP2 gathers and reduces on its own): a
+    storage made on another stream than the region's first carries that stream's number, counted from 1."""
+    meter, side = TensorMeter(trace=True), torch.cpu.Stream()
+    with meter.measure() as h:
+        a = torch.empty(3 * MiB, dtype=torch.uint8)
+        with torch.cpu.stream(side):
+            b = torch.empty(3 * MiB, dtype=torch.uint8)
+        del a, b
+        c = torch.empty(3 * MiB, dtype=torch.uint8)
+    assert h.trace == ((3 * MiB, 1), (3 * MiB, 2, 1), (-3 * MiB, 1), (-3 * MiB, 2), (3 * MiB, 3))
+    assert replay(h.trace).peak_reserved_bytes == 40 * MiB  # one 20 MiB segment a stream; c reuses stream 0's
+    assert replay([event[:2] for event in h.trace]).peak_reserved_bytes == 20 * MiB  # one stream: one segment
+    del c
+
+
 def test_a_refused_allocation_leaves_no_trace():
     meter = TensorMeter(budget_bytes=1500, trace=True)
     with meter.measure() as h:

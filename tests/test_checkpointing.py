@@ -138,6 +138,12 @@ def test_find_chain():
     assert find_chain(nn.Linear(3, 3)) is None
     leaves = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))  # torch.nn layers are not blocks
     assert find_chain(leaves) is None
+    keyed = nn.Module()  # torchtitan's models keep their blocks in an nn.ModuleDict keyed by layer number
+    keyed.layers = nn.ModuleDict({str(i): TupleBlock(4) for i in range(3)})
+    keyed.norms = nn.ModuleDict({"a": nn.LayerNorm(4), "b": nn.LayerNorm(4)})
+    chain = find_chain(keyed)
+    assert (chain.blocks, chain.containers, chain.block_types) == (
+        ("layers.0", "layers.1", "layers.2"), ("layers",), ("TupleBlock",))
 
 
 def test_blocks_inside_blocks_are_not_blocks_and_every_container_counts():

@@ -16,6 +16,7 @@ from autotune.execution.trial import TrialWork
 from autotune.export import export
 from autotune.records import Config, TrialSettings
 from autotune.training.workload import Workload
+from tests.inductor import cheap_inductor
 from tests.models import BatchNormDropout, NoChain
 
 # A cold compile of the search's two graphs (plans 0 and all, forward and backward) takes one to two minutes beside
@@ -42,31 +43,18 @@ def searched(tmp_path_factory):
     import torch._dynamo
 
     work, cache = tmp_path_factory.mktemp("compiled-search"), tmp_path_factory.mktemp("inductor-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        _cheap_inductor(patch, cache)
+    with cheap_inductor(cache, workers=True), pytest.MonkeyPatch.context() as patch:
         patch.chdir(work)
         report = autotune.tune(MODEL, storage=f"sqlite:///{cache}/s.db", **SEARCH)
     torch._dynamo.reset()
     return report, sorted(os.listdir(work))
 
 
-def _cheap_inductor(patch: pytest.MonkeyPatch, cache) -> None:
-    """Inductor's cache in ``cache``; scalar kernels, no precompiled header, no pool of compile workers (here, and
-    by the environment in a worker process this test starts)."""
-    import torch._inductor.config as inductor
-
-    patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
-    for name, value in (("VEC_ISA_OK", "0"), ("CPP_CACHE_PRECOMPILE_HEADERS", "0"), ("COMPILE_THREADS", "1")):
-        patch.setenv(f"TORCHINDUCTOR_{name}", value)
-    patch.setattr(inductor.cpp, "vec_isa_ok", False)
-    patch.setattr(inductor, "cpp_cache_precompile_headers", False)
-    patch.setattr(inductor, "compile_threads", 1)
-
-
 @pytest.fixture
-def cheap_compile(tmp_path, monkeypatch):
+def cheap_compile(tmp_path):
     """For a test that compiles a small model of its own: the module fixture's cheaper inductor."""
-    _cheap_inductor(monkeypatch, tmp_path / "inductor-cache")
+    with cheap_inductor(tmp_path / "inductor-cache", workers=True):
+        yield
 
 
 def test_every_configuration_is_measured_eager_and_compiled(searched):

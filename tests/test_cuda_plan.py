@@ -191,6 +191,37 @@ def test_a_cuda_plan_steps_torch_optim_as_cuda_does(no_gpu):
         assert _default_to_fused_or_foreach([torch.nn.Linear(2, 2).weight], False) == (False, False)  # put back
 
 
+def _dropout_backward(p: float = 0.1, training: bool = True) -> str:
+    with fake_tensors():
+        out = F.dropout(torch.randn(64, 64, requires_grad=True), p, training=training)
+        return type(out.grad_fn).__name__
+
+
+def test_a_cuda_plan_keeps_dropouts_bool_mask_as_cuda_does(no_gpu):
+    """CUDA's dropout is the fused native_dropout, keeping a bool mask (one byte an element); the CPU's multiplies by a
+    noise tensor of the input's dtype and keeps it (four bytes in float32)."""
+    from autotune.execution.cuda_rules import dropout_as_on_cuda
+
+    assert _dropout_backward() == "MulBackward0"
+    with dropout_as_on_cuda():
+        assert _dropout_backward() == "NativeDropoutBackward0"
+        assert _dropout_backward(p=0.0) == _dropout_backward(training=False) == "NoneType"  # the input itself
+        assert _dropout_backward(p=1.0) == "MulBackward0"  # zeros, as on every device
+    assert _dropout_backward() == "MulBackward0"  # put back
+
+    # TinyGPT with dropout on the attention scores and after each block's sublayers: CUDA's masks are a quarter of
+    # the CPU's noise, so the prediction holds 3 bytes less for each element dropped out and kept for backward
+    kwargs = {**TINY, "dropout": 0.1}
+    workload = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=kwargs)
+    rules = CudaRules.for_this_machine()
+    config = Config("fp32", "0", 8)
+    cpu, cuda = predict_trial(workload, config), predict_trial(workload, config, cuda=rules)
+    workspaces = 2 * cublas_workspace_bytes(*rules.capability)
+    batch, seq, width, heads = 8, kwargs["block_size"], kwargs["n_embd"], kwargs["n_head"]
+    masks = kwargs["n_layer"] * (heads * seq * seq + 2 * seq * width) + seq * width  # scores, two sublayers, embedding
+    assert cuda.peak_allocated_bytes - workspaces <= cpu.peak_bytes - 3 * batch * masks + 512 * 400
+
+
 def test_the_planned_gpu_is_described_by_its_capability_and_context(no_gpu, tmp_path, capsys):
     space = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", '{"n_layer": 2, "n_embd": 32, "n_head": 4}',
              "--device", "cuda", "--budget", "1GiB", "--segments", "0", "--batch-sizes", "8", "--dry-run", "--quiet"]

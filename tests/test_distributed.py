@@ -316,6 +316,14 @@ def test_ddp_and_fsdp_steps_match_one_process_and_fsdp_shards_memory(tmp_path, p
     assert not [k for k, v in zoo.items() if isinstance(v, str) and (transformers_here or "transformers" not in v)]
     exact = {k: v for k, v in zoo.items() if not isinstance(v, str)}
     assert len(exact) >= 12 and all(v == 0.0 for v in exact.values()), exact
+    # The LoRA adapter over a frozen Llama, under DDP and under FSDP2 (frozen and trained parameters in one unit):
+    # plans all and 2, all+offload, and FSDP2's state in host memory (0+state) train as plan 0 does, and only the
+    # adapter gets gradients, 2 matrices on 2 projections in each of 4 layers
+    if "llama_lora" not in zoo:
+        assert {"llama_lora/ddp/all+offload", "llama_lora/fsdp/0+state"} <= exact.keys(), exact
+        for wrapper in ("ddp", "fsdp"):
+            trained = found["zoo_trained"][f"llama_lora/{wrapper}"]
+            assert len(trained) == 16 and all("lora_" in p for p in trained), (wrapper, trained)
     # Under FSDP2 a rank's build never holds the whole model: it is sharded on the meta device and only the rank's
     # shards and the buffers are made (measured: 2.11 MB of Wide's 4.22 MB of weights on each rank; built whole, as
     # before, 4.74 MB: the whole model and the first block's shard), and they get the workload's own values, bitwise,

@@ -132,21 +132,29 @@ def test_the_readme_is_a_short_front_page():
 
 
 def test_the_readmes_test_command_is_what_ci_runs():
-    """CI installs the same torch and extras as the quick start's test command, then runs the same pytest."""
+    """CI installs the same torch and extras as the quick start's test command, in a virtual environment there, then
+    runs the same command (``python3 -m tests``: every test, the serial ones alone after the rest)."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    command = next(line for line in readme.split("\n") if line.startswith("pip install") and "pytest" in line)
-    install, _, run = command.partition(" && ")
+    command = next(line for line in readme.split("\n") if "pip install" in line and "-m tests" in line)
+    steps = [step.strip() for step in command.split(" && ")]
+    assert steps[0].startswith("python3 -m venv ") and steps[1].startswith(". ") and "/bin/activate" in steps[1]
+    install, run = next(s for s in steps if s.startswith("pip install")), steps[-1]
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     ci_install = next(line for line in ci.split("\n") if "pip install" in line and "torch==" in line and "-e" in line)
     wanted = [w for w in shlex.split(install) if w.startswith("torch==") or w == "-e" or w.startswith(".")]
     got = [w for w in shlex.split(ci_install) if w.startswith("torch==") or w == "-e" or w.startswith(".")]
     assert got == wanted
-    # CI runs the same command in two calls (the tests marked serial alone, the rest on two processes): the
-    # same tests, each call the README's command with a marker expression.
-    calls = [line.split(" ||")[0].strip() for line in ci.split("\n") if line.startswith(run.strip())]
-    assert calls and all(c == run.strip() or c.startswith(run.strip() + " -m ") for c in calls), calls
-    markers = {shlex.split(c)[shlex.split(c).index("-m", 2) + 1] for c in calls if c != run.strip()}
-    assert markers in ({"serial", "not serial"}, set()), markers
+    calls = [line.split(" ||")[0].strip() for line in ci.split("\n")
+             if line.strip().startswith("python3 -m ") and " pip " not in line]
+    assert run == "python3 -m tests" and calls == [run], calls
+
+
+def test_the_quick_start_spells_python_one_way():
+    """The quick start's commands say python3 throughout (a fresh Debian has no ``python``)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme[readme.index("## Quick start"):readme.index("## The command line at a glance")]
+    blocks = re.findall(r"```\n(.*?)```", start, re.DOTALL)
+    assert blocks and not [b for b in blocks if re.search(r"(?<![\w.])python(?!3)", b)], blocks
 
 
 def test_the_flag_reference_has_every_flag():

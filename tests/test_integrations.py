@@ -89,6 +89,34 @@ def test_a_hugging_face_trainer_is_tuned_and_then_trains_the_recommendation_with
     assert trainer.state.global_step == 64 // 16  # 64 examples, a global batch of 16
 
 
+def test_a_trainer_of_a_peft_model_is_tuned_and_trains_only_the_adapter(tmp_path):
+    """The docs' trainer with its GPT-2 under a LoRA adapter (PEFT): tuned as it is (the trainer's optimizer over the
+    adapter, the state counted its alone), written back, and its own training changes the adapter and nothing else."""
+    from autotune.integrations.transformers import tune_trainer
+
+    hf = example("tune_hf_trainer", "transformers")
+    peft = needs("peft")
+    from transformers import Trainer
+
+    base = hf.make_trainer(str(tmp_path / "hf"))
+    model = peft.get_peft_model(base.model, peft.LoraConfig(r=8, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                            task_type="CAUSAL_LM"))
+    trainer = Trainer(model=model, args=base.args, train_dataset=base.train_dataset, data_collator=base.data_collator)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    report = tune_trainer(trainer, budget="24MiB", precisions="fp32", segments="0,all", measure_steps=1, probe=False,
+                          storage=f"sqlite:///{tmp_path}/s.db", compare_library=False)
+    workload = report.workload
+    assert workload["chain"]["containers"] == ["base_model.model.transformer.h"]
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert workload["trainable_parameter_count"] == count < workload["parameter_count"]
+    assert 0 < workload["optimizer"]["state_bytes"] < 3 * 4 * count  # Adafactor's factored state, of the adapter
+    assert trainer.args.per_device_train_batch_size == report.recommendation.batch_size
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == trainable
+
+
 def test_a_trainer_that_cannot_fit_is_left_as_it_was(tmp_path):
     from autotune.integrations.transformers import tune_trainer
 

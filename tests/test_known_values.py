@@ -120,3 +120,27 @@ def test_the_prediction_of_a_transformers_model_follows_the_real_kernel(tmp_path
         measured = run_trial(workload.unwarmed(), config, device="cpu", meter=TensorMeter("cpu"), timed=False,
                              settings=TrialSettings(timeout_s=None))
         assert predict_trial(workload, config).peak_bytes == measured.peak_bytes, batch
+
+
+def test_a_module_to_that_converts_nothing_leaves_a_fake_module_as_it_is():
+    """torch's Module._apply swaps each fake parameter for its converted self and fails on the converter's weak
+    references, even where nothing changes: a PEFT adapter's build moves it to its base layer's device and dtype, its
+    own already, so a LoRA model could not be built under fake tensors. A conversion that changes a dtype is still
+    torch's (never a module silently left in the old dtype), and Module.to is torch's again once the mode is off."""
+    from autotune.execution.predict import fake_buildable
+    from autotune.training.workload import Workload
+
+    original = torch.nn.Module.to
+    with fake_tensors():
+        linear = torch.nn.Linear(4, 4)
+        assert linear.to("cpu", dtype=torch.float32) is linear and linear.to(torch.float32) is linear
+        try:
+            assert linear.to(torch.float64).weight.dtype == torch.float64
+        except RuntimeError as exc:
+            assert "Couldn't swap" in str(exc)  # torch's own failure, as before
+    assert torch.nn.Module.to is original
+    needs("transformers")
+    needs("peft")
+    from tests.zoo import llama_lora
+
+    assert fake_buildable(Workload.from_specs(llama_lora), fake_tensors())[1] is None  # no real build needed

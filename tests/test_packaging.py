@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = ROOT / "pyproject.toml"
 # a module autotune imports that only an extra provides: the extra
 # Modules imported only by optional parts of autotune, and the extra that brings each
-OPTIONAL_IMPORTS = {"matplotlib": "plot", "transformers": "hf", "accelerate": "hf", "lightning": "frameworks"}
+OPTIONAL_IMPORTS = {"matplotlib": "plot", "transformers": "hf", "accelerate": "hf", "lightning": "frameworks",
+                    "timm": "timm", "peft": "peft"}
 _CLASSIFIER = re.compile(r"^Programming Language :: Python :: (\d+)\.(\d+)$")
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq,
         "!=": operator.ne}
@@ -108,7 +109,8 @@ def _name(requirement: str) -> str:
 
 
 def third_party_imports(package: Path) -> Dict[str, List[str]]:
-    """Top-level modules outside the standard library that the package's modules import: module -> importing files."""
+    """Top-level modules outside the standard library that the package's modules import: module -> importing files.
+    ``_require("name")`` (autotune.thirdparty's import of an optional package) counts as an import."""
     found: Dict[str, List[str]] = {}
     for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
@@ -116,6 +118,9 @@ def third_party_imports(package: Path) -> Dict[str, List[str]]:
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_require"
+                  and node.args and isinstance(node.args[0], ast.Constant)):
+                names = [node.args[0].value]
             else:
                 continue
             for name in names:

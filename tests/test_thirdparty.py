@@ -143,3 +143,65 @@ def test_a_masked_lm_batch_has_a_target_in_every_row():
     batch = w.make_batch(w.build_model(), 64)
     assert ((batch["labels"] != -100).sum(dim=1) >= 1).all()
     assert (batch["input_ids"][batch["labels"] != -100] == 0).all()  # what is predicted is masked
+
+
+LORA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "vocab_size": 128, "max_position_embeddings": 32, "r": 4}
+
+
+def test_a_lora_model_is_tuned_applied_and_exported_as_it_is(tmp_path):
+    """hf_lora's PeftModel, searched as it is: its blocks inside PEFT's wrappers, plan all checked exact, the state
+    its adapter's, the report's recommendation applied to a fresh build (the plan on its blocks, only the adapter
+    trained) and exported with the note that the adapter is the model's."""
+    needs("transformers")
+    needs("peft")
+    from autotune.export import export
+    from autotune.units import format_bytes
+
+    report = autotune.tune("autotune.thirdparty:hf_lora", model_kwargs=LORA, device="cpu", budget="64MiB",
+                           precisions="fp32", segments="all", batch_sizes="2,4", measure_steps=1, probe=False,
+                           storage=f"sqlite:///{tmp_path}/l.db", study="l")
+    model = Workload.from_specs("autotune.thirdparty:hf_lora", model_kwargs=LORA).build_model()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    trained = sum(p.numel() * 4 for p in trainable)
+    workload = report.workload
+    assert workload["model_class"] == "PeftModelForCausalLM"
+    assert workload["chain"]["containers"] == ["base_model.model.model.layers"] and workload["chain"]["length"] == 2
+    assert workload["trainable_parameter_count"] == sum(p.numel() for p in trainable) == 2 * 2 * 2 * 4 * 64
+    assert 2 * trained <= workload["optimizer"]["state_bytes"] < 2 * trained + 4096  # AdamW's moments of the adapter
+    assert workload["fixed_bytes"] == workload["parameter_bytes"] + trained + workload["optimizer"]["state_bytes"]
+    assert [(c.plan, c.status) for c in report.plan_checks] == [("all", "exact")]
+    assert {m.status for m in report.trials} == {"ok"} and report.recommendation is not None
+    assert report.library_checkpointing["library"]["status"] == "ok"  # transformers' switch, through PEFT's wrappers
+    assert f"gradients of {format_bytes(trained)}" in report.table()
+
+    run = autotune.apply(model, report)
+    assert run.plan["recomputed_blocks"] == [0, 1]
+    batch = model.example_batch(run.micro_batch_size)
+    run.backward(model(**batch).loss)
+    assert {id(p) for p in model.parameters() if p.grad is not None} == {id(p) for p in trainable}
+    note = next(n for n in export(report, "hf")["notes"] if "parameters (the rest frozen" in n)
+    assert f"trains {workload['trainable_parameter_count']:,} of its {workload['parameter_count']:,}" in note
+
+
+def test_a_lora_model_without_peft_or_with_targets_it_lacks_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from autotune.__main__ import main
+
+    needs("transformers")
+    needs("peft")
+    args = ["--model", "autotune.thirdparty:hf_lora", "--device", "cpu", "--budget", "64MiB", "--quiet",
+            "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o.json")]
+
+    def said(kwargs: dict) -> str:
+        assert main([*args, "--model-kwargs", json.dumps(kwargs)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        return err.strip()
+
+    assert "peft: Target modules {'c_attn'} not found in the base model" in said({**LORA, "target_modules": ["c_attn"]})
+    monkeypatch.setitem(sys.modules, "peft", None)  # as where peft is not installed
+    assert "this model needs peft (" in said(LORA) and said(LORA).endswith(
+        "pip install peft (autotune's extra 'peft' brings it)")
+    assert not (tmp_path / "o.json").exists()

@@ -15,6 +15,7 @@ from autotune import tuner
 from autotune.errors import UsageError
 from autotune.options import Options
 from autotune.records import Config
+from autotune.units import format_bytes
 from tests import procs
 
 TINY = {"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_size": 64}
@@ -206,3 +207,35 @@ def test_the_state_counts_gradients_and_moments_only_for_the_parameters_that_tra
     assert facts.fixed_bytes == sum(state.values())  # one definition: the memory line's and the state check's
     unmeasured = dataclasses.replace(facts, optimizer_state_bytes=None)
     assert unmeasured.state()["optimizer_state"] == 2 * trained  # the guess: AdamW's moments of what trains
+    assert facts.trainable_parameter_count == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_a_frozen_model_is_refused_or_admitted_by_the_state_of_what_trains(tmp_path):
+    # 700 KiB less 10%: the half-frozen model's state (weights 211 KiB, gradients and AdamW's moments of its 112 KiB
+    # that train: 545 KiB) fits, the same model all trained (843 KiB) does not; 400 KiB is too little for either, and
+    # the answer gives the trained part's gradients and moments
+    tuner.preflight(tuner.resolve(_options(tmp_path, model=_half_frozen, model_kwargs=None, budget="700KiB")))
+    with pytest.raises(autotune.StateDoesNotFit):
+        tuner.preflight(tuner.resolve(_options(tmp_path, budget="700KiB")))
+    with pytest.raises(autotune.StateDoesNotFit) as info:
+        tuner.preflight(tuner.resolve(_options(tmp_path, model=_half_frozen, model_kwargs=None, budget="400KiB")))
+    trained = sum(p.numel() * 4 for p in _half_frozen().parameters() if p.requires_grad)
+    assert info.value.state["gradients"] == trained and 2 * trained <= info.value.state["optimizer_state"] < 2 * trained + 4096
+    assert f"gradients {format_bytes(trained)}" in str(info.value)
+
+
+def test_the_report_names_what_trains_and_counts_its_state_alone(tmp_path):
+    report = autotune.tune(_half_frozen, device="cpu", budget="64MiB", precisions="fp32", segments="0", batch_sizes="2",
+                           measure_steps=1, storage=f"sqlite:///{tmp_path}/f.db", study="f", probe=False,
+                           compare_library=False)
+    model = _half_frozen()
+    workload = report.workload
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trained = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert (workload["trainable_parameter_count"], workload["trainable_parameter_bytes"]) == (count, trained)
+    assert workload["parameter_count"] == sum(p.numel() for p in model.parameters()) > count
+    assert workload["fixed_bytes"] == workload["parameter_bytes"] + trained + workload["optimizer"]["state_bytes"]
+    line = next(line for line in report.table().splitlines() if line.startswith("trainable: "))
+    assert line.startswith(f"trainable: {count:,} of {workload['parameter_count']:,} parameters (") and "AdamW state" in line
+    whole = autotune.load(report.to_json(tmp_path / "r.json") and tmp_path / "r.json")
+    assert whole.workload["trainable_parameter_count"] == count

@@ -246,6 +246,49 @@ def test_one_rank_under_fsdp2_s_mixed_precision_is_predicted_to_the_byte(spec, k
             assert peaks[(precision, "sac-torchtitan")] == peaks[(precision, "sac-lean")] < peaks[(precision, "0")]
 
 
+def test_a_frozen_models_ddp_rank_peaks_at_the_weights_broadcast_and_is_predicted_so():
+    """DDP's construction broadcasts every weight from rank 0, flattened into buckets (one here): the weights twice over,
+    for a moment. A step of a model whose weights are frozen (the zoo's LoRA Llama) holds them once and little else,
+    so at a small batch with every block recomputed the broadcast is the trial's peak. Predicted on the fake group
+    (torch's own broadcast run there) as a real gloo rank measures it, to the byte; before, the prediction skipped
+    the broadcast as below a step's peak, which it is not here (plan all: 306,536 bytes predicted, 344,384 measured)."""
+    import torch.distributed as dist
+
+    from autotune.execution.job import Job
+    from autotune.execution.predict import predict_trial
+    from autotune.execution.trial import run_trial
+    from autotune.records import TrialSettings
+    from autotune.training.wrapping import Wrapping
+
+    from tests.optional import needs
+    from tests.zoo import BY_NAME
+
+    member = BY_NAME["llama_lora"]
+    for package in member.needs:
+        needs(package)
+    load = Workload.from_specs(member.build)
+    load = load.with_chain(find_chain(load.build_model()))
+    settings = TrialSettings(measure_steps=1, settle_steps=0)
+    configs = [Config("fp32", plan, 2) for plan in ("0", "all")]
+    with one_rank("ddp", 1, torch.device("cpu")) as ranks:
+        predicted = [predict_trial(load, c, settings=settings, parallel=ranks.wrapping()) for c in configs]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        job = Job("ddp", 0, 1, 0, "gloo")
+        measured = []
+        for config in configs:
+            job.trials += 1
+            measured.append(run_trial(load, config, device="cpu", meter=TensorMeter("cpu"), settings=settings,
+                                      parallel=Wrapping(job, dist.group.WORLD, torch.device("cpu"))))
+    finally:
+        dist.destroy_process_group()
+    assert [m.status for m in measured] == ["ok", "ok"], [m.error for m in measured]
+    assert [p.peak_bytes for p in predicted] == [m.peak_bytes for m in measured]
+    model = load.build_model()
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    assert measured[1].peak_bytes == 2 * weights  # the broadcast's moment: the weights and their flat copy
+
+
 @pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
 def test_one_rank_of_bf16_true_is_predicted_to_the_byte(wrapper):
     """bf16-true under each wrapper, rank 0 of one: the model cast to bf16 before the wrap (FSDP2 shards and gathers
@@ -323,3 +366,25 @@ def test_the_predicted_rank_is_a_real_gloo_ranks_peak_to_the_byte(tmp_path, wrap
         assert -moments_row <= second["peak_bytes"] - p.peak_bytes <= unit, (m.config, second, p.peak_bytes)
         exact += first["peak_bytes"] == p.peak_bytes
     assert exact >= len(measured.trials) // 2, exact
+
+
+def test_fsdp2_s_gathers_and_reductions_are_traced_on_its_own_streams(workload):
+    """FSDP2 makes each unit's all-gather buffers on its all-gather copy-in stream and the reduced gradients on its
+    reduce-scatter stream (``torch.cpu.stream`` here, as ``torch.cuda.stream`` on a GPU): the trace a CUDA plan replays
+    says so, and the caching allocator's model reserves more for them than for one stream, as a GPU's does."""
+    from autotune.meters.caching_allocator import replay
+
+    trainer = Trainer(workload, Config("fp32", "0", BATCH), torch.device("cpu"))
+    with one_rank("fsdp", 2, torch.device("cpu")) as ranks:
+        trainer.parallel = ranks.wrapping()
+        meter = TensorMeter("cpu", trace=True)
+        with fake_tensors(), meter.measure() as handle:
+            trainer.build()
+            trainer.step(workload.make_batch(trainer.module, BATCH))
+            trace = handle.trace
+        trainer.release()
+    on = {s: sum(1 for e in trace if e[0] > 0 and (e[2] if len(e) > 2 else 0) == s) for s in (1, 2)}
+    # a gather's buffer (its input a view of it) for each block in forward and backward and for the root once (it stays
+    # gathered from its forward to its backward); a reduction's output for each block and the root
+    assert on == {1: 2 * KWARGS["n_layer"] + 1, 2: KWARGS["n_layer"] + 1}
+    assert replay(trace).peak_reserved_bytes > replay([e[:2] for e in trace]).peak_reserved_bytes

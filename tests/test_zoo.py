@@ -213,7 +213,7 @@ def test_the_comparison_sees_what_a_plan_could_get_wrong():
 # --- Members with something to show of their own --------------------------------------------------
 
 
-CACHED = ["gpt2", "llama", "t5"]  # built with their configs' defaults, use_cache on: each caches in training
+CACHED = ["gpt2", "llama", "llama_lora", "t5"]  # built with their configs' defaults, use_cache on: each caches in training
 
 
 @pytest.mark.parametrize("name", CACHED)
@@ -221,7 +221,7 @@ def test_a_recomputing_plan_turns_the_training_cache_off_as_transformers_does(na
     """The members keep use_cache=True, as from_config gives it: in training under a plan that recomputes, no cache
     is built (the recompute would write it again); without gradients, or in eval mode, it is, as in transformers; the
     config is never changed, and removing the plan removes the switch."""
-    needs("transformers")
+    _require(BY_NAME[name])
     _, _, batch, chain = _setup(name)
     model = _build(name)
     assert model.config.use_cache is True
@@ -242,11 +242,33 @@ def test_a_recomputing_plan_turns_the_training_cache_off_as_transformers_does(na
 @pytest.mark.parametrize("name", [*CACHED, "bart"])
 def test_the_training_cache_changes_no_value_beyond_rounding(name):
     """What the cache changes in a plan-free step is where keys and values lie in memory, not what they are."""
-    needs("transformers")
-    rel, diff, where = compare_steps(_reference(name), _reference(name, cache_off=True))
+    _require(BY_NAME[name])
+    made = [{k: v for k, v in _reference(name, cache_off=off).items() if v is not None} for off in (False, True)]
+    rel, diff, where = compare_steps(*made)  # as check_plans' steps: a frozen parameter's gradient (None) left out
     assert rel < 1e-5, (rel, diff, where)
 
 
+
+
+def test_a_lora_adapter_trains_its_own_weights_and_nothing_else_under_every_plan():
+    """The frozen base gets no gradient under any plan (none is made for it), every adapter weight gets one that is
+    not zero, and a plan changes no parameter's requires_grad: the comparisons above compare the adapter's
+    gradients, not Nones."""
+    _require(BY_NAME["llama_lora"])
+    _, _, _, chain = _setup("llama_lora")
+    trainable = {k for k, p in _build("llama_lora").named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in k for k in trainable)
+    assert len(trainable) == 2 * 2 * chain.length  # A and B, on q_proj and v_proj, in every layer
+    for plan in _offered(chain.length):
+        model = _build("llama_lora")
+        apply_plan(model, plan, chain)
+        assert {k for k, p in model.named_parameters() if p.requires_grad} == trainable, plan
+        got = _train_step("llama_lora", model)
+        for key, p in model.named_parameters():
+            grad = got[f"grad:{key}"]
+            assert (grad is not None) == (key in trainable), (plan, key)
+            assert grad is None or grad.abs().max() > 0, (plan, key)
+        remove_plan(model)
 
 
 def test_gemma2_layers_get_different_masks():
@@ -339,7 +361,7 @@ def test_offloaded_plans_are_bitwise_exact_and_lighter_on_the_device(member, pla
 # --- The run-time check ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "cnn_batchnorm", "per_layer_args"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama_lora", "cnn_batchnorm", "per_layer_args"])  # llama: use_cache on, as loaded
 def test_check_plans_finds_the_zoo_exact(name):
     member = BY_NAME[name]
     _require(member)

@@ -68,6 +68,17 @@ def llama() -> nn.Module:
     return _causal_lm("llama", **_DECODER)
 
 
+def llama_lora() -> nn.Module:
+    """The Llama above under a PEFT LoRA adapter (rank 4 on q_proj and v_proj, dropout 0.1): the base frozen, its
+    blocks inside PEFT's wrappers. B starts random (PEFT's init_lora_weights=False), not zero: A's gradients are not
+    all zero, so comparing them means something."""
+    import peft
+
+    adapter = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1,
+                              init_lora_weights=False, task_type="CAUSAL_LM")
+    return peft.get_peft_model(llama(), adapter)
+
+
 def gemma2() -> nn.Module:
     """Gemma 2: layers alternate sliding-window (4 tokens, shorter than SEQ) and full attention."""
     return _causal_lm("gemma2", **{**_DECODER, "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 4})
@@ -451,6 +462,8 @@ class Member:
 ZOO = [
     Member("gpt2", gpt2, ("transformer.h",), 5, ("GPT2Block",)),
     Member("llama", llama, ("model.layers",), 4, ("LlamaDecoderLayer",)),
+    Member("llama_lora", llama_lora, ("base_model.model.model.layers",), 4, ("LlamaDecoderLayer",),
+           needs=("transformers", "peft")),
     Member("gemma2", gemma2, ("model.layers",), 4, ("Gemma2DecoderLayer",)),
     Member("mixtral", mixtral, ("model.layers",), 3, ("MixtralDecoderLayer",)),
     Member("qwen2_moe", qwen2_moe, ("model.layers",), 4, ("Qwen2MoeDecoderLayer",)),

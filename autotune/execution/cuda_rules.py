@@ -16,11 +16,18 @@ CUDA's rules wherever they differ from the CPU's and change what is held:
   convolutions, attention) keep the CPU's autocast, cache included.
 - **what the caching allocator reserves**, from the trial's allocation trace by
   :mod:`autotune.meters.caching_allocator` (two cuBLAS workspaces first); the budget holds the reserved
-  prediction, as CUDA's meter holds the reserved figure;
+  prediction, as CUDA's meter holds the reserved figure. The trace keeps the stream each storage was made on, and
+  the allocator caches a block for its stream alone: FSDP2 selects its all-gather and reduce-scatter streams with
+  its device's ``stream`` context, ``torch.cpu.stream`` where the prediction runs on the CPU, so its gathered
+  blocks and reduced gradients are reserved on those streams as on a GPU;
 - **what NVML adds**: the CUDA context, an assumption (:data:`~autotune.meters.caching_allocator.CUDA_CONTEXT_BYTES`);
 - **the attention kernel**: ``scaled_dot_product_attention`` runs the kernel CUDA would choose for the planned
   GPU (flash, memory-efficient or math, :mod:`autotune.execution.cuda_attention`), not the CPU's; the report counts
   the calls by kernel (``search.cuda.attention``) and says what was assumed.
+- **dropout's mask**: CUDA's ``dropout`` runs the fused ``native_dropout`` (``is_fused_kernel_acceptable`` in
+  ``aten/src/ATen/native/Dropout.cpp``), which keeps a bool mask for backward, one byte an element; the CPU's
+  multiplies by a noise tensor of the input's dtype and keeps that (four bytes an element in float32). A prediction
+  takes CUDA's path (:func:`dropout_as_on_cuda`).
 
 Where this machine has a GPU, a CUDA prediction runs on fake CUDA tensors instead, with CUDA's own autocast; the
 allocator's model and the NVML assumption apply the same way. ``benchmarks/gpu_check.py`` compares both with
@@ -45,7 +52,8 @@ from autotune.meters.caching_allocator import (CUDA_CONTEXT_BYTES, AllocatorSett
 from autotune.meters.base import MemoryReading
 from autotune.units import format_bytes
 
-__all__ = ["CUDA_POLICIES", "CudaRules", "cuda_autocast_on_cpu", "optimizers_as_on_cuda", "ASSUMED_CAPABILITY"]
+__all__ = ["CUDA_POLICIES", "CudaRules", "cuda_autocast_on_cpu", "optimizers_as_on_cuda", "dropout_as_on_cuda",
+           "ASSUMED_CAPABILITY"]
 
 _LOWER = ("_convolution", "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
           "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "cudnn_convolution",
@@ -206,6 +214,33 @@ def optimizers_as_on_cuda() -> Iterator[None]:
                 module._default_to_fused_or_foreach = original
 
 
+def _fused_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``aten::dropout`` as CUDA runs it: ``native_dropout`` (a bool mask kept for backward) where its fused kernel
+    takes the call (``0 < p < 1``), else what every device does (``_dropout_impl``): the input itself, or zeros."""
+    if not 0 <= p <= 1:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not train or p == 0 or input.numel() == 0:
+        return input
+    if p == 1:
+        return input * torch.zeros((), dtype=input.dtype, device=input.device)
+    return torch.ops.aten.native_dropout(input, p, train)[0]
+
+
+@contextlib.contextmanager
+def dropout_as_on_cuda() -> Iterator[None]:
+    """Inside the block, ``dropout`` on CPU tensors that record gradients takes CUDA's fused path (module docstring):
+    a kernel on the CPU's autograd key, ahead of the composite one. Process-wide, put back after."""
+    with _registering:
+        lib = torch.library.Library("aten", "IMPL")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
+                lib.impl("dropout", _fused_dropout, "AutogradCPU")
+            yield
+        finally:
+            lib._destroy()
+
+
 @dataclasses.dataclass
 class CudaRules:
     """How a prediction for CUDA is made and read (:mod:`autotune.execution.predict`): where its fake tensors live,
@@ -238,24 +273,24 @@ class CudaRules:
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
         """Inside: torch.optim's default implementation CUDA's (:func:`optimizers_as_on_cuda`); where the fake tensors
-        are the CPU's, CUDA's autocast rules and attention kernels too."""
+        are the CPU's, CUDA's autocast rules, dropout and attention kernels too."""
         if self.fake_cuda:
             with optimizers_as_on_cuda():
                 yield
             return
-        with optimizers_as_on_cuda(), cuda_autocast_on_cpu() as unknown, \
+        with optimizers_as_on_cuda(), cuda_autocast_on_cpu() as unknown, dropout_as_on_cuda(), \
                 cuda_attention_on_cpu(self.capability) as calls:
             self.unknown_ops = unknown
             yield
         self.attention.update(calls)
 
-    def replayed(self, trace: tuple[tuple[int, int], ...], budget_bytes: int | None) -> Replay:
+    def replayed(self, trace: tuple[tuple[int, ...], ...], budget_bytes: int | None) -> Replay:
         """The allocator's statistics for a trial's allocation trace, its cuBLAS workspaces first, within the
         budget (``set_per_process_memory_fraction``'s rule: reserved bytes)."""
         workspaces = workspace_trace(cublas_workspace_bytes(*self.capability), threads=2)
         return replay([*workspaces, *trace], settings=self.allocator, capacity_bytes=budget_bytes)
 
-    def read(self, reading: MemoryReading, trace: tuple[tuple[int, int], ...],
+    def read(self, reading: MemoryReading, trace: tuple[tuple[int, ...], ...],
              budget_bytes: int | None) -> tuple[MemoryReading, str | None]:
         """A prediction's reading as CUDA's meter would give it (the budget compared with reserved bytes, NVML's
         figure beside), from the tensor meter's reading and allocation trace; and, where the modelled allocator
@@ -307,8 +342,9 @@ class CudaRules:
                 f"model of the caching allocator ({settings}), with 2 cuBLAS workspaces of "
                 f"{format_bytes(cublas_workspace_bytes(*self.capability))} each, as on compute capability "
                 f"{self.capability[0]}.{self.capability[1]}{self._source(0)}; NVML's figure adds a CUDA context of "
-                f"{format_bytes(self.context_bytes)}{self._source(1)}; the optimizer's default is CUDA's (foreach); "
-                f"the budget holds the reserved prediction. benchmarks/gpu_check.py checks these against a GPU"]
+                f"{format_bytes(self.context_bytes)}{self._source(1)}; the optimizer's default is CUDA's (foreach), "
+                f"dropout CUDA's fused kernel (a bool mask); the budget holds the reserved prediction. "
+                f"benchmarks/gpu_check.py checks these against a GPU"]
         if self.attention and not self.fake_cuda:
             ran = ", ".join(f"{kernel} {n}" for kernel, n in sorted(self.attention.items()))
             said.append(f"attention predicted as CUDA's scaled_dot_product_attention would run it on compute capability "

@@ -21,6 +21,7 @@ its value unknown instead.
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from typing import Any, Callable
@@ -93,6 +94,8 @@ class KnowingFakeTensorMode(FakeTensorMode):
         self._depth += 1
         if self._depth == 1:
             self._answer_tests()
+            self._tests.append((torch.nn.Module, "to", torch.nn.Module.to))
+            torch.nn.Module.to = _converting_something(torch.nn.Module.to)
         return entered
 
     def __exit__(self, *exc: Any) -> None:
@@ -105,7 +108,7 @@ class KnowingFakeTensorMode(FakeTensorMode):
 
     def _answer_tests(self) -> None:
         """Each library test of an imported module answers "not fake" for a fake tensor whose value is known."""
-        answered = {(id(module), name) for module, name, _ in self._tests}
+        answered = {(id(module), name) for module, name, _ in self._tests if module is not torch.nn.Module}
         for module_name, name in LIBRARY_TESTS:
             module = sys.modules.get(module_name)
             if module is None or (id(module), name) in answered or not callable(getattr(module, name, None)):
@@ -124,7 +127,7 @@ class KnowingFakeTensorMode(FakeTensorMode):
 
     def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self._depth and len(self._tests) < len(LIBRARY_TESTS):
+        if self._depth and len(self._tests) < len(LIBRARY_TESTS) + 1:  # + 1: Module.to's
             self._answer_tests()  # a library imported inside the mode (a model's factory imports transformers)
         try:
             out = super().dispatch(func, types, args, kwargs)
@@ -225,8 +228,8 @@ def _shaped(func: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
     t = args[0] if args else None
     if not isinstance(t, FakeTensor):
         return args, kwargs
-    if t.device.type != "cpu":
-        return None
+    if t.device.type != "cpu" or t.requires_grad:
+        return None  # like a weight (an optimizer's zeroed state): what the data decides starts from no weight
     like = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) if func in _LIKE
             else torch.empty(0, dtype=t.dtype))
     return (like, *args[1:]), kwargs
@@ -235,9 +238,36 @@ def _shaped(func: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
 def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
     """The tensors ``func`` writes (its schema's mutable arguments, ``out=`` included), fake or real."""
     written: list[torch.Tensor] = []
-    for i, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+    for i, name, kwarg_only in _write_positions(func):
+        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
         written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
     return written
+
+
+@functools.lru_cache(maxsize=None)
+def _write_positions(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    """Where ``func``'s schema has arguments it writes: (position, name, keyword-only), looked up once per op."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _converting_something(to: Callable) -> Callable:
+    """``nn.Module.to`` that returns a module of fake tensors as it is where the call converts none of them.
+
+    torch 2.13's ``Module._apply`` swaps each fake parameter for its converted self (``swap_tensors``), which refuses a
+    tensor the fake tensors' converter holds a weak reference to: every one. So a ``to()`` under fake tensors failed
+    even where it changed nothing, and a model whose build calls one could not be built so: PEFT moves each adapter to
+    its base layer's device and dtype, which are already its own (a dry run then built the model for real once).
+    """
+
+    def converting(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*module.parameters(), *module.buffers()]
+        if memory_format is None and tensors and all(
+                isinstance(t, FakeTensor) and (device is None or t.device == device)
+                and (dtype is None or t.dtype == dtype or not (t.is_floating_point() or t.is_complex()))
+                for t in tensors):
+            return module
+        return to(module, *args, **kwargs)
+
+    return converting

@@ -14,11 +14,12 @@ Its collectives return at once and move nothing. Under it and the dry run's fake
   outside the fake tensors, as torchtitan makes it: it reads its ranks (``tolist``).
 * **DDP** builds its Reducer's gradient buckets under the fake tensors (flat buffers, as many bytes as the
   gradients; with ``gradient_as_bucket_view=False``, the default, the gradients stay separate and are copied in and
-  out): the meter counts them. Two things are not a real rank's. The construction's collectives are skipped
-  (``init_sync=False``: the shape check reads the parameters' values; the weights' broadcast flattens them into
-  buckets of up to 250 MiB for a moment, before any step, below a step's peak). And the fake group's all-reduce
-  hands the Reducer no tensor, so the buckets are all-reduced by PyTorch's ``noop_hook`` (the bucket as it is; a real
-  all-reduce also works in place). DDP rebuilds its buckets in the second forward pass, reading the order it
+  out): the meter counts them. The construction's broadcast of the weights runs as on a real rank (torch's own
+  ``_sync_module_states`` on the fake group: every weight and buffer flattened into buckets of up to 250 MiB, two in
+  flight, the weights twice over for a moment; a model whose weights are frozen, an adapter's, peaks there at a
+  small batch). Two things are not a real rank's. The construction's shape check is skipped (``init_sync=False``: it
+  reads the parameters' values). And the fake group's all-reduce hands the Reducer no tensor, so the buckets are
+  all-reduced by PyTorch's ``noop_hook`` (the bucket as it is; a real all-reduce also works in place). DDP rebuilds its buckets in the second forward pass, reading the order it
   broadcast: a prediction steps once, as a memory trial's metered step does.
 
 What a backend allocates inside a collective (gloo's or NCCL's own buffers, NCCL's communicators) is invisible here,
@@ -41,6 +42,7 @@ from autotune.training.wrapping import Wrapping
 __all__ = ["OneRank", "one_rank"]
 
 BACKEND = "fake"  # the backend torch.testing._internal.distributed.fake_pg registers
+BROADCAST_BUCKET_BYTES = 250 * 2**20  # DistributedDataParallel's broadcast_bucket_size, fixed in its constructor
 
 
 class OneRank:
@@ -90,7 +92,7 @@ def one_rank(wrapper: str, world_size: int, device: torch.device) -> Iterator[On
 
 class _FakeRankWrapping(Wrapping):
     """The trial's wrapper on the fake group (module docstring): the mesh made outside the fake tensors; DDP without
-    its construction's collectives, its buckets all-reduced by ``noop_hook``; FSDP2's model on the host built for each
+    its construction's shape check, its buckets all-reduced by ``noop_hook``; FSDP2's model on the host built for each
     prediction, under the fake tensors with the meter aside, as a real rank keeps its real one outside its meter."""
 
     def _host_model(self, workload: Any, seed: int) -> nn.Module | None:
@@ -112,6 +114,14 @@ class _FakeRankWrapping(Wrapping):
         if "init_sync" not in inspect.signature(DistributedDataParallel.__init__).parameters:
             raise UsageError(f"predicting DDP needs DistributedDataParallel(init_sync=False) (torch 2.7 or later; "
                              f"this is {torch.__version__}): use --parallel fsdp, or run the job under torchrun")
+        # The weights' broadcast of a real construction, as it runs there (before the Reducer's buckets are made):
+        # flattened into buckets, two in flight, counted here as there. It was left out as below a step's peak, which
+        # it is not where the weights are frozen (an adapter's model): 2x the weights at once, against a step's
+        # weights and little else (the zoo's LoRA Llama at batch 2, plan all: 11% under its measurement)
+        from torch.distributed.utils import _sync_module_states  # private, and what DistributedDataParallel calls
+
+        _sync_module_states(model, self.group, BROADCAST_BUCKET_BYTES, 0,
+                            set(getattr(model, "_ddp_params_and_buffers_to_ignore", ())))
         ddp = DistributedDataParallel(model, process_group=self.group, init_sync=False)
         ddp.register_comm_hook(None, noop_hook)
         return ddp

@@ -422,20 +422,21 @@ class CachingAllocator:
         return block
 
 
-def replay(trace: Iterable[tuple[int, int]], *, settings: AllocatorSettings = AllocatorSettings(),
+def replay(trace: Iterable[tuple[int, ...]], *, settings: AllocatorSettings = AllocatorSettings(),
            capacity_bytes: int | None = None) -> Replay:
     """Replay an allocation trace through the caching allocator; return its statistics (peaks in bytes).
 
-    ``trace``: ``(+nbytes, key)`` for an allocation, ``(-nbytes, key)`` for the free of the allocation made under
-    ``key``, in order (``TensorMeter(trace=True)``'s; :func:`workspace_trace` makes events to put first). Events of
-    0 bytes allocate nothing, as torch's ``allocate`` allocates nothing for them. Where an allocation fails even
-    after the cache was given back, the replay stops there and ``oom_request_bytes`` says what it asked for.
+    ``trace``: ``(+nbytes, key)`` for an allocation on the default stream, ``(+nbytes, key, stream)`` on another
+    (numbered from 1: its blocks are cached for it alone), ``(-nbytes, key)`` for the free of the allocation made
+    under ``key``, in order (``TensorMeter(trace=True)``'s; :func:`workspace_trace` makes events to put first).
+    Events of 0 bytes allocate nothing, as torch's ``allocate`` allocates nothing for them. Where an allocation fails
+    even after the cache was given back, the replay stops there and ``oom_request_bytes`` says what it asked for.
     """
     allocator = CachingAllocator(settings, capacity_bytes=capacity_bytes)
     try:
-        for nbytes, key in trace:
+        for nbytes, key, *stream in trace:
             if nbytes > 0:
-                allocator.malloc(key, nbytes)
+                allocator.malloc(key, nbytes, stream=stream[0] if stream else 0)
             elif nbytes < 0:
                 allocator.free(key)
     except AllocatorOutOfMemory as exc:

@@ -9,8 +9,12 @@ pays a Python call, which is why trials time their steps outside this meter.
 
 Asked to (``TensorMeter(trace=True)``), the meter also keeps the region's allocation trace: one event
 ``(+nbytes, key)`` as each storage is counted and ``(-nbytes, key)`` as it is uncounted (freed, resized,
-moved off the device), in order, each counted storage under a key of its own. Replayed by a model of an
-allocator (:mod:`autotune.meters.caching_allocator`), it says what that allocator would have reserved.
+moved off the device), in order, each counted storage under a key of its own. A storage made while another
+stream than the region's first is current (``torch.cuda.stream``, or ``torch.cpu.stream``, which code
+written for any device calls as it would CUDA's: FSDP2 gathers and reduces on streams of its own) is counted
+as ``(+nbytes, key, stream)``, the streams numbered from 1 in the order they are met. Replayed by a model of an
+allocator (:mod:`autotune.meters.caching_allocator`), it says what that allocator would have reserved: a block
+is cached for the stream that allocated it.
 """
 
 from __future__ import annotations
@@ -49,8 +53,9 @@ class _Tracker(TorchDispatchMode):
         # storages an emulation keeps on the host, never counted; made on first use (most trials have none, and every
         # op's outputs would pay the lookup)
         self._host: WeakIdKeyDictionary | None = None
-        self.trace: list[tuple[int, int]] | None = [] if trace else None  # (+/-nbytes, key), in order
+        self.trace: list[tuple[int, ...]] | None = [] if trace else None  # (+/-nbytes, key[, stream]), in order
         self._keys = 0  # keys handed to traced storages so far
+        self._streams: dict[object, int] = {_stream_identity(device_type): 0}  # the region's first stream is 0
 
     def track(self, tensors: Iterable[object]) -> None:
         """Count the storages of ``tensors`` (non-tensors are ignored); raise past the budget.
@@ -111,7 +116,8 @@ class _Tracker(TorchDispatchMode):
         if self.trace is None:
             return weakref.finalize(storage, self._free, nbytes)
         self._keys += 1
-        self.trace.append((nbytes, self._keys))
+        stream = self._streams.setdefault(_stream_identity(self.device_type), len(self._streams))
+        self.trace.append((nbytes, self._keys) if stream == 0 else (nbytes, self._keys, stream))
         return weakref.finalize(storage, self._free, nbytes, self._keys)
 
     def _unfollow(self, finaliser: weakref.finalize) -> None:
@@ -174,6 +180,15 @@ class _Tracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.track(tree_leaves(out))
         return out
+
+
+def _stream_identity(device_type: str) -> object:
+    """What tells the current stream of ``device_type`` apart from the others (``None`` where it has no streams)."""
+    module = torch.cpu if device_type == "cpu" else torch.cuda if device_type == "cuda" else None
+    if module is None or (module is torch.cuda and not torch.cuda.is_available()):
+        return None
+    stream = module.current_stream()
+    return (stream.device_index, stream.stream_id) if hasattr(stream, "stream_id") else id(stream)
 
 
 def _key_of(detached: tuple | None) -> int | None:
@@ -298,7 +313,7 @@ class TensorMeter(Meter):
         super().__init__(budget_bytes=budget_bytes)
         self.device_type = torch.device(device).type
         self.tracing = trace
-        self.last_trace: tuple[tuple[int, int], ...] | None = None  # the latest region's, with trace=True
+        self.last_trace: tuple[tuple[int, ...], ...] | None = None  # the latest region's, with trace=True
 
     @contextlib.contextmanager
     def measure(self, *, deadline: float | None = None) -> Iterator["_TensorMeasuring"]:
@@ -359,8 +374,8 @@ class _TensorMeasuring(Measuring):
         return self._tracker.live_bytes
 
     @property
-    def trace(self) -> tuple[tuple[int, int], ...] | None:
-        """The allocation trace so far: ``(+nbytes, key)`` as a storage is counted, ``(-nbytes, key)`` as it is
-        uncounted, in order (``None`` unless the meter was made with ``trace=True``). Storages still alive when
-        the region ended have no free event."""
+    def trace(self) -> tuple[tuple[int, ...], ...] | None:
+        """The allocation trace so far: ``(+nbytes, key)`` as a storage is counted (``(+nbytes, key, stream)`` on
+        another stream than the region's first), ``(-nbytes, key)`` as it is uncounted, in order (``None`` unless the
+        meter was made with ``trace=True``). Storages still alive when the region ended have no free event."""
         return None if self._tracker.trace is None else tuple(self._tracker.trace)

@@ -11,9 +11,10 @@ plan never changes what the model computes. Grouping several blocks into one rec
 would save one stored input per block but has to guess the later blocks' arguments: autotune
 does not group.
 
-**Blocks** are found in every ``nn.ModuleList`` and ``nn.Sequential`` holding two or more
-children of one type that is not a plain ``torch.nn`` layer, outermost first: a GPT's
-``transformer.h``, T5's encoder *and* decoder blocks, a CNN's blocks across all its stages.
+**Blocks** are found in every ``nn.ModuleList``, ``nn.Sequential`` and ``nn.ModuleDict`` holding two or
+more children of one type that is not a plain ``torch.nn`` layer, outermost first: a GPT's
+``transformer.h``, T5's encoder *and* decoder blocks, a CNN's blocks across all its stages, torchtitan's
+``layers`` (a ``ModuleDict`` keyed by layer number).
 Their order is the order the forward pass runs them (the preflight records it), and plan names
 count in that order.
 
@@ -64,7 +65,7 @@ class Chain:
     """The model's repeated blocks, in the order its forward pass runs them."""
 
     blocks: tuple[str, ...]  # dotted module paths
-    containers: tuple[str, ...]  # the ModuleList / Sequential paths holding them ("" is the model itself)
+    containers: tuple[str, ...]  # the ModuleList / Sequential / ModuleDict paths holding them ("" is the model itself)
     block_types: tuple[str, ...]  # class names of the blocks
     ordered_by: str = "definition"  # "forward" once a forward pass has been traced
 
@@ -124,7 +125,7 @@ def _is_composite(module: nn.Module) -> bool:
 def find_chain(model: nn.Module) -> Chain | None:
     """Return the model's repeated blocks (in definition order), or ``None`` when it has none.
 
-    Candidates are the children of ``nn.ModuleList`` / ``nn.Sequential`` containers whose type
+    Candidates are the children of ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` containers whose type
     appears at least twice in that container and is not a ``torch.nn`` layer. Candidates inside
     another candidate are left out (a block's own sub-blocks, a mixture of experts' experts).
     Of the rest, the type holding the most parameters is kept, with every other type holding at
@@ -141,9 +142,9 @@ def _chain_of(model: nn.Module, can_be_block: Callable[[nn.Module], bool]) -> Ch
     """:func:`find_chain` among the repeated children that ``can_be_block``."""
     candidates: dict[str, tuple[str, nn.Module]] = {}  # path -> (container path, module)
     for path, module in model.named_modules():
-        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
+        if not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
             continue
-        counts = collections.Counter(type(child) for child in module)
+        counts = collections.Counter(type(child) for child in module.children())
         for name, child in module.named_children():
             if counts[type(child)] >= 2 and can_be_block(child):
                 candidates[f"{path}.{name}" if path else name] = (path, child)

@@ -46,14 +46,16 @@ class ModelFacts:
     gradient_bytes: int | None = None  # the parameters that require gradients (None: all of them)
     optimizer: dict[str, Any] | None = None  # the optimizer made here: its class, settings and source (the report's)
     training_cache: tuple[str, ...] = ()  # modules whose key/value cache a recomputing plan turns off (plans.cache)
+    trainable_parameter_count: int | None = None  # the parameters that require gradients (None: all of them)
     # A true precision searched (bf16-true): its weights, gradients and optimizer state (None: not measurable), held in
     # its dtype (autotune.training.state.held_parts)
     held: dict[str, dict[str, int | None]] = dataclasses.field(default_factory=dict)
 
     def state(self, precision: str | None = None) -> dict[str, int]:
-        """What a step holds whatever the batch, by part: the weights, the gradients of the parameters that train,
-        and the optimizer's state (measured; where it could not be, AdamW's two moments of the trained ones); in a
-        true ``precision`` (bf16-true) all three held in its dtype, else the model's own (fp32: autocast keeps it)."""
+        """What a step holds whatever the batch, by part: the weights (frozen ones too), the gradients of the
+        parameters that train, and the optimizer's state (measured: an optimizer holds state for the parameters that
+        train only; where it could not be, AdamW's two moments of those); in a true ``precision`` (bf16-true) all
+        three held in its dtype, else the model's own (fp32: autocast keeps it)."""
         if precision in self.held:
             parts = self.held[precision]
             optimizer = parts["optimizer_state"]
@@ -87,6 +89,7 @@ def preflight(target: Target) -> ModelFacts:
     facts = ModelFacts(type(model).__name__, sum(p.numel() for p in params),
                        sum(p.numel() * p.element_size() for p in params), find_chain(model), None,
                        gradient_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+                       trainable_parameter_count=sum(p.numel() for p in params if p.requires_grad),
                        training_cache=tuple(type(m).__name__ for m in training_caches(model)))
     del params
     try:

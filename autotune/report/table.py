@@ -21,6 +21,7 @@ def render(report: Any) -> str:
     lines = _trial_rows(report)
     lines.append("")
     lines += _search_lines(report)
+    lines += _trainable_lines(report)
     lines += _limit_lines(report)
     lines += _probe_lines(report)
     lines += _recommendation_lines(report)
@@ -88,6 +89,22 @@ def _search_lines(report: Any) -> list[str]:
         lines.append(f"state: with the state in host memory (PLAN+state) the optimizer's step on the CPU took "
                      f"{shares[0]:.0%} to {shares[-1]:.0%} of the step ({len(shares)} timed trials)")
     return lines
+
+
+def _trainable_lines(report: Any) -> list[str]:
+    """Where some parameters are frozen (an adapter over a frozen model): how many train, and that the gradients and
+    the optimizer's state counted are theirs alone."""
+    workload = report.workload
+    total, trainable = workload.get("parameter_count"), workload.get("trainable_parameter_count")
+    if not total or trainable is None or trainable >= total:
+        return []
+    optimizer = workload.get("optimizer") or {}
+    name = str(optimizer.get("class") or "the optimizer's").rsplit(".", 1)[-1]
+    state = optimizer.get("state_bytes")
+    return [f"trainable: {trainable:,} of {total:,} parameters ({trainable / total:.2%}, the rest frozen): every "
+            f"step holds gradients of {format_bytes(workload['trainable_parameter_bytes'])}"
+            + (f" and {name} state of {format_bytes(state)}" if state is not None else "")
+            + f" for those alone, beside {format_bytes(workload['parameter_bytes'])} of weights"]
 
 
 def _limit_lines(report: Any) -> list[str]:
