@@ -217,10 +217,7 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             # its name and kwargs (the study's), then the optimizer the preflight made: class, settings, source
             "optimizer": {**study.workload.optimizer.to_dict(), **(facts.optimizer or {}),
                           "state_bytes": facts.optimizer_state_bytes},
-            "fixed_bytes": facts.fixed_bytes,
-            # a true precision's state (bf16-true: weights, gradients and optimizer state in bf16), by part (the
-            # optimizer's None where its twins could not be made)
-            **({"state_by_precision": facts.held} if facts.held else {}),
+            "fixed_bytes": facts.fixed_bytes, **({"state_by_precision": facts.held} if facts.held else {}),  # bf16-true's
             "parameter_count": facts.parameter_count,
             "parameter_bytes": facts.parameter_bytes,
             # the parameters that train: the gradients and the optimizer's state are theirs (an adapter's, over frozen
