@@ -31,8 +31,10 @@ FRAMEWORKS = ("hf", "lightning", "deepspeed", "accelerate")
 
 # bf16-fsdp does not autocast: the Trainer's and the Accelerator's own setting is fp32's, and FSDP2's policy is the
 # strategy's or the plugin's (the notes say how to pass it)
-LIGHTNING_PRECISION = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-fsdp": "32-true"}
-ACCELERATE_PRECISION = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "bf16-fsdp": "no"}
+# bf16-true is Lightning's own "bf16-true"; accelerate has none (its "no", with the model cast by hand: the note)
+LIGHTNING_PRECISION = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-fsdp": "32-true",
+                       "bf16-true": "bf16-true"}
+ACCELERATE_PRECISION = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "bf16-fsdp": "no", "bf16-true": "no"}
 # FSDP2's MixedPrecisionPolicy of bf16-fsdp, as Python writes it (FullyShardedDataParallelPlugin takes it as an object)
 MP_POLICY = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
 NAMES = {"hf": "Hugging Face", "lightning": "Lightning", "deepspeed": "DeepSpeed", "accelerate": "accelerate"}
@@ -68,6 +70,11 @@ class _Context:
     def fsdp_mixed(self) -> bool:
         """Whether the precision is FSDP2's MixedPrecisionPolicy (bf16-fsdp), not autocast."""
         return PRECISIONS[self.precision].fsdp_only
+
+    @property
+    def true(self) -> bool:
+        """Whether the precision holds the model itself in 16 bits (bf16-true), not autocast."""
+        return PRECISIONS[self.precision].true
 
     @property
     def block_types(self) -> list[str]:
@@ -168,6 +175,18 @@ def write_exports(report: Report, json_path: str | os.PathLike, frameworks: str 
     return list(exports)
 
 
+# bf16-true in transformers' terms (transformers 5.25; the dtype argument was torch_dtype before 4.56)
+HF_TRUE_NOTE = (
+    "measured bf16-true: the model itself in bf16 (weights, gradients, AdamW's state), without autocast. "
+    "TrainingArguments has no setting that casts the model: load it in bf16, from_pretrained(..., "
+    "dtype=torch.bfloat16) (from_pretrained above; torch_dtype= before transformers 4.56), or call "
+    "model.to(torch.bfloat16) before making the Trainer, and leave bf16 and fp16 False (set): the Trainer then trains "
+    "the bf16 weights as they are and its optimizer keeps its state in their dtype, as measured; bf16=True would "
+    "autocast over them too. from_pretrained keeps a model class's _keep_in_fp32_modules in fp32 (autotune cast every "
+    "module); transformers 5's default dtype='auto' already loads a checkpoint saved in bf16 in bf16, so pass "
+    "dtype=torch.float32 for the autocast precisions")
+
+
 def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
     args: dict[str, Any] = {
         "per_device_train_batch_size": ctx.micro,
@@ -212,6 +231,8 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
     elif ctx.wrapper == "fsdp" and ctx.precision != "fp32":
         notes.append(f"measured {ctx.precision}: autocast over FSDP2's fp32 parameters; with {ctx.precision}=True "
                      f"accelerate's FSDP2 also gathers the parameters and reduces the gradients in {ctx.precision}")
+    if ctx.true:
+        notes.append(HF_TRUE_NOTE)
     if ctx.wrapper == "fsdp":  # FSDP2 on each block (transformers' auto-wrap by layer class) and the root
         args["fsdp"] = "full_shard auto_wrap" + (" offload" if ctx.plan.state else "")
         args["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
@@ -220,7 +241,7 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         args["torch_compile"] = True
         if compile_mode(ctx.compile) != "default":
             args["torch_compile_mode"] = compile_mode(ctx.compile)
-    return {"training_arguments": args}
+    return {"training_arguments": args, **({"from_pretrained": {"dtype": "bfloat16"}} if ctx.true else {})}
 
 
 def _lightning(ctx: _Context, notes: list[str]) -> dict[str, Any]:
@@ -229,6 +250,12 @@ def _lightning(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         trainer["gradient_clip_val"] = ctx.clip
     if ctx.device_type == "cpu" and ctx.precision == "fp16":
         notes.append("on a CPU, Lightning replaces precision '16-mixed' with 'bf16-mixed' (with a warning)")
+    if ctx.true:
+        notes.append("precision 'bf16-true' trains as measured: Lightning casts the module's floating weights and "
+                     "buffers to bf16 (and makes them in bf16 in the Trainer's init_module), casts the batch's "
+                     "floating tensors, and neither autocasts nor scales the loss. It also makes bf16 the default "
+                     "dtype inside the step, so a tensor the forward creates without a dtype is bf16 there and was "
+                     "fp32 in the trials (autotune.apply's too)")
     if ctx.wrapper == "ddp":
         trainer["strategy"] = "ddp"
     elif ctx.wrapper == "fsdp":
@@ -255,6 +282,9 @@ def _lightning_fsdp_precision(ctx: _Context) -> str:
                 f"with FSDP1, or the mp_policy above with ModelParallelStrategy")
     if ctx.precision == "fp32":
         return "precision '32-true' under FSDPStrategy gathers, reduces and computes in fp32, as measured"
+    if ctx.true:
+        return ("precision 'bf16-true' under FSDPStrategy gathers, reduces and computes in bf16 over bf16 weights, as "
+                "FSDP2 did over the bf16 model measured")
     return (f"measured {ctx.precision}: autocast over FSDP2's fp32 parameters. Under FSDPStrategy "
             f"'{LIGHTNING_PRECISION[ctx.precision]}' autocasts and also casts the gathered parameters, the gradients' "
             f"reduction and the buffers to 16 bits (FSDP1's MixedPrecision); to keep them in fp32 as measured pass "
@@ -266,11 +296,15 @@ def _deepspeed(ctx: _Context, notes: list[str]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": ctx.micro,
         "gradient_accumulation_steps": ctx.steps,
-        "bf16": {"enabled": ctx.precision in ("bf16", "bf16-fsdp")},
+        "bf16": {"enabled": ctx.precision in ("bf16", "bf16-fsdp", "bf16-true")},
         "fp16": {"enabled": ctx.precision == "fp16"},
     }
     if ctx.fsdp_mixed:
         config["communication_data_type"] = "fp32"  # the gradients reduced in fp32, as FSDP2's reduce_dtype did
+    if ctx.true:  # no fp32 master weights: DeepSpeed 0.19's bf16 options, which its ZeRO optimizer (stage 1-3) reads
+        config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+        if not ctx.wrapper:
+            config["zero_optimization"] = {"stage": 1}
     if ctx.precision == "fp16":
         # Dynamic loss scaling as autotune's GradScaler does it: start at 2**16, halve on every overflow
         # (hysteresis 1), double after growth_interval clean steps. DeepSpeed's factors are fixed at 2 and 1/2,
@@ -284,6 +318,12 @@ def _deepspeed(ctx: _Context, notes: list[str]) -> dict[str, Any]:
             f"measured {ctx.precision}: FSDP2's {MP_POLICY} without autocast. DeepSpeed's bf16 section computes with "
             f"bf16 weights over fp32 master weights in the optimizer, and communication_data_type fp32 reduces the "
             f"gradients in fp32: the same arithmetic, with DeepSpeed's own buffers (its memory differs)")
+    elif ctx.true:
+        notes.append(
+            "measured bf16-true: DeepSpeed's bf16 section with bf16_master_weights_and_grads and bf16_optimizer_states "
+            "keeps the weights, gradients and optimizer state in bf16 (DeepSpeed 0.19; no fp32 master weights), and "
+            "ZeRO's optimizer, which they need, with its own buffers: stage 1 on one process shards nothing"
+            + ("" if not ctx.wrapper else "; set a zero_optimization stage (1 to 3) for them"))
     elif ctx.precision != "fp32":
         notes.append(
             f"DeepSpeed's {ctx.precision} section casts the model's weights to 16 bits (fp32 master weights in the "
@@ -316,6 +356,11 @@ def _accelerate(ctx: _Context, notes: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"accelerator": {"mixed_precision": ACCELERATE_PRECISION[ctx.precision],
                                            "gradient_accumulation_steps": ctx.steps},
                            "batch_size": ctx.micro}
+    if ctx.true:
+        notes.append("measured bf16-true: accelerate has no mixed_precision for it ('no', set): cast the model with "
+                     "model.to(torch.bfloat16) before accelerator.prepare, so the optimizer made over it keeps its "
+                     "state in bf16, and feed it bf16 inputs; mixed_precision='bf16' would autocast over it (and under "
+                     "FSDP2 upcast the parameters to fp32)")
     if ctx.wrapper == "fsdp":  # FullyShardedDataParallelPlugin(**fsdp_plugin): FSDP2, each block and the root
         out["fsdp_plugin"] = {"fsdp_version": 2, "reshard_after_forward": True,
                               **({"cpu_offload": True} if ctx.plan.state else {}),
@@ -339,7 +384,7 @@ def _accelerate_fsdp_precision(ctx: _Context, out: dict[str, Any], notes: list[s
                      f"the policy is the plugin's: FullyShardedDataParallelPlugin(**fsdp_plugin, "
                      f"mixed_precision_policy={MP_POLICY}) (mixed_precision_policy above, by name). mixed_precision="
                      f"'bf16' instead would reduce the gradients in bf16 and autocast as well")
-    elif ctx.precision != "fp32":  # autocast over fp32 FSDP2, as measured: the plugin's policy fp32, set before
+    elif ctx.precision != "fp32" and not ctx.true:  # autocast over fp32 FSDP2, as measured: the plugin's policy fp32
         out["fsdp_plugin"]["mixed_precision_policy"] = "fp32"
         notes.append(f"the plugin's mixed_precision_policy 'fp32' keeps FSDP2's gathered parameters and reduction in "
                      f"fp32 under the Accelerator's {ctx.precision} autocast, as measured; without it accelerate would "
@@ -395,7 +440,8 @@ def _common_notes(ctx: _Context, report: Report, framework: str) -> list[str]:
                      f"({ctx.micro * ctx.world_size} per micro-step) under {ctx.wrapper.upper()}, with "
                      f"{ctx.steps} accumulation step(s); the peak holds on every rank")
     if ctx.device_type == "cpu" and ctx.precision != "fp32":
-        notes.append(f"the trials ran on a CPU: the {ctx.precision} setting asks for the same "
-                     f"{'mixed precision' if ctx.fsdp_mixed else 'autocast mode'} on the device you train on (a GPU), "
+        kind = "mixed precision" if ctx.fsdp_mixed else "bf16 weights" if ctx.true else "autocast mode"
+        notes.append(f"the trials ran on a CPU: the {ctx.precision} setting asks for the same {kind} on the device you "
+                     f"train on (a GPU), "
                      f"where peak memory and speed differ; run autotune there to measure them")
     return notes

@@ -14,7 +14,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from autotune.errors import UsageError
-from autotune.vocabulary import FSDP_ONLY, HEADROOM, PRECISIONS, Offload, parse_compile, parse_offload, parse_plans
+from autotune.vocabulary import FSDP_ONLY, HEADROOM, PRECISIONS, TRUE, Offload, parse_compile, parse_offload, parse_plans
 from autotune.records import Budget, GuardRails, ProbeSettings, TrialSettings
 from autotune.search.space import parse_batch_sizes, parse_precisions
 from autotune.search.strategies import make_strategy
@@ -92,8 +92,9 @@ class Options:
         "the largest)", group=SPACE, metavar="SIZE,SIZE")
     headroom: float = option(HEADROOM, "share of the budget the recommendation leaves free", group=SPACE, type=float)
     precisions: str | Sequence[str] | None = option(
-        None, "comma-separated fp32,fp16,bf16 (autocast); bf16-fsdp under --parallel fsdp: FSDP2's "
-        "MixedPrecisionPolicy, bf16 parameters gathered and computed with, fp32 gradient reduction", group=SPACE,
+        None, "comma-separated fp32,fp16,bf16 (autocast); bf16-true: weights, gradients and optimizer state in bf16, "
+        "no autocast; bf16-fsdp under --parallel fsdp: FSDP2's MixedPrecisionPolicy, bf16 parameters gathered and "
+        "computed with, fp32 gradient reduction", group=SPACE,
         default_text="auto: the modes the device runs well (autocast)")
     segments: str | Sequence[Any] | None = option(
         "auto", "checkpoint plans, e.g. 0,2,every2,all,sac-linear: 0 is off, N recomputes the blocks of the first N-1 "
@@ -227,6 +228,7 @@ class Options:
         _check_state_offload(self)
         self._check_planned_gpu()
         _check_fsdp_precision(self)
+        _check_true_precision(self)
         if self.dry_run and any(mode != "none" for mode in self.compile):
             raise UsageError("--dry-run predicts eager training under fake tensors; what inductor's kernels hold is "
                              "known only by running them: drop --compile from the dry run, or search without --dry-run")
@@ -357,6 +359,16 @@ def _check_fsdp_precision(options: "Options") -> None:
     if options.fp32_modules:
         raise UsageError(f"--fp32-modules keeps modules outside autocast, and {asked[0]} does not autocast (FSDP2 "
                          f"gathers every parameter in {PRECISIONS[asked[0]].param_dtype}): search bf16 for "
+                         f"--fp32-modules {','.join(options.fp32_modules)}, or drop it")
+
+
+def _check_true_precision(options: "Options") -> None:
+    """``bf16-true`` holds every floating parameter in bf16 and does not autocast: ``--fp32-modules`` has neither an
+    autocast region to step out of nor fp32 weights to run on."""
+    asked = [p for p in options.precisions or () if p in TRUE]
+    if asked and options.fp32_modules:
+        raise UsageError(f"--fp32-modules keeps modules outside autocast on fp32 weights, and {asked[0]} holds every "
+                         f"weight in {PRECISIONS[asked[0]].weight_dtype} without autocast: search bf16 for "
                          f"--fp32-modules {','.join(options.fp32_modules)}, or drop it")
 
 

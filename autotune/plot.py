@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["require_matplotlib", "pareto_figure", "memory_figure", "write_plots"]
 
-MARKERS = {"fp32": "o", "fp16": "s", "bf16": "^", "bf16-fsdp": "v"}  # one shape per precision, in both plots
+MARKERS = {"fp32": "o", "fp16": "s", "bf16": "^", "bf16-fsdp": "v", "bf16-true": "P"}  # one shape per precision, in both plots
 OTHER_MARKER = "D"
 FAINT = 0.3  # alpha of trials that are not on the front
 

@@ -296,6 +296,9 @@ class ProbeResult:
     grad_norm: dict[str, float] | None = None  # median and max of the global gradient norm
     wall_s: float = 0.0
     distributed: dict[str, Any] | None = None  # --parallel: each rank's verdict, worst peak and samples
+    # bf16-true: of up to 1,024 evenly spaced entries of each parameter with a nonzero gradient, over the probe's
+    # steps, the share whose update rounded away in bf16 (where fp32 master weights would have moved), and the counts
+    lost_updates: dict[str, float] | None = None  # share, lost, sampled
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

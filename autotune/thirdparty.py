@@ -30,7 +30,25 @@ from torch import nn
 
 from autotune.errors import UsageError, first_line
 
-__all__ = ["hf_causal_lm", "hf_masked_lm", "hf_lora", "gpt2", "bert", "timm_model", "library_checkpointing", "training_caches"]
+__all__ = ["INSTALLABLE", "not_found", "hf_causal_lm", "hf_masked_lm", "hf_lora", "gpt2", "bert", "timm_model",
+           "library_checkpointing", "training_caches"]
+
+
+# Packages users name in --optimizer (or --model, --data), by the names pip installs them under: the optimizers with
+# less state (bitsandbytes' 8-bit AdamW, torchao's low-bit and stochastic-rounding AdamW, transformers' Adafactor)
+INSTALLABLE = {"bitsandbytes": "bitsandbytes", "torchao": "torchao", "transformers": "transformers", "peft": "peft",
+               "timm": "timm"}
+
+
+def not_found(exc: ModuleNotFoundError, module_name: str) -> str:
+    """Why ``module_name`` did not import, in words: a package of :data:`INSTALLABLE` not installed (``pip install
+    NAME``), a module not found (its spelling), or the import that failed inside it."""
+    package = (exc.name or "").split(".")[0]
+    if package in INSTALLABLE and module_name.split(".")[0] == package:
+        return f"needs {package}, which is not installed here: pip install {INSTALLABLE[package]}"
+    if exc.name and module_name.startswith(exc.name):
+        return f"no module named {exc.name!r} (check the spelling and that it is importable from here)"
+    return f"importing {module_name!r} failed: {exc}"
 
 
 def _require(package: str, extra: str | None = None) -> Any:

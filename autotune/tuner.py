@@ -150,7 +150,8 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
     strategy = make_strategy(searching.strategy, headroom=target.budget.headroom, budgets=target.budget.all,
                              fixed_bytes_hint=facts.fixed_bytes, n_trials=searching.n_trials,
                              line_rule=LineRule.of(facts.fixed_bytes, facts.optimizer_state_bytes is not None,
-                                                   (target.data_profile or {}).get("shapes_vary", False)),
+                                                   (target.data_profile or {}).get("shapes_vary", False),
+                                                   _held_fixed_bytes(facts)),
                              **({"predictions": seeding.predictions} if seeding else {}),
                              probed=_probed(target, study))
     space = study.space
@@ -172,6 +173,11 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
     predictions = tuple(sorted(seeding.predictions.values(), key=lambda m: (order[m.config.variant], m.batch_size)))
     return dataclasses.replace(result, predictions=predictions, seeding=seeding.describe(),
                                wall_s=result.wall_s + seeding.seconds, notices=seeding.notices)
+
+
+def _held_fixed_bytes(facts: ModelFacts) -> dict[str, int]:
+    """The state of each true precision searched whose optimizer's state was measured (the line rule's fixed part)."""
+    return {p: facts.fixed_bytes_of(p) for p, parts in facts.held.items() if parts["optimizer_state"] is not None}
 
 
 def _probed(target: Target, study: Study) -> int:
@@ -211,7 +217,7 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             # its name and kwargs (the study's), then the optimizer the preflight made: class, settings, source
             "optimizer": {**study.workload.optimizer.to_dict(), **(facts.optimizer or {}),
                           "state_bytes": facts.optimizer_state_bytes},
-            "fixed_bytes": facts.fixed_bytes,
+            "fixed_bytes": facts.fixed_bytes, **({"state_by_precision": facts.held} if facts.held else {}),  # bf16-true's
             "parameter_count": facts.parameter_count,
             "parameter_bytes": facts.parameter_bytes,
             # the parameters that train: the gradients and the optimizer's state are theirs (an adapter's, over frozen

@@ -2,7 +2,7 @@
 
     python benchmarks/dry_run.py [--out results] [--quick]
 
-1. **Every plan kind on the bundled models.** TinyGPT and ResNetish (their default sizes), fp32 and bf16, plans
+1. **Every plan kind on the bundled models.** TinyGPT and ResNetish (their default sizes), fp32, bf16 and bf16-true, plans
    0, 2, every2, all, sac-linear, sac-matmul, 2+offload and all+offload, batches 8 and 32, under a 1 GiB budget:
    each configuration's memory trial measured (the tensor meter) and predicted (the same trial under fake
    tensors): statuses, peaks and host peaks side by side.
@@ -13,10 +13,12 @@
    state per parameter and a limit per plan.
 4. **A 2-layer slice of the same widths** (256 tokens, bf16, plans 0, all and sac-linear) trained for real beside
    its prediction.
-5. **A 7B shape planned for 80 GiB**: the state-does-not-fit answer (exit 3) without building the model, and the
-   rank count it suggests checked by predicting one rank of an FSDP job of 2 (``--world-size 2``).
+5. **A 7B shape planned for 80 GiB**: the state-does-not-fit answer (exit 3) without building the model, with its
+   levers, the rank count it suggests checked by predicting one rank of an FSDP job of 2 (``--world-size 2``), and
+   its bf16-true lever by predicting the same budget with ``--precisions bf16-true``.
 
-Writes ``results/dry_run-cpu.json`` and ``.md`` (docs/dry-run.md includes the table). ``--quick`` skips 3-5.
+Writes ``results/dry_run-cpu.json`` and ``.md`` (docs/dry-run.md includes the table). ``--quick`` skips 3-5;
+``--only SECTION ...`` reruns those sections and keeps the others from the committed JSON.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from autotune.units import format_bytes, parse_size
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"TinyGPT": "autotune.examples:TinyGPT", "ResNetish": "autotune.examples:ResNetish"}
 PLANS = ("0", "2", "every2", "all", "sac-linear", "sac-matmul", "2+offload", "all+offload")
+PRECISIONS = ("fp32", "bf16", "bf16-true")  # bf16-true: the model itself in bf16
 BUDGET = parse_size("1GiB")
 LLAMA = "docs.examples.llama_factory:tinyllama"
 SEVEN_B = {"layers": 32, "hidden": 4096, "intermediate": 11008, "heads": 32, "kv_heads": 32}
@@ -76,7 +79,7 @@ def plan_kinds() -> list[dict]:
     rows = []
     for name, spec in MODELS.items():
         workload = _workload(spec)
-        for precision in ("fp32", "bf16"):
+        for precision in PRECISIONS:
             for plan in PLANS:
                 for batch in (8, 32):
                     rows.append({"model": name, **_pair(workload, Config(precision, plan, batch), BUDGET)})
@@ -145,6 +148,22 @@ def seven_b(out_dir: str) -> dict:
                  "--precisions", "bf16", "--dry-run"], os.path.join(out_dir, ".tmp", "7b-dry-run.json"))
 
 
+def seven_b_true(out_dir: str) -> dict:
+    """The answer's bf16-true lever checked: the same 7B shape and budget with the weights, gradients and AdamW's
+    state in bf16, predicted."""
+    out = os.path.join(out_dir, ".tmp", "7b-bf16-true-dry-run.json")
+    run = _cli(["--model", LLAMA, "--model-kwargs", json.dumps(SEVEN_B), "--device", "cpu", "--budget", "80GiB",
+                "--precisions", "bf16-true", "--dry-run"], out)
+    with open(out) as f:
+        report = json.load(f)
+    usable = report["budget_bytes"] * (1 - report["headroom"])
+    run.update(predictions=len(report["trials"]), state=report["workload"]["state_by_precision"]["bf16-true"],
+               limits={r["segments"]: [r["max_batch_size"], r["min_oom_batch_size"]] for r in report["limits"]},
+               fits_within_headroom=sorted({t["segments"] for t in report["trials"]
+                                            if t["status"] == "ok" and t["peak_bytes"] <= usable}))
+    return run
+
+
 def seven_b_sharded(out_dir: str) -> dict:
     """The rank count the 7B answer suggests, checked: one rank of an FSDP job of 2 predicted on a fake process group."""
     out = os.path.join(out_dir, ".tmp", "7b-fsdp2-dry-run.json")
@@ -162,13 +181,14 @@ def seven_b_sharded(out_dir: str) -> dict:
 
 def markdown(data: dict) -> str:
     rows = data["plan_kinds"]
+    precisions = sorted({r["precision"] for r in rows}, key=PRECISIONS.index)
     exact = sum(r["measured_peak_bytes"] == r["predicted_peak_bytes"] for r in rows)
     same = sum(r["measured_status"] == r["predicted_status"] for r in rows)
     worst = max(abs(r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"] for r in rows)
     host = sum(r["measured_host_peak_bytes"] == r["predicted_host_peak_bytes"] for r in rows)
     lines = [f"# The dry run against measurement ({data['environment']['machine']}, torch {data['environment']['torch']})",
              "", f"Command: `{data['command']}`.", "",
-             f"**Every plan kind, both bundled models** (fp32 and bf16; plans {', '.join(PLANS)}; batches 8 and 32; "
+             f"**Every plan kind, both bundled models** ({', '.join(precisions)}; plans {', '.join(PLANS)}; batches 8 and 32; "
              f"budget 1 GiB): {len(rows)} memory trials measured and predicted. Statuses equal in {same} of "
              f"{len(rows)}; peaks equal to the byte in {exact} of {len(rows)} (the largest difference "
              f"{worst:.4%}); host peaks of offloaded plans equal in {host} of {len(rows)}. A prediction took "
@@ -211,6 +231,15 @@ def markdown(data: dict) -> str:
                           f"budget less headroom: {', '.join(sh['fits_within_headroom']) or 'none'}. Limits per rank "
                           f"(largest batch that fits, the next one): " + _limits_text(sh["limits"])
                       + "."]
+        if "seven_b_true" in data:
+            st = data["seven_b_true"]
+            lines += ["", f"**Its bf16-true lever checked** (`{st['command']}`): exit {st['exit']} in {st['wall_s']} s, "
+                          f"{st['predictions']} predictions, the process at {format_bytes(st['max_rss_bytes'])}; the "
+                          f"state {format_bytes(sum(st['state'].values()))} (weights "
+                          f"{format_bytes(st['state']['weights'])}, gradients {format_bytes(st['state']['gradients'])}, "
+                          f"AdamW state {format_bytes(st['state']['optimizer_state'])}). Plans with a configuration "
+                          f"predicted within the budget less headroom: {', '.join(st['fits_within_headroom']) or 'none'}. "
+                          f"Limits (largest batch that fits, the next one): " + _limits_text(st["limits"]) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -223,21 +252,33 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+SECTIONS = {"plan_kinds": lambda out: plan_kinds(), "exact_limits": lambda out: exact_limits(), "llama": llama,
+            "slice": lambda out: llama_slice(), "seven_b": seven_b, "seven_b_sharded": seven_b_sharded,
+            "seven_b_true": seven_b_true}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "results"))
     parser.add_argument("--quick", action="store_true", help="only the bundled models (sections 1 and 2)")
+    parser.add_argument("--only", nargs="*", choices=sorted(SECTIONS),
+                        help="rerun these sections only, the others kept from the committed dry_run-cpu.json")
     args = parser.parse_args()
     torch.manual_seed(0)
     data = {"command": "python benchmarks/dry_run.py" + (" --quick" if args.quick else ""),
-            "environment": {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__},
-            "plan_kinds": plan_kinds(), "exact_limits": exact_limits()}
-    if not args.quick:
-        data.update(llama=llama(args.out), slice=llama_slice(), seven_b=seven_b(args.out),
-                    seven_b_sharded=seven_b_sharded(args.out))
-    with open(os.path.join(args.out, "dry_run-cpu.json"), "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+            "environment": {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__}}
+    if args.only:
+        with open(os.path.join(args.out, "dry_run-cpu.json")) as f:
+            kept = json.load(f)
+        data = {**kept, "environment": data["environment"],
+                "command": f"{kept['command']}, then python benchmarks/dry_run.py --only {' '.join(args.only)}"}
+    names = args.only or (("plan_kinds", "exact_limits") if args.quick else SECTIONS)
+    os.makedirs(os.path.join(args.out, ".tmp"), exist_ok=True)  # the CLI runs' reports
+    for name in names:  # written after each section: a later one that fails keeps the earlier ones' work
+        data[name] = SECTIONS[name](args.out)
+        with open(os.path.join(args.out, "dry_run-cpu.json"), "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
     with open(os.path.join(args.out, "dry_run-cpu.md"), "w") as f:
         f.write(markdown(data))
     print(markdown(data))

@@ -96,7 +96,16 @@ def test_a_model_whose_state_alone_exceeds_the_budget_is_told_the_state_by_part_
     assert "(weights 2.45 MiB, gradients 2.45 MiB, AdamW state 4.91 MiB)" in err and "than --budget 6.00 MiB" in err
     assert "sharded over 3 ranks (--parallel fsdp under torchrun --nproc-per-node 3" in err  # 9.8 / 3 <= 3/4 x 5.4
     assert "9.81 MiB of host memory" in err and "FSDP2's CPUOffloadPolicy" in err
-    assert "an optimizer that holds less state: the weights and gradients alone are 4.91 MiB" in err
+    # the levers that shrink the state, each with its figure for TinyGPT (autotune.training.state; their own tests)
+    assert ("or less state: --precisions bf16-true holds the weights, gradients and AdamW state in bf16 (no fp32 master "
+            "weights: updates below a weight's resolution are lost), 1.23 MiB + 1.23 MiB + 2.45 MiB: 4.91 MiB in all, "
+            "leaving 506.02 KiB for the activations, batch 1's 1.77 MiB not") in err
+    assert ("--optimizer bitsandbytes.optim:AdamW8bit (pip install bitsandbytes, on CUDA), its moments in 8 bits with a "
+            "float32 scale per block of 256, from its layout: 1.30 MiB of state, 6.21 MiB in all, still over 5.40 MiB; "
+            "with bf16-true, 3.76 MiB in all, leaving 1.64 MiB for the activations, batch 1's 1.77 MiB not") in err
+    assert "--optimizer torch.optim:Adafactor (factored second moments" in err and "91.20 KiB of state" in err
+    assert "adapters (PEFT LoRA r=8 on the 48 Linear layers of the blocks: 98,304 trained parameters" in err
+    assert "SGD without momentum holds no state: the weights and gradients alone are 4.91 MiB" in err
 
 
 BAD_INPUT = [
@@ -152,6 +161,14 @@ BAD_INPUT = [
     ([], "required: --model"),
     (["--model", "autotune.examples:TinyGPT", "--optimizer", "torch.optim:NoSuch"], "has no attribute 'NoSuch'"),
     (["--model", "autotune.examples:TinyGPT", "--optimizer-kwargs", "{momentum: 0.9}"], "--optimizer-kwargs is not valid JSON"),
+    # bf16-true: fp16's counterpart is refused with its reason; it holds every weight in bf16, so none stays in fp32
+    (["--model", "autotune.examples:TinyGPT", "--precisions", "bf16,fp16-true"],
+     "--precisions fp16-true: fp16-true (weights, gradients and optimizer state in fp16) is not offered"),
+    (["--model", "autotune.examples:TinyGPT", "--precisions", "bf16-true", "--fp32-modules", "LayerNorm"],
+     "--fp32-modules keeps modules outside autocast on fp32 weights, and bf16-true holds every weight in bfloat16"),
+    (["--model", "autotune.examples:TinyGPT", "--device", "cuda", "--dry-run", "--budget", "16GiB", "--cuda-capability",
+      "7.0", "--precisions", "bf16-true"], "bf16-true is not supported on cuda:0 (bf16 needs a GPU of compute capability "
+                                           "8.0 or later): use --precisions fp32,fp16"),
     (["--model", "autotune.examples:TinyGPT", "--optimizer", "torch.optim:SGD", "--optimizer-kwargs", '{"momentum": -1}'],
      "--optimizer torch.optim:SGD(momentum=-1) raised ValueError"),
     (["--model", "tests.models:TwoHeads", "--step", "tests.models:step_without_loss"],
@@ -191,6 +208,16 @@ def test_cuda_on_a_machine_without_a_gpu_is_bad_input(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "no CUDA GPU" in err[0] and "--device cpu" in err[0]
     assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("package", ["bitsandbytes", "torchao"])
+def test_an_optimizer_of_a_package_not_installed_names_what_to_install(package, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, package, None)  # not installed, wherever these tests run
+    code = main(["--model", "autotune.examples:TinyGPT", "--optimizer", f"{package}.optim:AdamW8bit", "--quiet",
+                 "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"autotune: error: --optimizer '{package}.optim:AdamW8bit': needs {package}, which is "
+                                 f"not installed here: pip install {package}"]
 
 
 def test_a_precision_the_device_cannot_run_is_bad_input(tmp_path, capsys, monkeypatch):

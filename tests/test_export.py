@@ -308,3 +308,41 @@ def test_autocast_under_fsdp_keeps_accelerate_s_fsdp2_in_fp32_as_measured(quicks
     assert "mixed_precision=MixedPrecision(param_dtype=torch.float32" in lightning
     assert f"with {precision}=True accelerate's FSDP2 also gathers" in " ".join(
         export(_fsdp(quickstart, precision), "hf")["notes"])
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
+def test_bf16_true_asks_each_framework_for_bf16_weights_without_autocast(quickstart, tmp_path, fresh_accelerate):
+    report = variant(quickstart, "bf16-true", "0")
+    hf, lightning = export(report, "hf"), export(report, "lightning")
+    deepspeed, accelerate = export(report, "deepspeed"), export(report, "accelerate")
+    assert json.loads(json.dumps([hf, lightning, deepspeed, accelerate], allow_nan=False))
+    # transformers: the model loaded in bf16, the Trainer without autocast (TrainingArguments cannot cast a model)
+    assert hf["from_pretrained"] == {"dtype": "bfloat16"}
+    args = hf["training_arguments"]
+    assert (args["bf16"], args["fp16"]) == (False, False) and any("dtype=torch.bfloat16" in n for n in hf["notes"])
+    transformers = needs("transformers", "the hf extra")
+    made = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=not HAS_GPU, **args)
+    assert (made.bf16, made.fp16) == (False, False)
+    # Lightning's own bf16-true
+    needs("lightning", "the frameworks extra")
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, **lightning["trainer"])
+    assert trainer.precision == "bf16-true"
+    precision = trainer.strategy.precision_plugin
+    assert precision.convert_module(torch.nn.Linear(2, 2)).weight.dtype == torch.bfloat16
+    assert precision.convert_input(torch.ones(2)).dtype == torch.bfloat16
+    with precision.forward_context():  # no autocast: a float32 matmul stays float32 (bf16 is only the default dtype)
+        x = torch.ones(2, 2, dtype=torch.float32)
+        assert (x @ x).dtype == torch.float32 and torch.ones(1).dtype == torch.bfloat16
+    # DeepSpeed: no fp32 master weights, the state in bf16 (its ZeRO optimizer's options)
+    needs("deepspeed", "the frameworks extra")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = DeepSpeedConfig(deepspeed["config"]).bfloat16_config
+    assert config.enabled and config.bf16_master_weights_and_grads and config.bf16_optimizer_states
+    # accelerate: no autocast, the cast by hand (its note)
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(**accelerate["accelerator"])
+    assert accelerator.mixed_precision == "no" and any("model.to(torch.bfloat16)" in n for n in accelerate["notes"])

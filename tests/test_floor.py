@@ -1,5 +1,7 @@
 """The smallest plan's activations at batch 1 (autotune.plans.floor), and how the state-does-not-fit answer uses them."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -131,3 +133,33 @@ def test_a_model_fake_tensors_cannot_run_is_measured_on_the_cpu(tmp_path, caplog
         floor = _floor_of(workload, find_chain(workload.build_model()), ("fp32",), ())
     assert "batch 1's activations are measured on the CPU (fake tensors could not run the model" in caplog.text
     assert floor.kept > 0 and floor.recompute > 0 and floor.precision == "fp32"
+
+
+def test_the_state_counted_is_the_smallest_searched_and_the_levers_say_what_each_leaves(tmp_path):
+    from autotune.plans.floor import SmallerState
+
+    # 40 KB of weights, as much of gradients, 80 KB of AdamW's moments: 160 KB; in bf16 80 KB; 72 KB usable
+    facts = ModelFacts("TinyGPT", 10_000, 40_000, None, None, optimizer_state_bytes=80_000,
+                       held={"bf16-true": {"weights": 20_000, "gradients": 20_000, "optimizer_state": 40_000}})
+    smaller = SmallerState(true_parts=facts.held["bf16-true"], eight_bit_bytes=20_000, factored_bytes=1_000,
+                           adapter_parameters=500, adapter_layers=4, parameters=10_000)
+    budget = str(80_000)
+    fp32 = tuner.resolve(Options(model="autotune.examples:TinyGPT", model_kwargs=TINY, device="cpu", budget=budget,
+                                 precisions="fp32,bf16", probe=False, storage=f"sqlite:///{tmp_path}/a.db"))
+    with pytest.raises(autotune.StateDoesNotFit) as info:
+        _check_state_fits(facts, "torch.optim:AdamW", fp32, lambda: "not measured", lambda parts: smaller)
+    said = str(info.value)
+    assert info.value.state == facts.state() and "needs 156.25 KiB before any activation" in said
+    assert "--precisions bf16-true holds the weights, gradients and AdamW state in bf16" in said
+    assert "19.53 KiB + 19.53 KiB + 39.06 KiB: 78.12 KiB in all, still over 70.31 KiB" in said  # 80 KB > 72 KB
+    assert "19.53 KiB of state, 97.66 KiB in all, still over" in said  # 8-bit: weights, gradients and its state
+    assert "with bf16-true, 58.59 KiB in all, leaving 11.72 KiB for the activations" in said
+    assert "1000 B of state, 79.10 KiB in all, still over" in said  # factored
+    assert "500 trained parameters, 5.00% of the model's" in said and "46.88 KiB in all, leaving 23.44 KiB" in said
+    assert "no optimizer alone makes it fit" in said
+    true = tuner.resolve(Options(model="autotune.examples:TinyGPT", model_kwargs=TINY, device="cpu", budget=str(100_000),
+                                 precisions="bf16,bf16-true", probe=False, storage=f"sqlite:///{tmp_path}/b.db"))
+    _check_state_fits(facts, "torch.optim:AdamW", true, lambda: "not measured")  # 80 KB of bf16-true's fit in 90 KB
+    with pytest.raises(autotune.StateDoesNotFit) as info:  # fp32's 160 KB alone would not
+        _check_state_fits(facts, "torch.optim:AdamW", dataclasses.replace(true, precisions=("bf16",)),
+                          lambda: "not measured")

@@ -151,7 +151,11 @@ def test_a_trainer_cannot_be_tuned_for_a_precision_its_arguments_cannot_say(tmp_
     with pytest.raises(UsageError, match="cannot write precision bf16-fsdp back: TrainingArguments has no setting for "
                                          "FSDP2's MixedPrecisionPolicy"):
         tune_trainer(trainer, budget=BUDGET, precisions="bf16, BF16-FSDP")
+    with pytest.raises(UsageError, match="cannot write precision bf16-true back: TrainingArguments has no setting that "
+                                         r"casts the model .*from_pretrained\(..., dtype=torch.bfloat16\)"):
+        tune_trainer(trainer, budget=BUDGET, precisions=["bf16-true"])
     assert (trainer.args.per_device_train_batch_size, trainer.args.bf16) == (8, False)  # before any trial
+    assert next(trainer.model.parameters()).dtype == torch.float32
 
 
 def test_the_report_names_the_optimizer_the_training_arguments_make_with_its_weight_decay_groups(tmp_path):

@@ -199,3 +199,22 @@ def test_tune_trains_trials_checks_and_the_probe_with_the_users_optimizer_and_st
     assert again.search["study"] != report.search["study"] and again.search["n_reused"] == 0
     tensors = len(list(TwoHeads().parameters()))
     assert again.workload["optimizer"]["state_bytes"] == 2 * params + 4 * tensors  # two moments and a step counter
+
+
+def test_the_state_counts_each_storage_once_and_a_subclass_by_its_inner_tensors():
+    from torch.testing._internal.two_tensor import TwoTensor  # a wrapper subclass, as torchao's quantized state is
+
+    shared = torch.zeros(10)  # bitsandbytes' quantization maps: one tensor in every parameter's state
+    assert state_bytes([shared, shared.view(2, 5), torch.zeros(3)]) == 4 * 10 + 4 * 3
+    pair = TwoTensor(torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))
+    assert state_bytes([pair]) == 8  # its two inner tensors, not its outer size
+
+
+def test_twins_in_a_dtype_make_the_state_of_parameters_held_in_it():
+    model = Wide()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ballast, failed = prime(optimizer, dtype=torch.bfloat16)
+    moments = [t for t in ballast if t.ndim]
+    assert failed is None and {t.dtype for t in moments} == {torch.bfloat16}
+    assert state_bytes(moments) == 2 * 2 * sum(p.numel() for p in model.parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the model is untouched

@@ -110,3 +110,152 @@ def test_apply_prepares_bf16_fsdp_without_autocast_and_says_how_to_wrap(caplog):
     assert "fully_shard on each block and the root with mp_policy=run.mp_policy" in caplog.text
     assert autotune.apply(TinyGPT(n_layer=2, block_size=8, n_embd=16, n_head=2),
                           Measurement(Config("bf16", "0", 4), "ok", peak_bytes=1)).mp_policy is None
+
+
+# --- bf16-true: the model itself in bf16 ----------------------------------------------------------------------------
+
+MODELS = ["autotune.examples:TinyGPT", "autotune.examples:ResNetish"]
+
+
+def _workload(spec: str):
+    from autotune.plans.checkpointing import find_chain
+    from autotune.training.workload import Workload
+
+    load = Workload.from_specs(spec)
+    return load.with_chain(find_chain(load.build_model()))
+
+
+def test_bf16_true_casts_the_floating_weights_buffers_and_inputs_and_neither_autocasts_nor_scales():
+    from autotune.examples import ResNetish, TinyGPT
+
+    mode = get_mode("bf16-true")
+    assert mode.autocast_dtype is None and mode.grad_scaler("cpu") is None and mode.mp_policy() is None
+    net = ResNetish()
+    weights = list(net.parameters())
+    mode.hold(net)
+    mode.hold(net)  # prepared twice: one input cast
+    assert [id(p) for p in net.parameters()] == [id(p) for p in weights]  # the same parameters, cast
+    assert {p.dtype for p in net.parameters()} == {torch.bfloat16}
+    buffers = dict(net.named_buffers())
+    assert {b.dtype for n, b in buffers.items() if "running" in n} == {torch.bfloat16}
+    assert {b.dtype for n, b in buffers.items() if n.endswith("num_batches_tracked")} == {torch.int64}
+    images, labels = net.example_batch(2)
+    with mode.autocast("cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+        out = net(images)  # float32 images: cast to bf16 at the forward, as Lightning casts the batch
+    assert images.dtype == torch.float32 and out.dtype == torch.bfloat16 and len(net._forward_pre_hooks) == 1
+    gpt = TinyGPT(n_layer=2, block_size=8, n_embd=16, n_head=2)
+    tied = [n for n, p in gpt.named_parameters(remove_duplicate=False)]
+    mode.hold(gpt)
+    assert [n for n, p in gpt.named_parameters(remove_duplicate=False)] == tied  # tied weights stay tied
+
+
+def _state_by_part(spec: str, precision: str) -> dict[str, int]:
+    """One step of a Trainer in ``precision``: the bytes of its weights, gradients, AdamW's moments and step counts."""
+    from autotune.records import Config
+    from autotune.training.trainer import Trainer
+
+    load = _workload(spec)
+    trainer = Trainer(load, Config(precision, "0", 4), torch.device("cpu"))
+    trainer.build(prime=False)
+    with trainer.run.autocast():
+        loss = load.loss(trainer.model, load.make_batch(trainer.module, 4))
+    trainer.run.backward(loss)
+    params = list(trainer.model.parameters())
+    parts = {"weights": sum(p.numel() * p.element_size() for p in params),
+             "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)}
+    trainer.run.step(trainer.optimizer)
+    state = [(k, t) for s in trainer.optimizer.state.values() for k, t in s.items()]
+    parts["moments"] = sum(t.numel() * t.element_size() for k, t in state if k != "step")
+    parts["steps"] = sum(t.numel() * t.element_size() for k, t in state if k == "step")
+    trainer.release()
+    return parts
+
+
+@pytest.mark.parametrize("spec", MODELS)
+def test_bf16_true_holds_half_the_state_of_bf16_to_the_byte_and_the_preflight_says_so(spec):
+    """Weights, gradients and AdamW's moments: half of bf16's (autocast over fp32), to the byte; AdamW's step counts
+    are one float32 scalar per parameter either way. The preflight's figure (twins in bf16) is the trial's."""
+    from autotune.training.optimizer import OptimizerSpec
+    from autotune.training.state import held_parts
+
+    bf16, true = _state_by_part(spec, "bf16"), _state_by_part(spec, "bf16-true")
+    assert {k: 2 * v for k, v in true.items() if k != "steps"} == {k: v for k, v in bf16.items() if k != "steps"}
+    assert true["steps"] == bf16["steps"] > 0
+    held = held_parts(_workload(spec).build_model(), OptimizerSpec(), 1e-4, torch.bfloat16)
+    assert held == {"weights": true["weights"], "gradients": true["gradients"],
+                    "optimizer_state": true["moments"] + true["steps"]}
+
+
+@pytest.mark.parametrize("spec", MODELS)
+@pytest.mark.parametrize("plan", ["0", "all"])
+def test_bf16_true_trials_are_predicted_to_the_byte(spec, plan):
+    from autotune.execution.predict import predict_trial
+    from autotune.execution.trial import run_trial
+    from autotune.meters import TensorMeter
+    from autotune.records import Config, TrialSettings
+
+    load, config = _workload(spec), Config("bf16-true", plan, 8)
+    measured = run_trial(load.unwarmed(), config, device="cpu", meter=TensorMeter("cpu"), timed=False,
+                         settings=TrialSettings(timeout_s=None))
+    predicted = predict_trial(load, config)
+    assert measured.status == predicted.status == "ok" and measured.peak_bytes == predicted.peak_bytes
+
+
+@pytest.mark.parametrize("spec", MODELS)
+def test_a_plan_under_bf16_true_is_bitwise_the_plan_free_step(spec):
+    """Why plan checks stay in fp32 for bf16-true: a plan's faults do not depend on the dtype, and in bf16 too each plan
+    recomputes exactly (fp32 shows a smaller fault than bf16's 8 bits would)."""
+    from autotune.execution.plan_check import compare_steps
+    from autotune.records import GuardRails
+    from autotune.training.applied import prepare
+
+    load = _workload(spec)
+    steps = {}
+    for plan in ("0", "2", "all", "sac-linear"):
+        model = load.build_model(seed=0)
+        run = prepare(model, precision="bf16-true", plan=plan, chain=load.chain, guard=GuardRails(),
+                      device_type="cpu", micro_batch_size=4)
+        loss = load.loss(run.model, load.make_batch(model, 4))
+        loss.backward()
+        steps[plan] = {"loss": loss.detach().float(), **{f"grad:{n}": p.grad for n, p in model.named_parameters()},
+                       **{f"buffer:{n}": b for n, b in model.named_buffers()}}
+    assert steps["0"]["loss"].dtype == torch.float32
+    assert all(compare_steps(steps["0"], steps[plan])[0] == 0.0 for plan in steps)
+
+
+def test_apply_casts_the_model_for_bf16_true():
+    import autotune
+    from autotune.examples import TinyGPT
+    from autotune.records import Config, Measurement
+
+    model = TinyGPT(n_layer=2, block_size=8, n_embd=16, n_head=2)
+    run = autotune.apply(model, Measurement(Config("bf16-true", "all", 4), "ok", peak_bytes=1))
+    assert run.precision == "bf16-true" and run.scaler is None and run.plan["name"] == "all"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    optimizer = torch.optim.AdamW(run.model.parameters(), lr=1e-3)
+    with run.autocast():
+        loss = run.model(**model.example_batch(4)).loss
+    run.backward(loss)
+    run.step(optimizer)
+    assert {t.dtype for s in optimizer.state.values() for k, t in s.items() if k != "step"} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("lr,low,high", [(1e-9, 0.9, 0.99), (1e-1, 0.0, 0.05)])
+def test_the_probe_counts_the_updates_bf16_rounds_away(lr, low, high):
+    """At a learning rate far below the weights' resolution the sampled updates are lost but for weights at or near
+    zero (biases made zero: 2.6% of TinyGPT's samples); far above it, few are."""
+    from autotune.records import Config
+    from autotune.training.trainer import Trainer
+
+    load = _workload("autotune.examples:TinyGPT")
+    trainer = Trainer(load, Config("bf16-true", "0", 4), torch.device("cpu"), lr=lr, record_grad_norm=True)
+    trainer.build()
+    for i in range(2):
+        trainer.step(load.make_batch(trainer.module, 4))
+    counted = trainer.lost_updates
+    assert counted["sampled"] > 10_000 and low <= counted["share"] <= high, counted
+    plain = Trainer(load, Config("bf16", "0", 4), torch.device("cpu"), record_grad_norm=True)
+    plain.build()
+    plain.step(load.make_batch(plain.module, 4))
+    assert plain.lost_updates is None  # fp32 master weights keep every update: nothing to count

@@ -138,6 +138,12 @@ def test_when_nothing_fits_and_the_floor_would_the_advice_is_to_recompute_every_
                     trials=trials)
     said = nothing_fits(report.shortfall())
     assert said.index("try --segments all (batch 1 with every block recomputed needs about 11.58 MiB") > 0
-    assert "--precisions" not in said  # bf16 was searched
+    assert "--precisions with bf16 or fp16" not in said  # bf16 was searched
+    # the state (9.81 MiB) is over half of the 14.4 MiB: bf16-true, which halves it, was not searched
+    assert "--precisions bf16-true (the weights, gradients and optimizer state in bf16: half the state" in said
+    searched = dataclasses.replace(report, search={"space": {**report.search["space"], "precisions": ["bf16-true"]}},
+                                   workload={**report.workload, "state_by_precision": {"bf16-true": {
+                                       "weights": 1, "gradients": 1, "optimizer_state": int(4.9 * MiB)}}})
+    assert "bf16-true" not in nothing_fits(searched.shortfall()) and searched.shortfall().state_bytes == int(4.9 * MiB) + 2
     with_all = dataclasses.replace(report, search={"space": {**report.search["space"], "segments": ["0", "all"]}})
     assert "--segments all" not in nothing_fits(with_all.shortfall())

@@ -289,6 +289,39 @@ def test_a_frozen_models_ddp_rank_peaks_at_the_weights_broadcast_and_is_predicte
     assert measured[1].peak_bytes == 2 * weights  # the broadcast's moment: the weights and their flat copy
 
 
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+def test_one_rank_of_bf16_true_is_predicted_to_the_byte(wrapper):
+    """bf16-true under each wrapper, rank 0 of one: the model cast to bf16 before the wrap (FSDP2 shards and gathers
+    bf16 weights without a policy, and reduces bf16 gradients; DDP's buckets are bf16), predicted on the fake process
+    group and measured on a real gloo group: the same bytes."""
+    import torch.distributed as dist
+
+    from autotune.execution.job import Job
+    from autotune.execution.predict import predict_trial
+    from autotune.execution.trial import run_trial
+    from autotune.records import TrialSettings
+    from autotune.training.wrapping import Wrapping
+
+    load = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=json.dumps(REAL_KWARGS))
+    load = load.with_chain(find_chain(load.build_model()))
+    settings = TrialSettings(measure_steps=1, settle_steps=0)
+    configs = [Config("bf16-true", s, 8) for s in ("0", "all")]
+    with one_rank(wrapper, 1, torch.device("cpu")) as ranks:
+        predicted = [predict_trial(load, c, settings=settings, parallel=ranks.wrapping()) for c in configs]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        job = Job(wrapper, 0, 1, 0, "gloo")
+        measured = []
+        for config in configs:
+            job.trials += 1
+            measured.append(run_trial(load, config, device="cpu", meter=TensorMeter("cpu"), settings=settings,
+                                      parallel=Wrapping(job, dist.group.WORLD, torch.device("cpu"))))
+    finally:
+        dist.destroy_process_group()
+    assert [m.status for m in measured] == ["ok"] * len(configs), [m.error for m in measured]
+    assert [p.peak_bytes for p in predicted] == [m.peak_bytes for m in measured], (predicted, measured)
+
+
 @pytest.mark.serial
 @pytest.mark.parametrize("wrapper,offload,grid", [("ddp", "none", AUTOCAST), ("fsdp", "none,state", AUTOCAST),
                                                   ("fsdp", "none", FSDP_MIXED)], ids=["ddp", "fsdp", "fsdp-bf16-fsdp"])

@@ -116,8 +116,9 @@ class LineRule:
 
     The line is measured, not assumed. Its fixed part is ``state_bytes``, what a step holds whatever
     the batch: weights, gradients and the optimizer's state, measured for the model with the user's
-    optimizer (mixed precision keeps fp32 weights, gradients and state in every mode autotune runs,
-    so one measurement serves every plan and precision). Its slope, per sample, comes from the
+    optimizer (mixed precision keeps fp32 weights, gradients and state, so one measurement serves every
+    plan of the autocast modes and fp32), and for a true precision (bf16-true, the state in bf16) its own,
+    measured so too (``by_precision``). Its slope, per sample, comes from the
     variant's own ok trials, least squares through that fixed part. A size is implied not to fit
     where the line predicts at least ``margin`` times the limit; where the variant has two or more ok
     trials the line must also fit each within ``tolerance``. ``min_points`` is 2 where batches change
@@ -130,23 +131,32 @@ class LineRule:
     margin: float = 1.25
     tolerance: float = 0.02
     name: str = "memory-line"
+    by_precision: tuple[tuple[str, float], ...] = ()  # a precision whose state differs (bf16-true): its own
 
     @classmethod
-    def of(cls, fixed_bytes: float | None, state_measured: bool, shapes_vary: bool) -> "LineRule | None":
+    def of(cls, fixed_bytes: float | None, state_measured: bool, shapes_vary: bool,
+           by_precision: Mapping[str, float] | None = None) -> "LineRule | None":
         """The rule a workload allows: None where the optimizer's state was not measured (its size is a guess)."""
         if fixed_bytes is None or not state_measured:
             return None
-        return cls(float(fixed_bytes), min_points=2 if shapes_vary else 1)
+        return cls(float(fixed_bytes), min_points=2 if shapes_vary else 1,
+                   by_precision=tuple((p, float(b)) for p, b in sorted((by_precision or {}).items())))
 
-    def per_sample(self, peaks: Mapping[int, float]) -> float | None:
-        """The line's bytes per sample through ``peaks`` ({batch size: ok trial's peak}), or None where the rule
-        may not use them (too few, a line that does not rise, or one that misses a point by more than the tolerance)."""
+    def state_for(self, precision: str) -> float:
+        """The fixed part of ``precision``'s lines: its own state where it differs (bf16-true), else ``state_bytes``."""
+        return dict(self.by_precision).get(precision, self.state_bytes)
+
+    def per_sample(self, peaks: Mapping[int, float], precision: str | None = None) -> float | None:
+        """The line's bytes per sample through ``peaks`` ({batch size: ok trial's peak}) of ``precision``, or None where
+        the rule may not use them (too few, a line that does not rise, or one that misses a point by more than the
+        tolerance)."""
         if len(peaks) < self.min_points or not peaks:
             return None
-        slope = sum(b * (y - self.state_bytes) for b, y in peaks.items()) / sum(b * b for b in peaks)
+        state = self.state_for(precision) if precision is not None else self.state_bytes
+        slope = sum(b * (y - state) for b, y in peaks.items()) / sum(b * b for b in peaks)
         if slope <= 0:
             return None
-        if len(peaks) >= 2 and any(abs(self.state_bytes + slope * b - y) > self.tolerance * y for b, y in peaks.items()):
+        if len(peaks) >= 2 and any(abs(state + slope * b - y) > self.tolerance * y for b, y in peaks.items()):
             return None
         return slope
 
@@ -168,12 +178,12 @@ def line_failures(measurements: Iterable[Measurement], limit: float | None, batc
     for variant, points in peaks.items():
         if Plan(variant[1]).state:
             continue  # its line does not start at the state (rule.state_bytes): the state is in host memory
-        slope = rule.per_sample(points)
+        slope = rule.per_sample(points, variant.precision)
         if slope is None:
             continue
         above = max((m.batch_size for m in measured.values() if m.config.variant == variant and m.fits(limit)), default=0)
         for b in sorted(batch_sizes):
-            predicted = rule.state_bytes + slope * b
+            predicted = rule.state_for(variant.precision) + slope * b
             config = variant.at(b)
             if b > above and config not in measured and predicted >= rule.margin * limit:
                 implied[config] = round(predicted)

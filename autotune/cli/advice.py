@@ -22,6 +22,9 @@ def nothing_fits(short: Shortfall) -> str:
         ("all blocks", f"--segments all (batch 1 with every block recomputed needs about {format_bytes(need or 0)}, "
                        f"within the budget less its headroom)"),
         ("half", "--precisions with bf16 or fp16"),
+        ("half state", "--precisions bf16-true (the weights, gradients and optimizer state in bf16: half the state, "
+                       "updates below a weight's resolution lost) or an optimizer with less state (--optimizer "
+                       "bitsandbytes.optim:AdamW8bit or torch.optim:Adafactor)"),
         ("checkpointing", "--segments auto"),
         ("batch 1", "smaller --batch-sizes"),
         ("offload", "--offload none,activations (what the plans keep for the backward pass held in host memory)"),

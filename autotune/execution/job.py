@@ -97,12 +97,14 @@ class Job:
 
 def _mixed_precision(precisions: Iterable[str]) -> str:
     """``autocast`` (fp16 and bf16 autocast over the wrapper's fp32 parameters; fp32 has nothing to cast), FSDP2's
-    policy for bf16-fsdp alone, and for a search of both, both: ``autocast; bf16-fsdp: MixedPrecisionPolicy(...)``."""
+    policy for bf16-fsdp alone, bf16-true's weights, and for a search of several, each:
+    ``autocast; bf16-fsdp: MixedPrecisionPolicy(...)``."""
     names = list(precisions)
-    autocast = ["autocast"] if not names or any(not PRECISIONS[n].fsdp_only for n in names) else []
-    policies = [PRECISIONS[n].policy if len(names) == 1 else f"{n}: {PRECISIONS[n].policy}"
-                for n in names if PRECISIONS[n].fsdp_only]
-    return "; ".join(autocast + policies)
+    autocast = ["autocast"] if not names or any(not (PRECISIONS[n].fsdp_only or PRECISIONS[n].true)
+                                                for n in names) else []
+    others = [(n, PRECISIONS[n].policy or f"the model's weights in {PRECISIONS[n].weight_dtype}, no autocast")
+              for n in names if PRECISIONS[n].fsdp_only or PRECISIONS[n].true]
+    return "; ".join(autocast + [text if len(names) == 1 else f"{n}: {text}" for n, text in others])
 
 
 _JOB: Job | None = None  # this process's job: joined once

@@ -9,7 +9,10 @@ there: the fastest candidate that was not rejected, judged by its worst-case pea
 
 A candidate is rejected when it runs out of memory, produces a non-finite loss, skips more than
 ``max_skipped_share`` of its steps (fp16 overflow), its loss scale collapses below 1, or its
-worst-case peak leaves less headroom than the budget asks for. Where the meter slows steps (the
+worst-case peak leaves less headroom than the budget asks for. A bf16-true candidate also counts the
+updates bf16 rounded away (``lost_updates``: of a fixed sample of each parameter's entries with a
+nonzero gradient, those its step left unchanged, where fp32 master weights would have moved): said,
+not a rejection, as the user chose bf16's resolution by naming it. Where the meter slows steps (the
 CPU tensor meter) each candidate trains twice on the same batches: once metered, for memory and
 stability, and once timed.
 """
@@ -176,6 +179,7 @@ class _Candidate:
                          "skipped_steps": trainer.skipped} if scales else None),
             grad_norm={"median": statistics.median(finite_norms), "max": max(finite_norms)} if finite_norms else None,
             wall_s=time.monotonic() - started,
+            lost_updates=trainer.lost_updates,
         )
 
 

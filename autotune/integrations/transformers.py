@@ -41,7 +41,7 @@ from torch import nn
 from autotune.errors import UsageError
 from autotune.integrations.common import (ModelCopy, distributed_job, on_host, recommendation_of, say_changes,
                                           trainer_options, trains_plan)
-from autotune.vocabulary import ALL, FSDP_ONLY, PRECISIONS
+from autotune.vocabulary import ALL, FSDP_ONLY, PRECISIONS, TRUE
 from autotune.report import Report
 
 __all__ = ["tune_trainer"]
@@ -76,14 +76,22 @@ def tune_trainer(trainer: Any, **options: Any) -> Report:
 
 
 def _check_precisions(asked: Any) -> None:
-    """Refuse FSDP2's bf16-fsdp before any trial: its write-back would be TrainingArguments' bf16, which autocasts and
-    reduces in bf16 (the export's note says how to train it by hand)."""
+    """Refuse FSDP2's bf16-fsdp and bf16-true before any trial: the write-back of either would be TrainingArguments'
+    bf16, which autocasts (and under FSDP2 reduces in bf16) over the model's own weights (the export's notes say how to
+    train each by hand)."""
     names = asked.split(",") if isinstance(asked, str) else list(asked or ())
     fsdp = [n.strip().lower() for n in names if n.strip().lower() in FSDP_ONLY]
     if fsdp:
         raise UsageError(f"tune_trainer cannot write precision {fsdp[0]} back: TrainingArguments has no setting for "
                          f"FSDP2's {PRECISIONS[fsdp[0]].policy} (bf16=True autocasts and reduces in bf16); tune the "
                          f"trainer with bf16, or search {fsdp[0]} with python -m autotune --parallel fsdp and "
+                         f"--export hf")
+    true = [n.strip().lower() for n in names if n.strip().lower() in TRUE]
+    if true:
+        raise UsageError(f"tune_trainer cannot write precision {true[0]} back: TrainingArguments has no setting that "
+                         f"casts the model (bf16=True autocasts over its weights); make the trainer with the model "
+                         f"loaded in bf16 (from_pretrained(..., dtype=torch.bfloat16)) and tune it with fp32, which "
+                         f"then trains the bf16 weights as they are, or search {true[0]} with python -m autotune and "
                          f"--export hf")
 
 

@@ -18,6 +18,7 @@ A model without repeated blocks has no plan but ``0``: ``kept`` is then what its
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,25 @@ class Floor:
     @property
     def activations(self) -> int:
         return self.kept + self.recompute
+
+
+ADAPTER_RANK = 8  # the LoRA rank the adapters' lever is counted at (PEFT's default r, LitGPT's resource tables')
+EIGHT_BIT_BLOCK = 256  # bitsandbytes' 8-bit blockwise state: one float32 scale per block of this many entries
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallerState:
+    """What other levers would leave of the training state, in bytes, each for the user's model (the does-not-fit
+    answer's figures; :mod:`autotune.training.state` finds them): bf16-true's parts, where it runs on the device and
+    was not the precision counted; bitsandbytes' AdamW8bit state and torch.optim.Adafactor's (from their layouts),
+    where smaller than the optimizer's; LoRA adapters of rank ADAPTER_RANK on the blocks' Linear layers."""
+
+    true_parts: dict[str, int] | None = None  # bf16-true: weights, gradients, optimizer state
+    eight_bit_bytes: int | None = None
+    factored_bytes: int | None = None
+    adapter_parameters: int = 0
+    adapter_layers: int = 0
+    parameters: int = 0  # the model's, which the adapters' share is of
 
 
 class _SavedBytes:
@@ -116,9 +136,11 @@ def measure_floor(model: nn.Module, chain: Chain | None, run: Callable[[], Any])
 
 
 def state_levers(parts: dict[str, int], optimizer: str, guessed: bool, budget_bytes: int, headroom: float,
-                 host_bytes: int | None, floor: Floor | str | None = None, *, shards: int = 1) -> str:
+                 host_bytes: int | None, floor: Floor | str | None = None, *, shards: int = 1,
+                 smaller: SmallerState | None = None) -> str:
     """One line: the state by part, against the budget, and what would fit (autotune.preparation's state check).
-    ``shards``: the FSDP ranks the state is already sharded over (each holds 1/shards of it).
+    ``shards``: the FSDP ranks the state is already sharded over (each holds 1/shards of it). ``smaller``: what the
+    levers that shrink the state would leave of it (bf16-true, an 8-bit or factored optimizer, adapters).
 
     With ``floor`` measured, sharding needs room on each rank for its share of the state, the largest block's
     weights (gathered whole while it computes) and batch 1's activations; unmeasured (a string: why), it leaves
@@ -156,17 +178,63 @@ def state_levers(parts: dict[str, int], optimizer: str, guessed: bool, budget_by
             f"the gathered block and activations; predict one rank first with --dry-run --parallel fsdp --world-size "
             f"{ranks}), or with the state in host memory (--parallel fsdp --offload state, "
             f"FSDP2's CPUOffloadPolicy, on one rank too: {format_bytes(total)} of host memory{host}; the device keeps the activations and the weights of "
-            f"the block being computed{device}){_smaller_state(parts, usable)}")
+            f"the block being computed{device})"
+            f"{_smaller_state(parts, usable, optimizer, smaller, measured.activations if measured else None)}")
 
 
-def _smaller_state(parts: dict[str, int], usable: float) -> str:
-    """The optimizer lever of :func:`state_levers`: what an optimizer with less state would leave, if anything."""
+def _smaller_state(parts: dict[str, int], usable: float, optimizer: str, smaller: SmallerState | None,
+                   batch_1: int | None = None) -> str:
+    """The levers of :func:`state_levers` that shrink the state itself, each with what training would then need
+    (against ``batch_1``, batch 1's activations with every block recomputed, where measured)."""
     weights_and_gradients = parts["weights"] + parts["gradients"]
-    if parts["optimizer_state"] == 0:
-        return ""
-    if weights_and_gradients < usable:
-        return (f"; or an optimizer that holds less state: the weights and gradients alone are "
-                f"{format_bytes(weights_and_gradients)}, leaving {format_bytes(usable - weights_and_gradients)} for "
-                f"the state and activations (SGD without momentum holds none; --optimizer)")
-    return (f"; no optimizer alone makes it fit: the weights and gradients are "
-            f"{format_bytes(weights_and_gradients)} without any state")
+    need = functools.partial(_need, usable=usable, batch_1=batch_1)
+    levers = _state_levers(parts, need, optimizer, smaller) if smaller is not None else []
+    if parts["optimizer_state"] and weights_and_gradients < usable:
+        levers.append(f"SGD without momentum holds no state: the weights and gradients alone are "
+                      f"{format_bytes(weights_and_gradients)}, leaving {format_bytes(usable - weights_and_gradients)} "
+                      f"for the activations")
+    elif parts["optimizer_state"]:
+        levers.append(f"no optimizer alone makes it fit: the weights and gradients are "
+                      f"{format_bytes(weights_and_gradients)} without any state")
+    return f"; or less state: {'; '.join(levers)}" if levers else ""
+
+
+def _need(total: float, usable: float, batch_1: int | None) -> str:
+    """``total`` bytes of state against the usable budget, in words: what it leaves, and whether batch 1 fits in it."""
+    if total >= usable:
+        return f"{format_bytes(total)} in all, still over {format_bytes(usable)}"
+    fits = ("" if batch_1 is None else f", batch 1's {format_bytes(batch_1)} " + (
+        "among them" if total + batch_1 <= usable else "not"))
+    return f"{format_bytes(total)} in all, leaving {format_bytes(usable - total)} for the activations{fits}"
+
+
+def _state_levers(parts: dict[str, int], need: Callable[[float], str], optimizer: str,
+                  smaller: SmallerState) -> list[str]:
+    """bf16-true, an 8-bit and a factored optimizer, adapters: each lever's figure for the model (:class:`SmallerState`)."""
+    levers = []
+    true = smaller.true_parts
+    if true is not None:
+        levers.append(f"--precisions bf16-true holds the weights, gradients and {optimizer} state in bf16 (no fp32 "
+                      f"master weights: updates below a weight's resolution are lost), {format_bytes(true['weights'])} "
+                      f"+ {format_bytes(true['gradients'])} + {format_bytes(true['optimizer_state'])}: "
+                      f"{need(sum(true.values()))}")
+    held = parts["weights"] + parts["gradients"]
+    if smaller.eight_bit_bytes is not None:
+        both = (f"; with bf16-true, {need(true['weights'] + true['gradients'] + smaller.eight_bit_bytes)}"
+                if true is not None else "")
+        levers.append(f"--optimizer bitsandbytes.optim:AdamW8bit (pip install bitsandbytes, on CUDA), its moments in 8 "
+                      f"bits with a float32 scale per block of {EIGHT_BIT_BLOCK}, from its layout: "
+                      f"{format_bytes(smaller.eight_bit_bytes)} of state, {need(held + smaller.eight_bit_bytes)}"
+                      f"{both}")
+    if smaller.factored_bytes is not None:
+        levers.append(f"--optimizer torch.optim:Adafactor (factored second moments, a row and a column per matrix, "
+                      f"from its layout): {format_bytes(smaller.factored_bytes)} of state, "
+                      f"{need(held + smaller.factored_bytes)}")
+    if smaller.adapter_parameters:
+        a = smaller.adapter_parameters
+        share = a / smaller.parameters if smaller.parameters else 0.0
+        levers.append(f"adapters (PEFT LoRA r={ADAPTER_RANK} on the {smaller.adapter_layers} Linear layers of the "
+                      f"blocks: {a:,} trained parameters, {share:.2%} of the model's) freeze the weights: "
+                      f"{format_bytes(parts['weights'])} frozen and 16 bytes an adapter parameter (its weight, gradient "
+                      f"and AdamW's moments), {need(parts['weights'] + 16 * a)}")
+    return levers

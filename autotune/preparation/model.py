@@ -19,14 +19,15 @@ from autotune.device import autocast_type, available_ram_bytes
 from autotune.errors import ForwardFailed, StateDoesNotFit, UsageError, first_line
 from autotune.execution.predict import CANNOT_FAKE, fake_tensors
 from autotune.plans.checkpointing import Chain, find_chain, order_chain
-from autotune.plans.floor import Floor, measure_floor, state_levers
+from autotune.plans.floor import Floor, SmallerState, measure_floor, state_levers
 from autotune.preparation.target import Target
 from autotune.records import usable_bytes
 from autotune.thirdparty import library_checkpointing, training_caches
 from autotune.training.optimizer import UNPRIMED_NOTICE, measure_optimizer
 from autotune.training.precision import PRECISIONS, keep_in_fp32
+from autotune.training.state import held_parts, smaller_state
 from autotune.training.workload import Workload, move_model, to_device
-from autotune.vocabulary import SIXTEEN_BIT, Offload
+from autotune.vocabulary import SIXTEEN_BIT, Offload, runs_where
 
 __all__ = ["ModelFacts", "preflight", "floor_facts"]
 
@@ -46,19 +47,32 @@ class ModelFacts:
     optimizer: dict[str, Any] | None = None  # the optimizer made here: its class, settings and source (the report's)
     training_cache: tuple[str, ...] = ()  # modules whose key/value cache a recomputing plan turns off (plans.cache)
     trainable_parameter_count: int | None = None  # the parameters that require gradients (None: all of them)
+    # A true precision searched (bf16-true): its weights, gradients and optimizer state (None: not measurable), held in
+    # its dtype (autotune.training.state.held_parts)
+    held: dict[str, dict[str, int | None]] = dataclasses.field(default_factory=dict)
 
-    def state(self) -> dict[str, int]:
+    def state(self, precision: str | None = None) -> dict[str, int]:
         """What a step holds whatever the batch, by part: the weights (frozen ones too), the gradients of the
         parameters that train, and the optimizer's state (measured: an optimizer holds state for the parameters that
-        train only; where it could not be, AdamW's two moments of those)."""
+        train only; where it could not be, AdamW's two moments of those); in a true ``precision`` (bf16-true) all
+        three held in its dtype, else the model's own (fp32: autocast keeps it)."""
+        if precision in self.held:
+            parts = self.held[precision]
+            optimizer = parts["optimizer_state"]
+            return {**parts, "optimizer_state": 2 * parts["gradients"] if optimizer is None else optimizer}
         gradients = self.parameter_bytes if self.gradient_bytes is None else self.gradient_bytes
         optimizer = 2 * gradients if self.optimizer_state_bytes is None else self.optimizer_state_bytes
         return {"weights": self.parameter_bytes, "gradients": gradients, "optimizer_state": optimizer}
 
     @property
     def fixed_bytes(self) -> int:
-        """The sum of :meth:`state`: the one definition the search's memory line and the state check share."""
+        """The sum of :meth:`state` with the model's own dtype: the one definition the search's memory line and the
+        state check share (:meth:`fixed_bytes_of` a true precision's)."""
         return sum(self.state().values())
+
+    def fixed_bytes_of(self, precision: str) -> int:
+        """The sum of :meth:`state` in ``precision``."""
+        return sum(self.state(precision).values())
 
 
 def preflight(target: Target) -> ModelFacts:
@@ -82,11 +96,18 @@ def preflight(target: Target) -> ModelFacts:
         # The optimizer's state is measured on the CPU, before the model goes to the device: a model whose state
         # does not fit is told so with figures, not met by an out-of-memory error in its first forward pass.
         state, unprimed, made = measure_optimizer(workload.optimizer, model, target.trial_settings.lr)
-        # A closure over this frame's ``model``, not an argument: ``del model`` below then frees the model even
-        # while the StateDoesNotFit raised through here, and its traceback's frames, live on in the caller
-        _check_state_fits(dataclasses.replace(facts, optimizer_state_bytes=state), workload.optimizer.name, target,
+        held = {name: held_parts(model, workload.optimizer, target.trial_settings.lr, PRECISIONS[name].weight_dtype)
+                for name in target.precisions if PRECISIONS[name].weight_dtype is not None}
+        facts = dataclasses.replace(facts, optimizer_state_bytes=state, held=held)
+        # Closures over this frame's ``model``, not arguments: ``del model`` below then frees the model even while the
+        # StateDoesNotFit raised through here, and its traceback's frames, live on in the caller
+        _check_state_fits(facts, workload.optimizer.name, target,
                           lambda: _floor_of(workload, facts.chain, target.precisions, target.trial_settings.guard.fp32_modules,
-                                            model))
+                                            model),
+                          lambda parts: smaller_state(model, facts.chain, workload.optimizer, target.trial_settings.lr,
+                                                      parts, true_runs="bf16-true" in runs_where(
+                                                          target.backend.supported_precisions()),
+                                                      true_searched=bool(held)))
         chain = _forward(model, workload, device, batch_size, facts)
         library = _library_switch(model)
     finally:
@@ -94,32 +115,36 @@ def preflight(target: Target) -> ModelFacts:
         target.backend.release()  # gc.collect, then the allocator's cache: nothing of the preflight stays
     if unprimed is not None:
         logger.warning(UNPRIMED_NOTICE.format(name=workload.optimizer.name, why=unprimed))
-    return dataclasses.replace(facts, chain=chain, library_checkpointing=library, optimizer_state_bytes=state,
-                               unprimed=unprimed, optimizer=made)
+    return dataclasses.replace(facts, chain=chain, library_checkpointing=library, unprimed=unprimed, optimizer=made)
 
 
-def _check_state_fits(facts: ModelFacts, optimizer: str, target: Target, floor: Callable[[], Floor]) -> None:
+def _check_state_fits(facts: ModelFacts, optimizer: str, target: Target, floor: Callable[[], Floor],
+                      smaller: Callable[[dict[str, int]], SmallerState] | None = None) -> None:
     """Raise :class:`StateDoesNotFit` when the training state alone exceeds the usable budget (no trial could fit),
-    with the levers that would fit: FSDP ranks, the state offloaded to host memory, an optimizer with less state.
-    ``floor()`` measures the smallest plan's activations at batch 1 (only then: it costs forward passes)."""
+    with the levers that would fit: FSDP ranks, the state offloaded to host memory, less state (bf16-true, an 8-bit or
+    factored optimizer, adapters, no optimizer state). The state counted is the smallest of the searched precisions'.
+    ``floor()`` measures the smallest plan's activations at batch 1, ``smaller(parts)`` the levers' figures (only then:
+    they cost forward passes and twins)."""
     budget, searching = target.budget, target.searching
     # FSDP2 shards the state over its ranks: a torchrun job's, or those a dry run predicts (--world-size); DDP does not
     shards = (target.job.world_size if target.job else searching.world_size or 1) if searching.parallel == "fsdp" else 1
     if budget.bytes is None:
         return
-    if facts.fixed_bytes / shards < usable_bytes(budget.bytes, budget.headroom):
+    least = min(target.precisions, key=facts.fixed_bytes_of, default=None)
+    if facts.fixed_bytes_of(least) / shards < usable_bytes(budget.bytes, budget.headroom):
         return
     if any(Offload.STATE in mode for mode in searching.offload or ()):
         return  # the state is searched in host memory (+state plans): the device holds none of it
     guessed = facts.optimizer_state_bytes is None  # an optimizer that could not be primed: AdamW's moments guessed
-    parts = facts.state()
+    parts = facts.state(least)
     name = optimizer.rsplit(":", 1)[-1].rsplit(".", 1)[-1]  # torch.optim:AdamW -> AdamW
     try:
         measured: Floor | str = floor()
     except Exception as exc:  # noqa: BLE001 - the levers are still named, with the activations unmeasured
         measured = f"{type(exc).__name__}: {first_line(exc)}"
     raise StateDoesNotFit(state_levers(parts, name, guessed, budget.bytes, budget.headroom, available_ram_bytes(),
-                                       measured, shards=shards), parts, measured if isinstance(measured, Floor) else None)
+                                       measured, shards=shards, smaller=smaller(parts) if smaller else None),
+                          parts, measured if isinstance(measured, Floor) else None)
 
 
 def _floor_of(workload: Workload, chain: Chain | None, precisions: Sequence[str], fp32_modules: Sequence[str],

@@ -8,6 +8,7 @@ no later stage reads a flag.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -21,8 +22,9 @@ from autotune.options import Options
 from autotune.records import Budget, ProbeSettings, TrialSettings
 from autotune.training.compiled import require_compiler
 from autotune.training.data import scan_items, worst_indices
+from autotune.training.lowbit import stand_in
 from autotune.training.workload import Workload, parse_model_kwargs
-from autotune.vocabulary import EAGER, Offload, Plan, runs_where
+from autotune.vocabulary import EAGER, PRECISIONS, TRUE, Offload, Plan, rounding_notice, runs_where
 
 if TYPE_CHECKING:
     from autotune.execution.job import Job
@@ -115,9 +117,14 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
     device = resolve_device(options.device, planned=options.dry_run)
     backend = backend_for(job.device(device) if job else device, planned=options.dry_run,
                           capability=options.cuda_capability)
+    optimizer, laid_out = stand_in(options.optimizer, planned_cuda=options.dry_run and backend.device.type == "cuda")
     workload = Workload.from_specs(options.model, model_kwargs=options.model_kwargs, data=options.data, loss=options.loss,
-                                   optimizer=options.optimizer, optimizer_kwargs=options.optimizer_kwargs,
+                                   optimizer=optimizer, optimizer_kwargs=options.optimizer_kwargs,
                                    step=options.step)
+    if laid_out:  # a CUDA plan naming bitsandbytes' 8-bit AdamW without bitsandbytes: its layout, named as asked
+        workload = dataclasses.replace(workload, optimizer=dataclasses.replace(
+            workload.optimizer, name=f"{options.optimizer} (its layout: {workload.optimizer.name})"),
+            notes=(*workload.notes, laid_out))
     if options.budget is None and backend.total_bytes() is None and options.dry_run:
         raise UsageError(f"--device {options.device} --dry-run on a machine without a GPU: say the card's memory with "
                          f"--budget (e.g. --budget 24GiB)")
@@ -143,8 +150,12 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
         notices.append(f"--warmup-steps {options.warmup_steps} is not used with the {backend.meter_name} meter: each trial's "
                        f"warm-up is one metered step, the optimizer's state primed before it")
         logger.warning(notices[-1])
+    precisions = _precisions(options.precisions, backend)
+    for name in (p for p in precisions if p in TRUE):  # the numeric cost, said where it is searched
+        notices.append(rounding_notice(name, torchao=importlib.util.find_spec("torchao") is not None))
+        logger.warning(notices[-1])
     host_budget, host_source = _host_budget(options.host_budget, job.local_world_size if job is not None else 1)
-    return Target(backend, workload, budget, _precisions(options.precisions, backend), isolation, venue, profile,
+    return Target(backend, workload, budget, precisions, isolation, venue, profile,
                   tuple(notices), dataclasses.replace(options.trial_settings, host_budget_bytes=host_budget),
                   _searching(options, backend.device), WorkloadKey.of(options), job, host_budget, host_source)
 
@@ -196,7 +207,9 @@ def _precisions(asked: Sequence[str] | None, backend: Backend) -> tuple[str, ...
     supported = runs_where(backend.supported_precisions())
     unsupported = [p for p in asked if p not in supported]
     if unsupported:
-        raise UsageError(f"{', '.join(unsupported)} is not supported on {backend.device}: use --precisions "
+        bf16 = backend.device.type == "cuda" and any(PRECISIONS[p].compute_dtype == "bfloat16" for p in unsupported)
+        why = " (bf16 needs a GPU of compute capability 8.0 or later)" if bf16 else ""
+        raise UsageError(f"{', '.join(unsupported)} is not supported on {backend.device}{why}: use --precisions "
                          f"{','.join(supported)}")
     return tuple(asked)
 

@@ -147,7 +147,9 @@ class Report:
         (none before schema 4, whose state was AdamW's 4x the weights, assumed)."""
         optimizer = self.workload.get("optimizer") or {}
         shapes_vary = self.data is not None and self.data.get("shapes_vary", True)  # an older profile: assume they do
-        return LineRule.of(self.workload.get("fixed_bytes"), optimizer.get("state_bytes") is not None, shapes_vary)
+        held = {p: sum(parts.values()) for p, parts in (self.workload.get("state_by_precision") or {}).items()
+                if None not in parts.values()}  # a true precision's own state (bf16-true), where measured
+        return LineRule.of(self.workload.get("fixed_bytes"), optimizer.get("state_bytes") is not None, shapes_vary, held)
 
     def _limits(self, budget_bytes: int | None, model: MemoryModel | None = None) -> list[dict]:
         space = self.search.get("space") or {}

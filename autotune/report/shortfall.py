@@ -11,7 +11,7 @@ from typing import Any
 
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
-from autotune.vocabulary import ALL, SIXTEEN_BIT, Plan
+from autotune.vocabulary import ALL, SIXTEEN_BIT, TRUE, Plan
 
 __all__ = ["Shortfall", "shortfall"]
 
@@ -30,8 +30,8 @@ class Shortfall:
     sharded_ranks: int | None = None  # FSDP2's ranks the state was already sharded over (a rank's share was measured)
     hosted: bool = False  # plans +state were searched: the state was already off the device
     floor: dict[str, Any] | None = None  # batch 1 with every block recomputed (autotune.plans.floor)
-    untried: tuple[str, ...] = ()  # levers the space left out: "all blocks" (its floor fits), "half",
-    # "checkpointing", "batch 1", "offload"
+    untried: tuple[str, ...] = ()  # levers the space left out: "all blocks" (its floor fits), "half", "half state"
+    # (bf16-true, where the state is over half the budget), "checkpointing", "batch 1", "offload"
     dry_run: bool = False
 
     @property
@@ -79,10 +79,15 @@ def shortfall(report: Any) -> Shortfall:
     space = report.search["space"]
     plans = [Plan(s) for s in space["segments"]]
     state = report.workload.get("fixed_bytes")
+    held = [sum(parts.values()) for name, parts in (report.workload.get("state_by_precision") or {}).items()
+            if name in space["precisions"] and None not in parts.values()]
+    state = min([state, *held]) if state is not None and held else state  # bf16-true's, where searched: smaller
     sharded = (report.distributed or {}).get("wrapper") == "fsdp"
     usable = usable_bytes(report.budget_bytes, report.headroom)
+    over_half = bool(state and usable and state > 0.5 * usable)
     untried = tuple(lever for lever, left_out in (
         ("half", not set(SIXTEEN_BIT) & set(space["precisions"])),
+        ("half state", over_half and not set(TRUE) & set(space["precisions"])),
         ("checkpointing", all(p.off for p in plans) and bool(report.workload.get("chain"))),
         ("batch 1", min(space["batch_sizes"]) > 1),
         ("offload", report.environment.get("device_type") == "cuda" and not any(p.offload for p in plans)),
@@ -90,7 +95,7 @@ def shortfall(report: Any) -> Shortfall:
     short = Shortfall(
         report.budget_bytes, report.headroom, statuses,
         smallest=(smallest.peak_bytes, str(smallest.config), str(smallest.status)) if smallest else None,
-        state_bytes=state, state_over_half=bool(state and usable and state > 0.5 * usable),
+        state_bytes=state, state_over_half=over_half,
         sharded_ranks=report.distributed["world_size"] if sharded else None,
         hosted=any(p.state for p in plans), floor=report.workload.get("floor"), untried=untried, dry_run=report.dry_run)
     need = short.floor_need()

@@ -164,8 +164,10 @@ def _probe_lines(report: Any) -> list[str]:
         worst = (f", worst batch {format_bytes(r.worst_batch_peak_bytes)}" if r.worst_batch_peak_bytes is not None
                  else "")
         host = f", host {format_bytes(r.host_peak_bytes)}" if r.host_peak_bytes is not None else ""
+        lost = (f"; {r.lost_updates['share']:.0%} of the sampled updates rounded away in bf16 "
+                f"({r.lost_updates['lost']:,} of {r.lost_updates['sampled']:,})" if r.lost_updates else "")
         lines.append(f"probe {r.config}: {r.steps} steps, worst-case peak {format_bytes(r.peak_bytes_max)} "
-                     f"(trial {format_bytes(r.trial_peak_bytes)}{worst}){host}{speed}; {verdict}")
+                     f"(trial {format_bytes(r.trial_peak_bytes)}{worst}){host}{speed}; {verdict}{lost}")
     return lines
 
 

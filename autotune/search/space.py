@@ -6,7 +6,7 @@ import dataclasses
 import re
 
 from autotune.errors import UsageError
-from autotune.vocabulary import EAGER, PRECISION_NAMES, Config, Plan, Variant, parse_compile, plan_order
+from autotune.vocabulary import EAGER, NOT_OFFERED, PRECISION_NAMES, Config, Plan, Variant, parse_compile, plan_order
 
 __all__ = ["Config", "SearchSpace", "parse_batch_sizes", "parse_precisions"]
 
@@ -94,6 +94,9 @@ def parse_precisions(text: str) -> tuple[str, ...] | None:
     if text.strip() == "auto":
         return None
     names = tuple(dict.fromkeys(part.strip().lower() for part in text.split(",") if part.strip()))
+    refused = next((n for n in names if n in NOT_OFFERED), None)
+    if refused is not None:
+        raise UsageError(f"--precisions {refused}: {NOT_OFFERED[refused]}")
     unknown = [n for n in names if n not in PRECISION_NAMES]
     if unknown or not names:
         raise UsageError(f"unknown precision {', '.join(unknown) or repr(text)} in --precisions: choose from {', '.join(PRECISION_NAMES)}")

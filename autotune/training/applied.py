@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import is_fake  # private, and in every torch
 from autotune._log import logger
 from autotune.plans.checkpointing import Chain, apply_plan
 from autotune.errors import UsageError
+from autotune.meters.tensor import meter_aside
 from autotune.training.compiled import compile_model
 from autotune.vocabulary import EAGER, PRECISIONS, CheckStatus, Plan, compile_mode
 from autotune.training.precision import get_mode, keep_in_fp32
@@ -36,7 +37,7 @@ __all__ = ["Applied", "apply", "prepare", "accumulation_plan"]
 class Applied:
     """What a training loop needs to train with a recommendation."""
 
-    model: nn.Module  # with the checkpoint plan and fp32 modules applied (same parameters)
+    model: nn.Module  # with the checkpoint plan and fp32 modules applied, bf16-true: cast (the same parameters)
     precision: str
     segments: str  # the checkpoint plan's name
     micro_batch_size: int
@@ -51,9 +52,15 @@ class Applied:
     skipped_steps: int = 0  # steps the GradScaler skipped because gradients held inf/NaN
     grad_norms: list[float] = dataclasses.field(default_factory=list)  # after unscaling, before clipping
     compile: str = EAGER  # the torch.compile mode ``model`` is compiled in ("none": eager)
+    # bf16-true: count, over a fixed sample of each parameter's entries, those whose nonzero gradient the step left
+    # unchanged (the update rounded away, where an fp32 master weight would have moved: the probe's)
+    record_lost_updates: bool = False
+    updates_sampled: int = 0  # sampled entries with a nonzero gradient, over the steps
+    updates_lost: int = 0  # ... whose weight the step did not change
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The autocast context for the forward pass and the loss (a no-op for fp32, and for bf16-fsdp: FSDP2 casts)."""
+        """The autocast context for the forward pass and the loss (a no-op for fp32, for bf16-fsdp: FSDP2 casts, and
+        for bf16-true: the model is bf16)."""
         return get_mode(self.precision).autocast(self.device_type)
 
     @property
@@ -81,6 +88,7 @@ class Applied:
             norm = None if is_fake(total) else float(total)  # a dry run's norm has no value
             if self.record_grad_norm and norm is not None:
                 self.grad_norms.append(norm)
+        sample = _sample_updates(optimizer) if self.record_lost_updates else None
         if self.scaler is not None:
             before = self.scaler.get_scale() if self.record_loss_scale else None
             self.scaler.step(optimizer)
@@ -90,8 +98,46 @@ class Applied:
                 self.skipped_steps += self.loss_scales[-1] < before  # the scaler halves its scale exactly when it skips
         else:
             optimizer.step()
+        if sample is not None:
+            self._count_lost(sample)
         optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def _count_lost(self, sample: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]]) -> None:
+        """After the step: of the sampled entries with a nonzero gradient, those whose weight it did not change."""
+        with meter_aside():
+            for param, stride, before, moved in sample:
+                after = _sampled(param.detach(), stride).to("cpu", copy=True)
+                self.updates_sampled += int(moved.sum())
+                self.updates_lost += int((moved & (after == before)).sum())
+
+
+_SAMPLED = 1024  # entries of each parameter whose updates bf16-true's probe follows: evenly spaced, no RNG drawn
+
+
+def _sampled(t: torch.Tensor, stride: int) -> torch.Tensor:
+    """Every ``stride``-th entry of ``t`` (this rank's shard of a DTensor), ``_SAMPLED`` at most: a view."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.view(-1)[::stride][:_SAMPLED]
+
+
+def _sample_updates(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]]:
+    """Before the step: for each parameter with a gradient, up to ``_SAMPLED`` evenly spaced entries (the stride, their
+    values and whether their gradient is nonzero), copied to the host where no meter counts them. A dry run's fake
+    tensors have no values, and a parameter or gradient not laid out contiguously is left out: nothing is sampled."""
+    sample = []
+    with meter_aside():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None or is_fake(param) or not param.is_contiguous() or not grad.is_contiguous():
+                    continue
+                numel = (param.to_local() if hasattr(param, "to_local") else param).numel()
+                if numel:
+                    stride = max(1, numel // _SAMPLED)
+                    sample.append((param, stride, _sampled(param.detach(), stride).to("cpu", copy=True),
+                                   (_sampled(grad, stride) != 0).cpu()))
+    return sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,17 +247,20 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
 
 def prepare(model: nn.Module, *, precision: str, plan: str, chain: Chain | None, guard: GuardRails,
             device_type: str, micro_batch_size: int, accumulation_steps: int = 1, record_loss_scale: bool = False,
-            record_grad_norm: bool = False, host_budget_bytes: int | None = None) -> Applied:
-    """Apply the guard rails' fp32 modules and the checkpoint plan to ``model`` in place; return its :class:`Applied`.
-    ``host_budget_bytes`` bounds what an offloading plan (``PLAN+offload``) holds in host memory. A plan ``PLAN+state``
+            record_grad_norm: bool = False, host_budget_bytes: int | None = None,
+            record_lost_updates: bool = False) -> Applied:
+    """Apply the guard rails' fp32 modules, a true precision's dtype (bf16-true casts the model's floating parameters
+    and buffers, and its inputs at each call) and the checkpoint plan to ``model`` in place; return its
+    :class:`Applied`. ``host_budget_bytes`` bounds what an offloading plan (``PLAN+offload``) holds in host memory. A plan ``PLAN+state``
     prepares the model as ``PLAN`` does: the state's place is the wrapper's (FSDP2's ``CPUOffloadPolicy``).
 
     The one way a model is prepared for training: :func:`apply` for users, and every trial and
     probe candidate (recording loss scales, and for the probe gradient norms).
     """
-    keep_in_fp32(model, guard.fp32_modules, device_type)
-    applied_plan = apply_plan(model, plan, chain, host_budget_bytes=host_budget_bytes)
     mode = get_mode(precision)
+    keep_in_fp32(model, guard.fp32_modules, device_type)
+    mode.hold(model)  # bf16-true: the model cast to bf16, and its inputs at each call
+    applied_plan = apply_plan(model, plan, chain, host_budget_bytes=host_budget_bytes)
     return Applied(
         model=model,
         precision=mode.name,
@@ -224,4 +273,5 @@ def prepare(model: nn.Module, *, precision: str, plan: str, chain: Chain | None,
         plan=applied_plan.to_dict(),
         record_loss_scale=record_loss_scale,
         record_grad_norm=record_grad_norm,
+        record_lost_updates=record_lost_updates and mode.weight_dtype is not None,
     )

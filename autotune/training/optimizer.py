@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch._subclasses.fake_tensor import is_fake  # private, and in every torch autotune supports
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from autotune.errors import AutotuneError, UsageError, first_line, is_oom
 
@@ -188,28 +189,66 @@ def _tensors(state: Iterable[dict[str, Any]]) -> list[torch.Tensor]:
     return [t for s in state for t in s.values() if torch.is_tensor(t)]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2): this rank's shard
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``t``'s memory on this rank: a DTensor's local shard (FSDP2), a wrapper subclass's
+    inner tensors (torchao's quantized optimizer state: its codes and scales), else ``t``."""
+    if hasattr(t, "to_local"):
+        return _leaves(t.to_local())
+    if is_traceable_wrapper_subclass(t) and not is_fake(t):
+        names, _ = t.__tensor_flatten__()
+        return [leaf for name in names for leaf in _leaves(getattr(t, name))]
+    return [t]
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """``t``'s storage (its StorageImpl, which views share and fake tensors have), or ``t`` where it has none."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
 
 
 def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """The bytes ``tensors`` hold on this rank."""
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+    """The bytes ``tensors`` hold on this rank, each storage once (a tensor shared by several parameters' state, as
+    bitsandbytes' quantization maps are, is counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        for leaf in _leaves(t):
+            seen.setdefault(_storage_key(leaf), leaf.numel() * leaf.element_size())
+    return sum(seen.values())
 
 
-def _twin_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, group: dict[str, Any]) -> list[torch.Tensor]:
-    """The state ``optimizer`` will keep for ``param``: a twin of the same class over a zero tensor, stepped once."""
+def _own_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors ``optimizer`` holds itself, for all its parameters (bitsandbytes' quantization maps,
+    ``name2qmap``), one level into its attributes' dicts and lists; its state and parameter groups left out."""
+    found = []
+    for name, value in vars(optimizer).items():
+        if name in ("state", "param_groups", "defaults"):
+            continue
+        inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        found += [t for t in inner if torch.is_tensor(t)]
+    return found
+
+
+def _twin_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, group: dict[str, Any],
+                dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The state ``optimizer`` will keep for ``param`` (held in ``dtype`` where given: bf16-true's): a twin of the same
+    class over a zero tensor, stepped once. Tensors the twin holds for all its parameters are left out: the optimizer
+    has its own."""
     settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
     with torch.no_grad():
-        dummy = torch.nn.Parameter(torch.zeros_like(param))
+        dummy = torch.nn.Parameter(torch.zeros_like(param, dtype=dtype or param.dtype))
         dummy.grad = dummy.detach()  # the same memory as the tensor: a twin adds one parameter's bytes at most
     twin = type(optimizer)([{**settings, "params": [dummy]}])
     twin.step()
-    return _tensors(twin.state.values())
+    shared = {_storage_key(leaf) for t in _own_tensors(twin) for leaf in _leaves(t)}
+    return [t for t in _tensors(twin.state.values()) if not {_storage_key(leaf) for leaf in _leaves(t)} & shared]
 
 
-def prime(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], Exception | None]:
+def prime(optimizer: torch.optim.Optimizer, *,
+          dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], Exception | None]:
     """Hold the state ``optimizer`` will create, as ballast, until its first step begins (module docstring).
+    ``dtype``: the state of parameters held in it instead of their own (what bf16-true's would hold; measuring).
 
     Returns the ballast and ``None``, or an empty list and the exception that kept a twin from
     being made (the caller then warms up until the optimizer holds state).
@@ -224,11 +263,11 @@ def prime(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], Excepti
             for param in group["params"]:
                 if not param.requires_grad:
                     continue
-                key = (type(param), tuple(param.shape), param.stride(), param.dtype, param.device, settings)
-                if key in twins:
-                    ballast.extend(torch.empty_like(t) for t in twins[key])
+                key = (type(param), tuple(param.shape), param.stride(), dtype or param.dtype, param.device, settings)
+                if key in twins:  # a subclass's state (torchao's) as the plain tensors that hold its memory
+                    ballast.extend(torch.empty_like(leaf) for t in twins[key] for leaf in _leaves(t))
                 else:
-                    twins[key] = _twin_state(optimizer, param, group)
+                    twins[key] = _twin_state(optimizer, param, group, dtype)
                     ballast.extend(twins[key])
     except Exception as exc:  # noqa: BLE001 - a class that cannot be rebuilt for one parameter: said, not fatal
         if is_oom(exc):
@@ -243,24 +282,26 @@ def prime(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], Excepti
     return ballast, None
 
 
-def measure_state_bytes(spec: OptimizerSpec, model: torch.nn.Module, lr: float) -> tuple[int | None, str | None]:
-    """The bytes of the optimizer's state for ``model``'s parameters (twins, as :func:`prime` makes them), or None
-    and why it could not be measured."""
-    state, why, _ = measure_optimizer(spec, model, lr)
+def measure_state_bytes(spec: OptimizerSpec, model: torch.nn.Module, lr: float, *,
+                        dtype: torch.dtype | None = None) -> tuple[int | None, str | None]:
+    """The bytes of the optimizer's state for ``model``'s parameters (twins, as :func:`prime` makes them, and the
+    tensors the optimizer holds for all of them), or None and why it could not be measured. ``dtype``: with the
+    parameters held in it (bf16-true's state), not in their own."""
+    state, why, _ = measure_optimizer(spec, model, lr, dtype=dtype)
     return state, why
 
 
-def measure_optimizer(spec: OptimizerSpec, model: torch.nn.Module,
-                      lr: float) -> tuple[int | None, str | None, dict[str, Any]]:
+def measure_optimizer(spec: OptimizerSpec, model: torch.nn.Module, lr: float, *,
+                      dtype: torch.dtype | None = None) -> tuple[int | None, str | None, dict[str, Any]]:
     """:func:`measure_state_bytes`, and what the report says of the optimizer made (:meth:`OptimizerSpec.describe`:
     the one the user's code built, not what its name says)."""
     optimizer = spec.make(model, lr)
     described = spec.describe(optimizer)
-    ballast, failed = prime(optimizer)
+    ballast, failed = prime(optimizer, dtype=dtype)
     if failed is not None:
         return None, f"{type(failed).__name__}: {first_line(failed)}", described
     try:
-        return state_bytes(ballast), None, described
+        return state_bytes([*ballast, *_own_tensors(optimizer)]), None, described
     finally:
         ballast.clear()
         del optimizer

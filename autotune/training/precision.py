@@ -1,5 +1,6 @@
-"""Precision modes: fp32, fp16 autocast with a GradScaler, bf16 autocast without one, and bf16-fsdp: FSDP2's
-``MixedPrecisionPolicy`` (bf16 parameters gathered and computed with, fp32 gradient reduction), no autocast.
+"""Precision modes: fp32, fp16 autocast with a GradScaler, bf16 autocast without one, bf16-fsdp: FSDP2's
+``MixedPrecisionPolicy`` (bf16 parameters gathered and computed with, fp32 gradient reduction), no autocast, and
+bf16-true: the model itself in bf16 (weights, so gradients and optimizer state), no autocast, no GradScaler.
 
 Which modes a device runs is the device backend's to say (:mod:`autotune.device`); the FSDP2 policy is applied where
 the model is wrapped (:mod:`autotune.training.wrapping`).
@@ -31,6 +32,19 @@ class PrecisionMode:
     uses_scaler: bool
     param_dtype: torch.dtype | None = None  # FSDP2's MixedPrecisionPolicy: parameters gathered in this dtype
     reduce_dtype: torch.dtype | None = None  # ... and gradients reduced in this one
+    weight_dtype: torch.dtype | None = None  # bf16-true: the model's floating parameters and buffers held in this dtype
+
+    def hold(self, model: torch.nn.Module) -> None:
+        """A true mode (bf16-true): cast ``model``'s floating parameters and buffers to its dtype in place (its integer
+        buffers stay), as Lightning's ``precision="bf16-true"`` converts the module, and cast the floating tensors of
+        every forward call's inputs to it too, as Lightning converts the batch (a forward pre-hook on ``model``).
+        Nothing for the other modes."""
+        if self.weight_dtype is None:
+            return
+        _cast(model, self.weight_dtype)
+        if getattr(model, _INPUT_CAST, None) is None:  # once, however often the model is prepared
+            setattr(model, _INPUT_CAST, model.register_forward_pre_hook(
+                functools.partial(_cast_inputs, self.weight_dtype), with_kwargs=True))
 
     def mp_policy(self) -> Any:
         """FSDP2's ``MixedPrecisionPolicy`` of this mode (``fully_shard(..., mp_policy=...)``), None for the autocast
@@ -56,18 +70,43 @@ class PrecisionMode:
         return torch.amp.GradScaler(device_type, init_scale=INIT_LOSS_SCALE, growth_interval=GROWTH_INTERVAL)
 
 
+_INPUT_CAST = "_autotune_input_cast"  # the handle of a true mode's input cast, on the model it casts for
+
+
+def _cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)``, by ``.data`` where ``Module._apply`` would swap tensors (fake ones: a dry run's, whose swap a
+    weak reference refuses): the same parameter objects, tied ones still tied, integer buffers as they are."""
+    cast: dict[int, torch.Tensor] = {}  # a buffer shared by modules stays shared
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is not None and param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                    module._buffers[name] = cast.setdefault(id(buffer), buffer.to(dtype))
+
+
+def _cast_inputs(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def down(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return tree_map(down, args), tree_map(down, kwargs)
+
+
 def _dtype(name: str | None) -> torch.dtype | None:
     return getattr(torch, name) if name else None
 
 
 PRECISIONS: dict[str, PrecisionMode] = {  # the ground floor's modes (autotune.vocabulary.precision), with torch's dtypes
-    name: PrecisionMode(name, _dtype(p.autocast_dtype), p.uses_scaler, _dtype(p.param_dtype), _dtype(p.reduce_dtype))
+    name: PrecisionMode(name, _dtype(p.autocast_dtype), p.uses_scaler, _dtype(p.param_dtype), _dtype(p.reduce_dtype),
+                        _dtype(p.weight_dtype))
     for name, p in _NAMED.items()
 }
 
 
 def get_mode(name: str) -> PrecisionMode:
-    """Return the :class:`PrecisionMode` called ``name`` ("fp32", "fp16", "bf16" or "bf16-fsdp")."""
+    """Return the :class:`PrecisionMode` called ``name`` ("fp32", "fp16", "bf16", "bf16-fsdp" or "bf16-true")."""
     try:
         return PRECISIONS[name]
     except KeyError:

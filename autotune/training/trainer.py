@@ -88,7 +88,8 @@ class Trainer:
         self.run = prepare(model, precision=self.config.precision, plan=self.config.plan,
                            chain=self.workload.chain, guard=self.guard, device_type=autocast_type(self.device),
                            micro_batch_size=self.config.batch_size, record_loss_scale=True,
-                           record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes)
+                           record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes,
+                           record_lost_updates=self.record_grad_norm)  # the probe's: bf16-true's rounding
         self.plan = self.run.plan
         blocks = self.workload.chain.blocks if self.workload.chain else ()
         if host is not None:
@@ -137,6 +138,15 @@ class Trainer:
     @property
     def grad_norms(self) -> list[float]:
         return self.run.grad_norms if self.run is not None else []
+
+    @property
+    def lost_updates(self) -> dict[str, float] | None:
+        """bf16-true under the probe: of the sampled entries with a nonzero gradient over the steps, the share whose
+        update rounded away (``share``), and the counts (``lost``, ``sampled``); None for the other precisions."""
+        if self.run is None or not self.run.record_lost_updates or not self.run.updates_sampled:
+            return None
+        run = self.run
+        return {"share": run.updates_lost / run.updates_sampled, "lost": run.updates_lost, "sampled": run.updates_sampled}
 
     def release(self) -> None:
         """Drop the model, optimizer, scaler and batch; keep the records."""

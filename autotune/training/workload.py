@@ -46,6 +46,7 @@ from autotune.training.data import loader_notes, random_indices, scan_items, wor
 from autotune.training.optimizer import OptimizerSpec
 from autotune.errors import AutotuneError, UsageError, first_line, is_oom
 from autotune.device import on_host
+from autotune.thirdparty import not_found
 
 __all__ = ["Workload", "load_object", "to_device", "move_model", "parse_model_kwargs"]
 
@@ -60,9 +61,7 @@ def load_object(spec: str, *, flag: str) -> Any:
     try:
         obj = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
-            raise UsageError(f"{flag} {spec!r}: no module named {exc.name!r} (check the spelling and that it is importable from here)") from None
-        raise UsageError(f"{flag} {spec!r}: importing {module_name!r} failed: {exc}") from None
+        raise UsageError(f"{flag} {spec!r}: {not_found(exc, module_name)}") from None
     except Exception as exc:
         raise UsageError(f"{flag} {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
     for part in attr.split("."):
