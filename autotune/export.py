@@ -57,6 +57,12 @@ class _Context:
     world_size: int = 1
     compile: str = EAGER  # the torch.compile mode measured ("none": eager)
     cache: tuple[str, ...] = ()  # the modules whose key/value cache a recomputing plan turned off (plans.cache)
+    eval_limit: dict[str, Any] | None = None  # the recommendation's evaluation limits (Report.eval_limit), if found
+
+    @property
+    def eval_batch(self) -> int | None:
+        """The largest evaluation batch during training (the training state resident), if found."""
+        return (self.eval_limit or {}).get("during_training_max_batch_size")
 
     @property
     def compile_call(self) -> str:
@@ -132,6 +138,7 @@ def export(report: Report, framework: str) -> dict[str, Any]:
         world_size=int((report.distributed or {}).get("world_size", 1)),
         compile=rec.config.compile,
         cache=tuple(report.workload.get("training_cache") or ()),
+        eval_limit=report.eval_limit(rec.precision, rec.config.plan),
     )
     data: dict[str, Any] = {"framework": framework, "autotune_recommendation": {
         "precision": rec.precision, "segments": rec.config.plan, "batch_size": rec.batch_size,
@@ -145,7 +152,7 @@ def export(report: Report, framework: str) -> dict[str, Any]:
     if is_static(ctx.compile):
         notes.append(STATIC_NOTE.format(batch=rec.batch_size, drop="dataloader_drop_last=True" if framework == "hf"
                                         else "DataLoader(..., drop_last=True)"))
-    notes += _common_notes(ctx, report, framework)
+    notes += _common_notes(ctx, report, framework) + _eval_notes(ctx, framework)
     if accumulation.get("lr_note"):
         notes.append(accumulation["lr_note"])
     data["notes"] = notes
@@ -216,6 +223,8 @@ def _hf(ctx: _Context, notes: list[str]) -> dict[str, Any]:
         args["fsdp"] = "full_shard auto_wrap" + (" offload" if ctx.plan.state else "")
         args["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
                                **({"transformer_layer_cls_to_wrap": ctx.block_types} if ctx.block_types else {})}
+    if ctx.eval_batch:
+        args["per_device_eval_batch_size"] = ctx.eval_batch
     if ctx.compile != EAGER:
         args["torch_compile"] = True
         if compile_mode(ctx.compile) != "default":
@@ -242,7 +251,7 @@ def _lightning(ctx: _Context, notes: list[str]) -> dict[str, Any]:
             + (" with offload_policy=CPUOffloadPolicy()" if ctx.plan.state else "")
             + (f" and mp_policy={MP_POLICY}" if ctx.fsdp_mixed else ""))
         notes.append(_lightning_fsdp_precision(ctx))
-    return {"trainer": trainer, "batch_size": ctx.micro}
+    return {"trainer": trainer, "batch_size": ctx.micro, **({"val_batch_size": ctx.eval_batch} if ctx.eval_batch else {})}
 
 
 def _lightning_fsdp_precision(ctx: _Context) -> str:
@@ -315,7 +324,7 @@ def _accelerate(ctx: _Context, notes: list[str]) -> dict[str, Any]:
                      "it trains in fp32")
     out: dict[str, Any] = {"accelerator": {"mixed_precision": ACCELERATE_PRECISION[ctx.precision],
                                            "gradient_accumulation_steps": ctx.steps},
-                           "batch_size": ctx.micro}
+                           "batch_size": ctx.micro, **({"eval_batch_size": ctx.eval_batch} if ctx.eval_batch else {})}
     if ctx.wrapper == "fsdp":  # FullyShardedDataParallelPlugin(**fsdp_plugin): FSDP2, each block and the root
         out["fsdp_plugin"] = {"fsdp_version": 2, "reshard_after_forward": True,
                               **({"cpu_offload": True} if ctx.plan.state else {}),
@@ -349,6 +358,34 @@ def _accelerate_fsdp_precision(ctx: _Context, out: dict[str, Any], notes: list[s
 _BUILDERS: dict[str, Callable[[_Context, list[str]], dict[str, Any]]] = {
     "hf": _hf, "lightning": _lightning, "deepspeed": _deepspeed, "accelerate": _accelerate,
 }
+
+
+# Where each framework takes the evaluation batch (DeepSpeed's config has none: the evaluation loader's)
+EVAL_SETTING = {"hf": "per_device_eval_batch_size", "lightning": "val_batch_size: the validation DataLoader's batch_size",
+                "accelerate": "eval_batch_size: the evaluation DataLoader's batch_size",
+                "deepspeed": "no config key: the evaluation DataLoader's batch_size"}
+
+
+def _eval_notes(ctx: _Context, framework: str) -> list[str]:
+    """What the evaluation batch is (and what it is not) where the report found it."""
+    limit = ctx.eval_limit
+    if not limit:
+        return []
+    if limit["during_training_max_batch_size"] is None:
+        return [f"no evaluation batch fits during training within the budget less headroom ({limit['source']}); "
+                f"{EVAL_SETTING[framework].split(':')[0]} is left as it was"]
+    notes = [f"evaluation batch ({EVAL_SETTING[framework]}) {ctx.eval_batch}: the largest whose forward pass and loss "
+             f"under torch.no_grad(), with the weights and optimizer state resident (gradients freed), fit the budget "
+             f"less headroom on the worst evaluation batch ({limit['source']}); for inference alone (no optimizer "
+             f"state) {limit['inference_max_batch_size']}. It is not sized for generate() (token by token, with a "
+             f"key/value cache)"]
+    if ctx.compile != EAGER:
+        notes.append("the evaluation batch was sized for the model evaluated eager, not compiled")
+    if framework == "hf":
+        notes.append("with compute_metrics the Trainer keeps every evaluation batch's logits on the device until "
+                     "eval_accumulation_steps batches have passed: the evaluation batch is sized for one batch, so set "
+                     "eval_accumulation_steps (e.g. 1) where the evaluation set's logits would not fit beside it")
+    return notes
 
 
 def _common_notes(ctx: _Context, report: Report, framework: str) -> list[str]:

@@ -35,6 +35,7 @@ from autotune.options import Options
 from autotune.preparation import ModelFacts, Study, Target, floor_facts, plan_study, preflight, resolve
 from autotune.analysis.pareto import LineRule, probe_candidates
 from autotune.dry_run import predict, preflight_under, with_dry_run
+from autotune.eval_limits import eval_limits
 from autotune.refine import exact_limit, static_compile
 from autotune.vocabulary import ALL, Plan
 from autotune.execution.predict import fake_buildable, fake_tensors, quiet_fake_kernels
@@ -113,6 +114,7 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
             report = exact_limit(report, target, study, events)
             report = static_compile(report, target, study, events)
             report = probe(report, target, study, events)
+            report = eval_limits(report, target, study)
             return compare_library(report, target, facts, study)
         except KeyboardInterrupt:
             raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
@@ -129,7 +131,8 @@ def _dry_run(target: Target, events: "_Events") -> Report:
         target = dataclasses.replace(target, notices=target.notices + said)
         study = plan_study(target, facts)
         result, dry_run, notices = predict(target, facts, study, events, mode)
-        return _with_floor(with_dry_run(analyse(target, facts, study, result), dry_run, notices), target, facts)
+        report = _with_floor(with_dry_run(analyse(target, facts, study, result), dry_run, notices), target, facts)
+        return eval_limits(report, target, study, mode=mode)
 
 
 def _with_floor(report: Report, target: Target, facts: ModelFacts) -> Report:

@@ -347,3 +347,50 @@ def bisect_limit(fits: Callable[[int], bool], lo: int, hi: int, multiple: int = 
         else:
             b = middle
     return max(lo, a * multiple), b * multiple
+
+
+def largest_within(measure: Callable[[int], Measurement], limit_bytes: float, multiple: int, top: int,
+                   first: int) -> tuple[int, int | None, dict[int, Measurement]]:
+    """The largest multiple of ``multiple`` up to ``top`` whose measurement fits ``limit_bytes`` (0 where none does),
+    the next multiple above it (None where ``top`` fits) and every measurement made, by batch size.
+
+    Memory grows with the batch, nearly along a line: from ``first``, each next size is where the line through the
+    two measured sizes nearest the limit meets it (the secant), kept strictly between the sizes known to fit and
+    not to fit, so that a guess that fits is followed by the size above it. Without a size known not to fit, a size
+    the line does not carry past the largest fit gallops up (the stride doubling); where the line twice fails to
+    halve the bracket, it is halved. A measurement neither ``ok`` nor ``oom`` (the model's own failure) ends the
+    search there: the caller finds it among the measurements.
+    """
+    seen: dict[int, Measurement] = {}
+    lo, hi, stride, slow = 0, None, multiple, 0
+    size = min(max(multiple, first // multiple * multiple), top // multiple * multiple)
+    while size >= multiple:
+        m = seen[size] = measure(size)
+        if m.status not in (Status.OK, Status.OOM):
+            break
+        width = (hi if hi is not None else size) - lo
+        lo, hi = (size, hi) if m.fits(limit_bytes) else (lo, size if hi is None else min(hi, size))
+        if (hi is not None and hi - lo <= multiple) or (hi is None and lo + multiple > top):
+            break
+        slow = slow + 1 if hi is not None and 2 * (hi - lo) > width else 0
+        guess = _secant(seen, lo, hi, limit_bytes, multiple)
+        if hi is None:
+            size, stride = (guess, stride) if guess is not None and guess > lo else (lo + stride, 2 * stride)
+            size = min(size, top // multiple * multiple)
+        elif guess is None or slow >= 2:
+            size, slow = max(lo + multiple, (lo + hi) // 2 // multiple * multiple), 0
+        else:
+            size = min(max(guess, lo + multiple), hi - multiple)
+    return lo, hi, seen
+
+
+def _secant(seen: Mapping[int, Measurement], lo: int, hi: int | None, limit_bytes: float, multiple: int) -> int | None:
+    """Where the line through the largest size that fits and the smallest that does not (else the second largest
+    that fits) meets ``limit_bytes``, down to a multiple of ``multiple``; None where the two give no rising line."""
+    peaks = {b: m.peak_bytes for b, m in seen.items() if m.peak_bytes is not None and m.status in (Status.OK, Status.OOM)}
+    below = sorted(b for b in peaks if b < lo)
+    other = hi if hi is not None and hi in peaks else (below[-1] if below else None)
+    if lo not in peaks or other is None or (peaks[other] - peaks[lo]) * (other - lo) <= 0:
+        return None
+    at = lo + (limit_bytes - peaks[lo]) * (other - lo) / (peaks[other] - peaks[lo])
+    return int(at // multiple * multiple)

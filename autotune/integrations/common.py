@@ -15,7 +15,7 @@ from autotune.errors import NothingFits, UsageError
 from autotune.report import Report
 
 __all__ = ["ModelCopy", "divisors", "trainer_options", "on_host", "distributed_job", "recommendation_of", "say_changes",
-           "trains_plan"]
+           "trains_plan", "eval_batch_of"]
 
 
 class ModelCopy:
@@ -95,6 +95,13 @@ def recommendation_of(report: Report) -> tuple[Any, int]:
         raise NothingFits(f"autotune: {report.shortfall().why()}; the trainer is unchanged", report)
     steps = int((report.accumulation or {}).get("accumulation_steps") or 1)
     return best, steps
+
+
+def eval_batch_of(report: Report, best: Any) -> int | None:
+    """The largest evaluation batch during training for the recommendation's precision and plan (the report's
+    eval_limits), or None where the report has none or none fits: the trainer's own setting then stays."""
+    row = report.eval_limit(best.precision, best.config.plan)
+    return None if row is None else row["during_training_max_batch_size"]
 
 
 def trains_plan(plan: Any, how: str) -> str:
