@@ -18,8 +18,9 @@ How they are found:
 * **measured** for the recommended variant where the device has the memory: real passes at the limit and the
   size above it (the limit moved where they disagree with the prediction), at the search's venue.
 
-Not searched: compiled variants (evaluation is sized eager), ``--parallel`` jobs, a run without a budget, and
-evaluations that generate (``model.generate``, token by token with a key/value cache): said in a notice.
+Not searched: compiled variants (evaluation is sized eager), ``--parallel`` jobs and a run without a budget (said in
+a notice), and evaluations that generate (``model.generate``, token by token with a key/value cache: said in
+``search.eval_limits.not_sized``).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from autotune._log import logger
 from autotune.analysis.pareto import largest_within
 from autotune.device import available_ram_bytes, follows_cuda
 from autotune.execution.eval_pass import EvalWork, predict_eval
-from autotune.execution.predict import Unpredictable, quiet_fake_kernels
+from autotune.errors import first_line
+from autotune.execution.predict import Unpredictable, fake_buildable, fake_tensors, quiet_fake_kernels
 from autotune.records import PREDICTED, Measurement, usable_bytes
 from autotune.report import Report
+from autotune.search.predicted import let_go
 from autotune.training.evaluation import EvalKind, eval_workload
 from autotune.vocabulary import EAGER, PRECISIONS, Plan, Status, Variant
 
@@ -64,6 +67,31 @@ def eval_limits(report: Report, target: "Target", study: "Study", *, mode: Any =
     workload = eval_workload(study.workload, target.eval_data)
     passes = _Passes(workload, target, mode)
     rec = None if report.dry_run else report.recommendation
+    try:
+        rows = _predicted_rows(variants, rec, passes, report)
+        if rec is not None and rec.config.variant in variants and passes.measurable:
+            measured = _find(passes.measured, rec.config.variant, passes, report,
+                             hint=_limits_of(rows, rec.config.variant))
+            rows = [_row(r["precision"], r["segments"], r["segments"], measured, "measured")
+                    if (r["precision"], r["segments"]) == (rec.precision, rec.config.plan) else r for r in rows]
+    except _CannotMeasure as exc:
+        return _with_notice(report, f"evaluation limits were not found: the model cannot run under fake tensors "
+                                    f"({exc}), and this device cannot hold its passes")
+    except Exception as exc:  # noqa: BLE001 - limits beside the search's: their failure must not cost the report
+        return _with_notice(report, f"evaluation limits were not found ({type(exc).__name__}: {first_line(exc)})")
+    summary = {**passes.describe(), "wall_s": round(time.monotonic() - started, 3), "not_sized": NOT_SIZED,
+               "measured": None if rec is None or not passes.measured_passes else
+               {"precision": rec.precision, "segments": str(rec.config.plan)}}
+    logger.info("evaluation limits: %d passes predicted, %d measured, in %.1f s", passes.predicted_passes,
+                passes.measured_passes, summary["wall_s"])
+    return dataclasses.replace(report, eval_limits=tuple(rows), notices=report.notices + tuple(passes.notices),
+                               search={**report.search, "eval_limits": summary})
+
+
+def _predicted_rows(variants: list[Variant], rec: Measurement | None, passes: "_Passes", report: Report
+                    ) -> list[dict[str, Any]]:
+    """Each precision's limits predicted on one plan's model (the recommendation's, else the space's first), one row
+    per plan of that precision."""
     rows: list[dict[str, Any]] = []
     try:
         with quiet_fake_kernels():
@@ -73,21 +101,9 @@ def eval_limits(report: Report, target: "Target", study: "Study", *, mode: Any =
                     else plans[0]
                 found = _find(passes.predicted, Variant(precision, plan), passes, report)
                 rows += [_row(precision, p, plan, found, PREDICTED) for p in plans]
-    except _CannotMeasure as exc:
-        return _with_notice(report, f"evaluation limits were not found: the model cannot run under fake tensors "
-                                    f"({exc}), and this device cannot hold its passes")
-    if rec is not None and rec.config.variant in variants and passes.measurable:
-        measured = _find(passes.measured, rec.config.variant, passes, report, hint=_limits_of(rows, rec.config.variant))
-        rows = [_row(r["precision"], r["segments"], r["segments"], measured, "measured")
-                if (r["precision"], r["segments"]) == (rec.precision, rec.config.plan) else r for r in rows]
-    summary = {**passes.describe(), "wall_s": round(time.monotonic() - started, 3),
-               "measured": None if rec is None or not passes.measured_passes else
-               {"precision": rec.precision, "segments": str(rec.config.plan)}}
-    logger.info("evaluation limits: %d passes predicted, %d measured, in %.1f s", passes.predicted_passes,
-                passes.measured_passes, summary["wall_s"])
-    notices = report.notices + ((NOT_SIZED,) if NOT_SIZED not in report.notices else ()) + tuple(passes.notices)
-    return dataclasses.replace(report, eval_limits=tuple(rows), notices=notices,
-                               search={**report.search, "eval_limits": summary})
+    finally:
+        let_go()
+    return rows
 
 
 def _cannot(target: "Target") -> str | None:
@@ -141,7 +157,10 @@ class _Passes:
     the device can hold it), and measured at the search's venue under the budget less the headroom."""
 
     def __init__(self, workload: Any, target: "Target", mode: Any) -> None:
-        self.workload, self.target, self.mode = workload, target, mode
+        real = getattr(workload.model_factory, "real", None)  # a dry run's fake copies of a model built for real
+        self.workload = workload if real is None else dataclasses.replace(workload, model_factory=real)
+        self.target, self.mode = target, mode  # a dry run's fake tensors, whose models its workload builds
+        self.fake: Any = workload if mode is not None else None  # the workload predictions build, once known
         self.usable = usable_bytes(target.budget.bytes, target.budget.headroom)
         self.multiple = target.searching.batch_multiple
         items = len(workload.dataset) if workload.dataset is not None else None
@@ -192,7 +211,10 @@ class _Passes:
         if self.why is None:
             try:
                 self.predicted_passes += 1
-                m = predict_eval(self.workload, config, kind, device=self.target.here, mode=self.mode,
+                if self.fake is None:  # a model that cannot be built under fake tensors is copied into them
+                    self.mode = fake_tensors()
+                    self.fake, _ = fake_buildable(self.workload, self.mode)
+                m = predict_eval(self.fake, config, kind, device=self.target.here, mode=self.mode,
                                  settings=self.target.trial_settings, cuda=self.cuda)
                 if m.status != Status.FAILED or not self.measurable:
                     return m

@@ -100,12 +100,14 @@ def _train_loader(model: Any, datamodule: Any) -> torch.utils.data.DataLoader:
 
 
 def _val_loader(model: Any, datamodule: Any) -> torch.utils.data.DataLoader | None:
-    """The validation DataLoader of the datamodule (or the module), where it is one loader of a map-style dataset."""
-    make = getattr(datamodule if datamodule is not None else model, "val_dataloader", None)
-    try:
-        loader = make() if callable(make) else None
-    except NotImplementedError:
+    """The validation DataLoader of the datamodule (or the module), where one defines it as one loader of a map-style
+    dataset (Lightning's own ``val_dataloader`` raises: none is defined)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    source = next((s for s in (datamodule, model) if s is not None and is_overridden("val_dataloader", s)), None)
+    if source is None:
         return None
+    loader = source.val_dataloader()
     dataset = getattr(loader, "dataset", None)
     if not isinstance(loader, torch.utils.data.DataLoader) or isinstance(dataset, torch.utils.data.IterableDataset) \
             or not hasattr(dataset, "__len__"):
