@@ -112,9 +112,10 @@ def trains_plan(plan: Any, how: str) -> str:
     return f"with checkpoint plan {plan} ({plan.label}, {how})"
 
 
-def say_changes(what: str, changes: list[tuple[str, Any, Any]]) -> str:
-    """One line of what the integration set on the trainer: ``name old -> new`` for each value that changed."""
+def say_changes(what: str, changes: list[tuple[str, Any, Any]], after: str = "") -> str:
+    """One line of what the integration set on the trainer: ``name old -> new`` for each value that changed, then
+    ``after``."""
     changed = [f"{name} {old!r} -> {new!r}" for name, old, new in changes if old != new]
-    line = f"autotune: {what}: " + (", ".join(changed) if changed else "nothing changed (it already trains the recommendation)")
+    line = f"autotune: {what}: " + (", ".join(changed) if changed else "nothing changed (it already trains the recommendation)") + after
     logger.warning(line)
     return line

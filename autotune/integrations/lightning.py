@@ -118,28 +118,29 @@ def _val_loader(model: Any, datamodule: Any) -> torch.utils.data.DataLoader | No
 EVAL_NAMES = ("val_batch_size", "eval_batch_size")  # where a module or datamodule may keep its validation batch
 
 
-def _write_eval_batch(model: Any, datamodule: Any, report: Report, best: Any) -> str:
+def _write_eval_batch(model: Any, datamodule: Any, report: Report, best: Any) -> tuple[list[tuple[str, Any, Any]], str]:
     """The evaluation batch written where the module or datamodule keeps one (an attribute or hparam named in
-    ``EVAL_NAMES``); what was done, as the end of a sentence."""
+    ``EVAL_NAMES``): the changes, and what to do where none keeps one (the end of a sentence)."""
     size = eval_batch_of(report, best)
     if size is None:
-        return ""
-    written = []
+        return [], ""
+    changes: list[tuple[str, Any, Any]] = []
     for owner in (model, datamodule):
         for holder in (owner, getattr(owner, "hparams", None)):
             for name in EVAL_NAMES:
-                if holder is None or not (name in vars(holder) if not isinstance(holder, Mapping) else name in holder):
+                mapping = isinstance(holder, Mapping)
+                if holder is None or name not in (holder if mapping else vars(holder)):
                     continue
-                old = holder[name] if isinstance(holder, Mapping) else getattr(holder, name)
-                if isinstance(holder, Mapping):
+                old = holder[name] if mapping else getattr(holder, name)
+                if mapping:
                     holder[name] = size
                 else:
                     setattr(holder, name, size)
-                written.append(f"{type(owner).__name__}.{'hparams.' if holder is not owner else ''}{name} {old!r} -> {size}")
-    if written:
-        return f"; evaluation batch {size}: " + ", ".join(written)
-    return (f"; evaluation batch {size} (the largest during training): no {' or '.join(EVAL_NAMES)} to write it to, so "
-            f"build val_dataloader with batch_size={size}")
+                changes.append((f"{'hparams.' if holder is not owner else ''}{name}", old, size))
+    if changes:
+        return changes, ""
+    return [], (f"; the largest evaluation batch during training is {size}: no {' or '.join(EVAL_NAMES)} keeps it, so "
+                f"build val_dataloader with batch_size={size}")
 
 
 def _batch_size_holders(model: Any, datamodule: Any) -> list[Any]:
@@ -307,10 +308,11 @@ def _write_back(trainer: Any, model: Any, holders: list[Any], report: Report, da
     precision = ("" if current == wanted else
                  f"; the trainer's precision is {current!r} and Lightning fixes it when the Trainer is made: build "
                  f"one with Trainer(**autotune.export.lightning_trainer_kwargs(report)) to train {wanted!r}")
-    evaluation = _write_eval_batch(model, datamodule, report, best)
+    evaluation, after = _write_eval_batch(model, datamodule, report, best)
     return say_changes(f"the module now trains batch {best.batch_size} x {steps} steps "
-                       f"{trains_plan(plan, 'autotune.apply on the module')}{precision}{evaluation}",
-                       [("batch_size", old_batch, best.batch_size), ("accumulate_grad_batches", old_steps, steps)])
+                       f"{trains_plan(plan, 'autotune.apply on the module')}{precision}",
+                       [("batch_size", old_batch, best.batch_size), ("accumulate_grad_batches", old_steps, steps),
+                        *evaluation], after)
 
 
 def _batch_size(holder: Any) -> Any:
