@@ -18,8 +18,8 @@ How they are found:
 * **measured** for the recommended variant where the device has the memory: real passes at the limit and the
   size above it (the limit moved where they disagree with the prediction), at the search's venue.
 
-Not searched: compiled variants (evaluation is sized eager), ``--parallel`` jobs and a run without a budget (said in
-a notice), and evaluations that generate (``model.generate``, token by token with a key/value cache: said in
+Each row is a precision and plan of the space evaluated eager (a compiled variant's evaluation, compiled again for
+``no_grad``, is not sized). Not searched: ``--parallel`` jobs and a run without a budget (said in a notice), and evaluations that generate (``model.generate``, token by token with a key/value cache: said in
 ``search.eval_limits.not_sized``).
 """
 
@@ -62,17 +62,17 @@ def eval_limits(report: Report, target: "Target", study: "Study", *, mode: Any =
     if why is not None:
         return _with_notice(report, f"evaluation limits were not looked for: {why}")
     started = time.monotonic()
-    variants = [v for v in study.space.variants() if v.compile == EAGER and not Plan(v.plan).state
-                and not PRECISIONS[v.precision].fsdp_only]
+    variants = list(dict.fromkeys(Variant(v.precision, v.plan) for v in study.space.variants()  # evaluated eager
+                                  if not Plan(v.plan).state and not PRECISIONS[v.precision].fsdp_only))
     workload = eval_workload(study.workload, target.eval_data)
     passes = _Passes(workload, target, mode)
     rec = None if report.dry_run else report.recommendation
     try:
         rows = _predicted_rows(variants, rec, passes, report)
-        if rec is not None and rec.config.variant in variants and passes.measurable:
-            measured = _find(passes.measured, rec.config.variant, passes, report,
-                             hint=_limits_of(rows, rec.config.variant))
-            rows = [_row(r["precision"], r["segments"], r["segments"], measured, "measured")
+        measuring = None if rec is None else Variant(rec.precision, rec.config.plan)  # a compiled one's, eager
+        if measuring in variants and passes.measurable:
+            measured = _find(passes.measured, measuring, passes, report, hint=_limits_of(rows, measuring))
+            rows = [_row(r["precision"], r["segments"], r["segments"], measured)
                     if (r["precision"], r["segments"]) == (rec.precision, rec.config.plan) else r for r in rows]
     except _CannotMeasure as exc:
         return _with_notice(report, f"evaluation limits were not found: the model cannot run under fake tensors "
@@ -80,8 +80,7 @@ def eval_limits(report: Report, target: "Target", study: "Study", *, mode: Any =
     except Exception as exc:  # noqa: BLE001 - limits beside the search's: their failure must not cost the report
         return _with_notice(report, f"evaluation limits were not found ({type(exc).__name__}: {first_line(exc)})")
     summary = {**passes.describe(), "wall_s": round(time.monotonic() - started, 3), "not_sized": NOT_SIZED,
-               "measured": None if rec is None or not passes.measured_passes else
-               {"precision": rec.precision, "segments": str(rec.config.plan)}}
+               "measured": [f"{r['precision']}/{r['segments']}" for r in rows if r["source"] == "measured"]}
     logger.info("evaluation limits: %d passes predicted, %d measured, in %.1f s", passes.predicted_passes,
                 passes.measured_passes, summary["wall_s"])
     return dataclasses.replace(report, eval_limits=tuple(rows), notices=report.notices + tuple(passes.notices),
@@ -100,7 +99,7 @@ def _predicted_rows(variants: list[Variant], rec: Measurement | None, passes: "_
                 plan = rec.config.plan if rec is not None and rec.precision == precision and rec.config.plan in plans \
                     else plans[0]
                 found = _find(passes.predicted, Variant(precision, plan), passes, report)
-                rows += [_row(precision, p, plan, found, PREDICTED) for p in plans]
+                rows += [_row(precision, p, plan, found) for p in plans]
     finally:
         let_go()
     return rows
@@ -120,8 +119,8 @@ def _find(measure: Callable[[Any, EvalKind], Measurement], variant: Variant, pas
           hint: dict[EvalKind, int | None] | None = None) -> dict[EvalKind, dict[str, Any]]:
     """Both limits of ``variant``, each by :func:`largest_within` from ``hint`` (else the training limit, and for
     inference the training state's bytes past the evaluation limit during training)."""
-    row = next((r for r in report.limits if (r["precision"], r["segments"], r.get("compile", EAGER))
-                == (variant.precision, variant.plan, EAGER)), {})
+    rows = [r for r in report.limits if (r["precision"], r["segments"]) == (variant.precision, variant.plan)]
+    row = next((r for r in rows if r.get("compile", EAGER) == EAGER), rows[0] if rows else {})  # eager's, if any
     start = (hint or {}).get(EvalKind.DURING_TRAINING) or row.get("max_batch_size") or passes.multiple
     found = {EvalKind.DURING_TRAINING: passes.search(lambda b: measure(variant.at(b), EvalKind.DURING_TRAINING), start)}
     training = found[EvalKind.DURING_TRAINING]
@@ -143,13 +142,15 @@ def _limits_of(rows: list[dict[str, Any]], variant: Variant) -> dict[EvalKind, i
     return {kind: row[f"{kind}_max_batch_size"] for kind in EvalKind}
 
 
-def _row(precision: str, segments: str, found_with: str, found: dict[EvalKind, dict[str, Any]],
-         source: str) -> dict[str, Any]:
-    """One ``eval_limits`` object: the issue's four keys, then how each limit was found."""
+def _row(precision: str, segments: str, found_with: str, found: dict[EvalKind, dict[str, Any]]) -> dict[str, Any]:
+    """One ``eval_limits`` object: the issue's four keys, then how each limit was found (``source`` measured where
+    the passes at both limits and above them were, else predicted)."""
+    measured = all(found[kind]["measured"] for kind in EvalKind)
     return {"precision": precision, "segments": str(segments),
             **{f"{kind}_max_batch_size": found[kind]["max_batch_size"] for kind in EvalKind},
-            "source": source, "found_with_segments": str(found_with),
-            **{str(kind): {k: v for k, v in found[kind].items() if k != "bytes_per_sample"} for kind in EvalKind}}
+            "source": "measured" if measured else PREDICTED, "found_with_segments": str(found_with),
+            **{str(kind): {k: v for k, v in found[kind].items() if k not in ("bytes_per_sample", "measured")}
+               for kind in EvalKind}}
 
 
 class _Passes:
@@ -203,7 +204,7 @@ class _Passes:
                 "next_batch_size": hi, "next_peak_bytes": seen[hi].peak_bytes if hi else None,
                 "at_top": hi is None and lo > 0, "passes": len(seen),
                 "error": None if failed is None else f"batch {failed.batch_size}: {failed.error}",
-                "bytes_per_sample": slope}
+                "bytes_per_sample": slope, "measured": not any(seen[b].predicted for b in (lo, hi) if b)}
 
     def predicted(self, config: Any, kind: EvalKind) -> Measurement:
         """A pass predicted; measured instead once the model is found to need real values (fake tensors cannot run

@@ -10,9 +10,11 @@
             -> exact_limit -> Report      --exact-limit: the recommended variant's limit made exact by real trials
             -> static_compile -> Report   a compiled recommendation timed again compiled for its batch size alone
             -> probe -> Report            the best candidates train an epoch over a slice of the data
+            -> eval_limits -> Report      the largest evaluation batch per precision and plan (autotune.eval_limits)
             -> compare_library -> Report  the library's own checkpointing beside autotune's plan
 
-A dry run (``--dry-run``) predicts instead of searching (:mod:`autotune.dry_run`) and stops after the analysis.
+A dry run (``--dry-run``) predicts instead of searching (:mod:`autotune.dry_run`) and stops after the analysis and
+its evaluation limits, predicted.
 The first three stages live in :mod:`autotune.preparation`, the two after the analysis in :mod:`autotune.refine`; where trials, probe candidates and
 plan checks run (this process, a worker, every rank) is the Target's venue, chosen once in
 ``resolve``.

@@ -349,6 +349,9 @@ def bisect_limit(fits: Callable[[int], bool], lo: int, hi: int, multiple: int = 
     return max(lo, a * multiple), b * multiple
 
 
+GALLOP = 32  # a line followed up from a size that fits goes at most this many times past it at once
+
+
 def largest_within(measure: Callable[[int], Measurement], limit_bytes: float, multiple: int, top: int,
                    first: int) -> tuple[int, int | None, dict[int, Measurement]]:
     """The largest multiple of ``multiple`` up to ``top`` whose measurement fits ``limit_bytes`` (0 where none does),
@@ -356,13 +359,14 @@ def largest_within(measure: Callable[[int], Measurement], limit_bytes: float, mu
 
     Memory grows with the batch, nearly along a line: from ``first``, each next size is where the line through the
     two measured sizes nearest the limit meets it (the secant), kept strictly between the sizes known to fit and
-    not to fit, so that a guess that fits is followed by the size above it. Without a size known not to fit, a size
-    the line does not carry past the largest fit gallops up (the stride doubling); where the line twice fails to
-    halve the bracket, it is halved. A measurement neither ``ok`` nor ``oom`` (the model's own failure) ends the
+    not to fit, so that a guess that fits is followed by the size above it. Without a size known not to fit, one
+    size doubles (there is no line yet), a line is followed up to ``GALLOP`` times the largest fit, and a line that
+    ends at the largest fit is checked a stride above it (the stride doubling each time it is); where a guess of the
+    line fails to halve the bracket, the next size halves it. A measurement neither ``ok`` nor ``oom`` (the model's own failure) ends the
     search there: the caller finds it among the measurements.
     """
     seen: dict[int, Measurement] = {}
-    lo, hi, stride, slow = 0, None, multiple, 0
+    lo, hi, stride, slow, secant = 0, None, multiple, False, False
     size = min(max(multiple, first // multiple * multiple), top // multiple * multiple)
     while size >= multiple:
         m = seen[size] = measure(size)
@@ -372,15 +376,18 @@ def largest_within(measure: Callable[[int], Measurement], limit_bytes: float, mu
         lo, hi = (size, hi) if m.fits(limit_bytes) else (lo, size if hi is None else min(hi, size))
         if (hi is not None and hi - lo <= multiple) or (hi is None and lo + multiple > top):
             break
-        slow = slow + 1 if hi is not None and 2 * (hi - lo) > width else 0
+        slow = secant and hi is not None and 2 * (hi - lo) > width  # the line's last guess did not halve the bracket
         guess = _secant(seen, lo, hi, limit_bytes, multiple)
-        if hi is None:
-            size, stride = (guess, stride) if guess is not None and guess > lo else (lo + stride, 2 * stride)
+        if hi is None:  # a line carries past the largest fit (up to GALLOP times it); one ending there is checked above
+            size = min(guess, GALLOP * lo) if guess is not None and guess > lo else \
+                2 * lo if guess is None else lo + stride
+            stride = 2 * stride if guess is not None and guess <= lo else stride
             size = min(size, top // multiple * multiple)
-        elif guess is None or slow >= 2:
-            size, slow = max(lo + multiple, (lo + hi) // 2 // multiple * multiple), 0
+        elif guess is None or slow:
+            size = max(lo + multiple, (lo + hi) // 2 // multiple * multiple)
         else:
             size = min(max(guess, lo + multiple), hi - multiple)
+        secant = hi is not None and guess is not None and not slow
     return lo, hi, seen
 
 
