@@ -189,26 +189,27 @@ def _recommendation_lines(report: Any) -> list[str]:
 
 
 def _eval_lines(report: Any) -> list[str]:
-    """The evaluation limits, one entry per precision where every plan has the same (a pass without gradients
-    saves nothing for a plan to change): during training / for inference alone, and how they were found."""
+    """The evaluation limits, one entry per precision where its plans have the same (a pass without gradients saves
+    nothing for a plan to change): during training / for inference alone, and which were measured."""
     rows = report.eval_limits
     if not rows:
         return []
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
-        key = (row["precision"], row["during_training_max_batch_size"], row["inference_max_batch_size"], row["source"])
+        key = (row["precision"], row["during_training_max_batch_size"], row["inference_max_batch_size"])
         groups.setdefault(key, []).append(row)
-    plans = {}
-    for row in rows:
-        plans.setdefault(row["precision"], []).append(row)
 
     def size(row: dict[str, Any], kind: str) -> str:
         limit = row[f"{kind}_max_batch_size"]
         return "none" if limit is None else f"{limit}+" if row[kind]["at_top"] else str(limit)
 
     parts = []
-    for (precision, _, _, source), group in groups.items():
-        which = "every plan" if len(group) == len(plans[precision]) else "plan " + ", ".join(r["segments"] for r in group)
+    for (precision, _, _), group in groups.items():
+        every = len(group) == sum(r["precision"] == precision for r in rows)
+        measured = [r["segments"] for r in group if r["source"] == "measured"]
+        source = "predicted" if not measured else "measured" if len(measured) == len(group) else \
+            f"plan {', '.join(measured)} measured, the others predicted"
+        which = "every plan" if every else "plan " + ", ".join(r["segments"] for r in group)
         parts.append(f"{precision} ({which}): {size(group[0], 'during_training')} / {size(group[0], 'inference')} "
                      f"({source})")
     search = report.search.get("eval_limits") or {}
