@@ -35,9 +35,9 @@ from autotune.units import format_bytes, parse_size
 
 # name: (model, its kwargs, data, budget, batch sizes searched)
 CASES = {
-    "TinyGPT-tokens": ("autotune.examples:TinyGPT", {}, "token_dataset(size=256)", "256MiB", "1..32"),
-    "TinyGPT-long-tailed": ("autotune.examples:TinyGPT", {}, "variable_token_loader(size=512)", "256MiB", "1..32"),
-    "ResNetish-images": ("autotune.examples:ResNetish", {}, "image_dataset(size=512)", "128MiB", "1..64"),
+    "TinyGPT-tokens": ("autotune.examples:TinyGPT", {}, "token_dataset(size=256)", "64MiB", "1..8"),
+    "TinyGPT-long-tailed": ("autotune.examples:TinyGPT", {}, "variable_token_loader(size=512)", "64MiB", "1..8"),
+    "ResNetish-images": ("autotune.examples:ResNetish", {}, "image_dataset(size=512)", "32MiB", "1..16"),
 }
 
 
