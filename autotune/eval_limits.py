@@ -33,7 +33,7 @@ from autotune._log import logger
 from autotune.analysis.pareto import largest_within
 from autotune.device import available_ram_bytes, follows_cuda
 from autotune.execution.eval_pass import EvalWork, predict_eval
-from autotune.errors import first_line
+from autotune.errors import AutotuneError, first_line
 from autotune.execution.predict import Unpredictable, fake_buildable, fake_tensors, quiet_fake_kernels
 from autotune.records import PREDICTED, Measurement, usable_bytes
 from autotune.report import Report
@@ -251,7 +251,7 @@ class _Passes:
                              "a Trainer frees them before it evaluates", str(EvalKind.INFERENCE): "weights"}}
 
 
-class _CannotMeasure(Exception):
+class _CannotMeasure(AutotuneError):
     """A pass can neither be predicted nor measured here."""
 
 

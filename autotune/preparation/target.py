@@ -21,7 +21,7 @@ from autotune.options import Options
 from autotune.records import Budget, ProbeSettings, TrialSettings
 from autotune.training.compiled import require_compiler
 from autotune.training.data import scan_items, worst_indices
-from autotune.training.evaluation import EvalData
+from autotune.training.evaluation import EvalData, eval_workload
 from autotune.training.workload import Workload, parse_model_kwargs
 from autotune.vocabulary import EAGER, Offload, Plan, runs_where
 
@@ -137,6 +137,8 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
     venue = venue_for(isolation, backend.device, job, trials_per_worker=options.trials_per_worker)
     venue.admit(workload)  # one clear line now, not every trial crashed later
     eval_data = EvalData.load(options.eval_data)  # bad --eval-data ends the run now, before any trial
+    if eval_data is not None:
+        venue.admit(eval_workload(workload, eval_data))  # a worker can build it too
     workload, profile = _with_data(workload, options.batch_sizes)
     notices = list(workload.notes)
     for notice in notices:
