@@ -121,12 +121,14 @@ def _find(measure: Callable[[Any, EvalKind], Measurement], variant: Variant, pas
     inference the training state's bytes past the evaluation limit during training)."""
     rows = [r for r in report.limits if (r["precision"], r["segments"]) == (variant.precision, variant.plan)]
     row = next((r for r in rows if r.get("compile", EAGER) == EAGER), rows[0] if rows else {})  # eager's, if any
-    start = (hint or {}).get(EvalKind.DURING_TRAINING) or row.get("max_batch_size") or passes.multiple
-    found = {EvalKind.DURING_TRAINING: passes.search(lambda b: measure(variant.at(b), EvalKind.DURING_TRAINING), start)}
+    limit, slope = (hint or {}).get(EvalKind.DURING_TRAINING) or (None, None)
+    found = {EvalKind.DURING_TRAINING: passes.search(lambda b: measure(variant.at(b), EvalKind.DURING_TRAINING),
+                                                     limit or row.get("max_batch_size") or passes.multiple, slope)}
     training = found[EvalKind.DURING_TRAINING]
     state = (report.workload.get("optimizer") or {}).get("state_bytes")
-    start = (hint or {}).get(EvalKind.INFERENCE) or _past(training, state, passes.multiple)
-    found[EvalKind.INFERENCE] = passes.search(lambda b: measure(variant.at(b), EvalKind.INFERENCE), start)
+    limit, slope = (hint or {}).get(EvalKind.INFERENCE) or (None, training["bytes_per_sample"])
+    found[EvalKind.INFERENCE] = passes.search(lambda b: measure(variant.at(b), EvalKind.INFERENCE),
+                                              limit or _past(training, state, passes.multiple), slope)
     return found
 
 
@@ -137,9 +139,10 @@ def _past(found: dict[str, Any], state_bytes: int | None, multiple: int) -> int:
     return limit + (int(state_bytes / slope) // multiple * multiple if state_bytes and slope else 0)
 
 
-def _limits_of(rows: list[dict[str, Any]], variant: Variant) -> dict[EvalKind, int | None]:
+def _limits_of(rows: list[dict[str, Any]], variant: Variant) -> dict[EvalKind, tuple[int | None, float | None]]:
+    """Each limit of ``variant``'s row and its bytes per sample: where a search of its measurements starts."""
     row = next(r for r in rows if (r["precision"], r["segments"]) == (variant.precision, variant.plan))
-    return {kind: row[f"{kind}_max_batch_size"] for kind in EvalKind}
+    return {kind: (row[f"{kind}_max_batch_size"], row[str(kind)]["bytes_per_sample"]) for kind in EvalKind}
 
 
 def _row(precision: str, segments: str, found_with: str, found: dict[EvalKind, dict[str, Any]]) -> dict[str, Any]:
@@ -149,8 +152,7 @@ def _row(precision: str, segments: str, found_with: str, found: dict[EvalKind, d
     return {"precision": precision, "segments": str(segments),
             **{f"{kind}_max_batch_size": found[kind]["max_batch_size"] for kind in EvalKind},
             "source": "measured" if measured else PREDICTED, "found_with_segments": str(found_with),
-            **{str(kind): {k: v for k, v in found[kind].items() if k not in ("bytes_per_sample", "measured")}
-               for kind in EvalKind}}
+            **{str(kind): {k: v for k, v in found[kind].items() if k != "measured"} for kind in EvalKind}}
 
 
 class _Passes:
@@ -192,14 +194,16 @@ class _Passes:
         return CudaRules.for_this_machine(self.target.device, capability=searching.cuda_capability,
                                           context_bytes=searching.cuda_context_bytes)
 
-    def search(self, measure: Callable[[int], Measurement], start: int) -> dict[str, Any]:
-        """One limit: the largest size whose pass fits, the size above it, their peaks; ``at_top`` where the top
-        fits; the model's own failure as ``error``."""
-        lo, hi, seen = largest_within(measure, self.usable, self.multiple, int(self.top), start)
+    def search(self, measure: Callable[[int], Measurement], start: int, slope: float | None = None) -> dict[str, Any]:
+        """One limit, from ``start`` (and the bytes per sample ``slope``, where known): the largest size whose pass
+        fits, the size above it, their peaks, the bytes per sample near them; ``at_top`` where the top fits; the
+        model's own failure as ``error``."""
+        lo, hi, seen = largest_within(measure, self.usable, self.multiple, int(self.top), start, slope)
         failed = next((m for m in seen.values() if m.status not in (Status.OK, Status.OOM)), None)
         below = sorted(b for b, m in seen.items() if b < lo and m.peak_bytes is not None)
-        slope = ((seen[lo].peak_bytes - seen[below[-1]].peak_bytes) / (lo - below[-1])
-                 if lo and below and seen[lo].peak_bytes is not None else None)
+        above = hi if hi is not None and seen[hi].status == Status.OK else None  # an oom's peak is a bound only
+        near = below[-1] if below else above
+        slope = (round((seen[near].peak_bytes - seen[lo].peak_bytes) / (near - lo)) if lo and near else slope)
         return {"max_batch_size": lo or None, "peak_bytes": seen[lo].peak_bytes if lo else None,
                 "next_batch_size": hi, "next_peak_bytes": seen[hi].peak_bytes if hi else None,
                 "at_top": hi is None and lo > 0, "passes": len(seen),

@@ -179,3 +179,10 @@ def test_nothing_fits_the_top_fits_and_a_failure_ends_the_search():
     calls = []
     lo, hi, seen = largest_within(_measuring(lambda b: 100 + b, calls, failed_at=128), 900, 1, 4096, 64)
     assert seen[max(calls)].status is Status.FAILED and (lo, hi) == (64, None)
+
+
+def test_a_start_at_the_limit_with_the_lines_slope_takes_two_sizes_from_either_side():
+    for first, slope in ((266, 3), (267, 3), (266, 2.5)):
+        calls = []
+        lo, hi, _ = largest_within(_measuring(lambda b: 100 + 3 * b, calls), 900, 1, 4096, first, per_sample_bytes=slope)
+        assert (lo, hi) == (266, 267) and sorted(calls) == [266, 267]
