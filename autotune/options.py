@@ -69,6 +69,10 @@ class Options:
     data: Any = option(
         None, "a map-style Dataset (or a factory for one) of (input, target) tuples or dicts; limits then hold for its "
         "batches", group=WORKLOAD, metavar="MODULE:ATTR", default_text="the model's example_batch(batch_size) method")
+    eval_data: Any = option(
+        None, "a map-style Dataset (or a factory for one, or a DataLoader) of the evaluation batches: the evaluation "
+        "limits (eval_limits) hold for its worst batch of each size", group=WORKLOAD, metavar="MODULE:ATTR",
+        default_text="--data, else the model's example_batch")
     loss: str | Callable | None = option(
         None, "loss(output, target) for models whose output holds no loss", group=WORKLOAD, metavar="MODULE:ATTR",
         default_text="the output itself, its .loss or ['loss'], or the model's loss(output, target)")
@@ -179,6 +183,10 @@ class Options:
         "space's sizes in steps of --batch-multiple) and time the largest size within the headroom; these trials are "
         "the report's, not the study's: workers sharing a study each run them, a resumed search runs them again",
         group=TRIALS, switch=True)
+    eval_limits: bool = option(
+        True, "skip finding the largest evaluation batch per precision and plan (while training, the training state "
+        "resident, and for inference alone: a forward pass and the loss under torch.no_grad())", group=TRIALS,
+        negate="--no-eval-limits")
     probe: bool = option(True, "skip the probe (the top candidates training an epoch over a slice of --data)",
                          group=PROBE, negate="--no-probe")
     probe_top: int = option(_PROBE.top, "Pareto candidates to probe, fastest first", group=PROBE, type=int)

@@ -10,9 +10,11 @@
             -> exact_limit -> Report      --exact-limit: the recommended variant's limit made exact by real trials
             -> static_compile -> Report   a compiled recommendation timed again compiled for its batch size alone
             -> probe -> Report            the best candidates train an epoch over a slice of the data
+            -> eval_limits -> Report      the largest evaluation batch per precision and plan (autotune.eval_limits)
             -> compare_library -> Report  the library's own checkpointing beside autotune's plan
 
-A dry run (``--dry-run``) predicts instead of searching (:mod:`autotune.dry_run`) and stops after the analysis.
+A dry run (``--dry-run``) predicts instead of searching (:mod:`autotune.dry_run`) and stops after the analysis and
+its evaluation limits, predicted.
 The first three stages live in :mod:`autotune.preparation`, the two after the analysis in :mod:`autotune.refine`; where trials, probe candidates and
 plan checks run (this process, a worker, every rank) is the Target's venue, chosen once in
 ``resolve``.
@@ -35,6 +37,7 @@ from autotune.options import Options
 from autotune.preparation import ModelFacts, Study, Target, floor_facts, plan_study, preflight, resolve
 from autotune.analysis.pareto import LineRule, probe_candidates
 from autotune.dry_run import predict, preflight_under, with_dry_run
+from autotune.eval_limits import eval_limits
 from autotune.refine import exact_limit, static_compile
 from autotune.vocabulary import ALL, Plan
 from autotune.execution.predict import fake_buildable, fake_tensors, quiet_fake_kernels
@@ -113,6 +116,7 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
             report = exact_limit(report, target, study, events)
             report = static_compile(report, target, study, events)
             report = probe(report, target, study, events)
+            report = eval_limits(report, target, study)
             return compare_library(report, target, facts, study)
         except KeyboardInterrupt:
             raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
@@ -129,7 +133,8 @@ def _dry_run(target: Target, events: "_Events") -> Report:
         target = dataclasses.replace(target, notices=target.notices + said)
         study = plan_study(target, facts)
         result, dry_run, notices = predict(target, facts, study, events, mode)
-        return _with_floor(with_dry_run(analyse(target, facts, study, result), dry_run, notices), target, facts)
+        report = _with_floor(with_dry_run(analyse(target, facts, study, result), dry_run, notices), target, facts)
+        return eval_limits(report, target, study, mode=mode)
 
 
 def _with_floor(report: Report, target: Target, facts: ModelFacts) -> Report:

@@ -121,6 +121,11 @@ BAD_INPUT = [
     (["--model", "tests.models:NoLoss", "--data", "tests.models:tiny_dataset", "--loss", "torch.nn.functional:cross_entropy",
       "--batch-sizes", "4,8"], "--data has 3 items"),
     (["--model", "tests.models:NoLoss", "--data", "tests.models:NOT_CALLABLE"], "not callable"),
+    # the evaluation data is checked as --data is, before any trial
+    (["--model", "autotune.examples:TinyGPT", "--eval-data", "autotune.examples:TinyGPT"],
+     "--eval-data 'autotune.examples:TinyGPT' gave a TinyGPT, not a map-style Dataset"),
+    (["--model", "autotune.examples:TinyGPT", "--eval-data", "tests.models:NOT_CALLABLE"], "--eval-data"),
+    (["--model", "autotune.examples:TinyGPT", "--eval-data", "autotune.examples:no_such_data"], "has no attribute"),
     (["--model", "autotune.examples:TinyGPT", "--model-kwargs", "{bad json"], "JSON"),
     (["--model", "autotune.examples:TinyGPT", "--budget", "lots"], "cannot read the size"),
     (["--model", "autotune.examples:TinyGPT", "--budget", "0"], "greater than zero"),

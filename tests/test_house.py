@@ -83,8 +83,8 @@ FLOORS = (
     ("search",),  # the trial store, the strategies, the search loop
     ("options",),  # one tuning run's flags, checked
     ("preparation", "dry_run"),  # the tuner's first stages; the dry run's predictions
-    ("tuner", "refine", "cli", "export", "plot"),  # the pipeline, its stages after the analysis (refine); the command
-    # line's words; what a report is turned into
+    ("tuner", "refine", "eval_limits", "cli", "export", "plot"),  # the pipeline, its stages after the analysis (refine,
+    # eval_limits); the command line's words; what a report is turned into
     ("integrations", "__main__", "examples"),  # the trainers' entry points, the command, the bundled models
 )
 

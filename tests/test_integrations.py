@@ -176,6 +176,36 @@ def test_the_report_names_the_optimizer_the_training_arguments_make_with_its_wei
     assert sum(group["parameters"] for group in optimizer["groups"]) == report.workload["parameter_count"]
 
 
+def test_a_hugging_face_trainer_evaluates_its_eval_dataset_at_the_largest_batch_within_the_budget(tmp_path):
+    """The evaluation batch is sized on eval_dataset (its worst batch, padded by the trainer's collator) with the
+    training state resident, written to per_device_eval_batch_size, and the trainer's training with an evaluation
+    after every step (at that batch) stays within the budget."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from autotune.integrations.transformers import tune_trainer
+
+    hf = example("tune_hf_trainer", "transformers")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=hf.MAX_LENGTH, vocab_size=256))
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=8,
+                             gradient_accumulation_steps=2, optim="adafactor", num_train_epochs=1, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_strategy="no", eval_strategy="steps",
+                             eval_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=hf.examples(), eval_dataset=hf.examples(256, seed=1),
+                      data_collator=hf.pad)
+    report = tune_trainer(trainer, budget=hf.BUDGET, precisions="fp32", segments="0", measure_steps=2, probe=False,
+                          storage=f"sqlite:///{tmp_path}/s.db", compare_library=False)
+    row = report.eval_limit("fp32", "0")
+    assert report.search["eval_limits"]["data"] == "--eval-data" and row["source"] == "measured"
+    assert not row["during_training"]["at_top"]  # a limit, below the 256 items
+    assert args.per_device_eval_batch_size == row["during_training_max_batch_size"] > 16
+    assert f"per_device_eval_batch_size 8 -> {args.per_device_eval_batch_size}" in report.notices[-1]
+    held = weights(trainer.model)
+    peak = peak_while(trainer.train, tmp_path)
+    print(f"evaluation batch {args.per_device_eval_batch_size}; trainer.train() {held} + {peak} B; budget {hf.BUDGET}")
+    assert held + peak <= parse_size(hf.BUDGET)
+
+
 # -- Lightning ------------------------------------------------------------------------------------------------------
 
 
@@ -206,6 +236,44 @@ def test_a_lightning_trainer_is_tuned_and_then_fits_the_recommendation_within_th
     print(f"recommendation {best.config} {best.peak_bytes} B; trainer.fit() {held} + {peak} B; budget {BUDGET}")
     assert held + peak <= parse_size(BUDGET)
     assert trainer.global_step == 64 // 16
+
+
+def test_a_lightning_module_gets_its_validation_batch_and_validates_within_the_budget(tmp_path):
+    """The validation loader's data sizes the evaluation batch, which is written where the datamodule keeps it
+    (hparams.val_batch_size); fit with validation at that batch stays within the budget."""
+    from autotune.integrations.lightning import tune_trainer
+
+    lightning = example("tune_lightning_trainer", "lightning")
+
+    class Validated(lightning.Tagger):
+        def validation_step(self, batch, batch_idx):
+            return self.training_step(batch, batch_idx)
+
+    class WithValidation(lightning.Sequences):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hparams.val_batch_size = 8
+
+        def setup(self, stage=None):
+            super().setup(stage)
+            self.validation = lightning.sequences(n=256, seed=1)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(self.validation, batch_size=self.hparams.val_batch_size,
+                                               collate_fn=lightning.pad)
+
+    trainer, _, _ = lightning.make()
+    model, data = Validated(), WithValidation()
+    report = tune_trainer(trainer, model, datamodule=data, budget=lightning.BUDGET, precisions="fp32", segments="0",
+                          measure_steps=2, probe=False, storage=f"sqlite:///{tmp_path}/s.db")
+    row = report.eval_limit("fp32", "0")
+    assert report.search["eval_limits"]["data"] == "--eval-data" and not row["during_training"]["at_top"]
+    assert data.hparams.val_batch_size == row["during_training_max_batch_size"] > data.hparams.batch_size
+    assert f"hparams.val_batch_size 8 -> {data.hparams.val_batch_size}" in report.notices[-1]
+    held = weights(model)
+    peak = peak_while(lambda: trainer.fit(model, datamodule=data), tmp_path)
+    print(f"validation batch {data.hparams.val_batch_size}; trainer.fit() {held} + {peak} B; budget {lightning.BUDGET}")
+    assert held + peak <= parse_size(lightning.BUDGET)
 
 
 def test_a_configure_optimizers_that_sizes_a_one_cycle_schedule_from_its_trainer_tunes(tmp_path):

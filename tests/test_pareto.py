@@ -1,5 +1,9 @@
-from autotune.analysis.pareto import LineRule, batch_limits, implied_failures, line_failures, pareto_front, recommend
+import pytest
+
+from autotune.analysis.pareto import (LineRule, batch_limits, implied_failures, largest_within, line_failures,
+                                     pareto_front, recommend)
 from autotune.records import Config, Measurement
+from autotune.vocabulary import Status
 
 MiB = 2**20
 
@@ -133,3 +137,52 @@ def test_a_trial_that_ran_where_its_prediction_failed_refutes_the_variant_for_th
     other = Measurement(Config("fp32", "0", 8), "ok", peak_bytes=2000, timed=False)
     mixed = {**agrees, other.config: Measurement(other.config, "ok", peak_bytes=2500)}
     assert refuted([ok, other], mixed) == {("fp32", "0")} and confirmed([ok, other], mixed) == {}
+
+
+def _measuring(peak_of, calls, failed_at=None):
+    """A measurement of batch b with peak ``peak_of(b)`` (its status oom above 1000 bytes), each call kept."""
+    def measure(b):
+        calls.append(b)
+        if failed_at is not None and b >= failed_at:
+            return Measurement(Config("fp32", "0", b), "failed", error="the model's own")
+        peak = peak_of(b)
+        return Measurement(Config("fp32", "0", b), "ok" if peak <= 1000 else "oom", peak_bytes=peak)
+    return measure
+
+
+@pytest.mark.parametrize("multiple", [1, 8])
+@pytest.mark.parametrize("first", [1, 40, 300, 5000])
+def test_the_largest_size_within_a_limit_is_exact_in_steps_of_the_multiple(multiple, first):
+    for peak_of in (lambda b: 100 + 3 * b,  # a line: a couple of sizes past the first
+                    lambda b: 100 + 3 * b + (400 if b > 200 else 0),  # a step in the line (longer items join)
+                    lambda b: 50 + b * b // 100):  # not a line at all
+        calls = []
+        lo, hi, seen = largest_within(_measuring(peak_of, calls), 900, multiple, 4096, first)
+        fitting = [b for b in range(multiple, 4097, multiple) if peak_of(b) <= 900]
+        assert lo == max(fitting) and hi == lo + multiple, (peak_of, lo, hi)
+        assert set(seen) == set(calls) and all(b % multiple == 0 for b in calls)
+        assert len(calls) <= 14  # a bisection from 1 to 4096 alone would take 12 sizes
+
+
+def test_a_line_is_found_in_four_sizes_from_below():
+    calls = []
+    lo, hi, _ = largest_within(_measuring(lambda b: 100 + 3 * b, calls), 900, 1, 4096, 10)
+    assert (lo, hi) == (266, 267) and calls == [10, 20, 266, 267]  # two sizes make the line; its size, the next
+
+
+def test_nothing_fits_the_top_fits_and_a_failure_ends_the_search():
+    calls = []
+    assert largest_within(_measuring(lambda b: 2000 + b, calls), 900, 4, 4096, 64)[:2] == (0, 4)
+    calls = []
+    lo, hi, seen = largest_within(_measuring(lambda b: b // 10, calls), 900, 4, 1000, 64)
+    assert (lo, hi) == (1000, None) and max(calls) == 1000
+    calls = []
+    lo, hi, seen = largest_within(_measuring(lambda b: 100 + b, calls, failed_at=128), 900, 1, 4096, 64)
+    assert seen[max(calls)].status is Status.FAILED and (lo, hi) == (64, None)
+
+
+def test_a_start_at_the_limit_with_the_lines_slope_takes_two_sizes_from_either_side():
+    for first, slope in ((266, 3), (267, 3), (266, 2.5)):
+        calls = []
+        lo, hi, _ = largest_within(_measuring(lambda b: 100 + 3 * b, calls), 900, 1, 4096, first, per_sample_bytes=slope)
+        assert (lo, hi) == (266, 267) and sorted(calls) == [266, 267]

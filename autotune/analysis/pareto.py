@@ -357,3 +357,64 @@ def bisect_limit(fits: Callable[[int], bool], lo: int, hi: int, multiple: int = 
         else:
             b = middle
     return max(lo, a * multiple), b * multiple
+
+
+GALLOP = 32  # a line followed up from a size that fits goes at most this many times past it at once
+
+
+def largest_within(measure: Callable[[int], Measurement], limit_bytes: float, multiple: int, top: int,
+                   first: int, per_sample_bytes: float | None = None) -> tuple[int, int | None, dict[int, Measurement]]:
+    """The largest multiple of ``multiple`` up to ``top`` whose measurement fits ``limit_bytes`` (0 where none does),
+    the next multiple above it (None where ``top`` fits) and every measurement made, by batch size.
+
+    Memory grows with the batch, nearly along a line: from ``first``, each next size is where the line through the
+    two measured sizes nearest the limit meets it (the secant), kept strictly between the sizes known to fit and
+    not to fit, so that a guess that fits is followed by the size above it. Without a size known not to fit, one
+    size doubles (there is no line yet), a line is followed up to ``GALLOP`` times the largest fit, and a line that
+    ends at the largest fit is checked a stride above it (the stride doubling each time it is); where a guess of the
+    line fails to halve the bracket, the next size halves it. ``per_sample_bytes`` (the line's slope, known from
+    elsewhere) draws the line through one measured size, so that a ``first`` that is the limit is followed by the size
+    above it. A measurement neither ``ok`` nor ``oom`` (the model's own failure) ends the search there: the caller
+    finds it among the measurements.
+    """
+    seen: dict[int, Measurement] = {}
+    lo, hi, stride, slow, secant = 0, None, multiple, False, False
+    size = min(max(multiple, first // multiple * multiple), top // multiple * multiple)
+    while size >= multiple:
+        m = seen[size] = measure(size)
+        if m.status not in (Status.OK, Status.OOM):
+            break
+        width = (hi if hi is not None else size) - lo
+        lo, hi = (size, hi) if m.fits(limit_bytes) else (lo, size if hi is None else min(hi, size))
+        if (hi is not None and hi - lo <= multiple) or (hi is None and lo + multiple > top):
+            break
+        slow = secant and hi is not None and 2 * (hi - lo) > width  # the line's last guess did not halve the bracket
+        guess = _secant(seen, lo, hi, limit_bytes, multiple, per_sample_bytes)
+        if hi is None:  # a line carries past the largest fit (up to GALLOP times it); one ending there is checked above
+            size = min(guess, GALLOP * lo) if guess is not None and guess > lo else \
+                2 * lo if guess is None else lo + stride
+            stride = 2 * stride if guess is not None and guess <= lo else stride
+            size = min(size, top // multiple * multiple)
+        elif guess is None or slow:
+            size = max(lo + multiple, (lo + hi) // 2 // multiple * multiple)
+        else:
+            size = min(max(guess, lo + multiple), hi - multiple)
+        secant = hi is not None and guess is not None and not slow
+    return lo, hi, seen
+
+
+def _secant(seen: Mapping[int, Measurement], lo: int, hi: int | None, limit_bytes: float, multiple: int,
+            per_sample_bytes: float | None = None) -> int | None:
+    """Where the line through the largest size that fits and the smallest that does not (else the second largest
+    that fits; else through one of them at ``per_sample_bytes``) meets ``limit_bytes``, down to a multiple of
+    ``multiple``; None where there is no rising line."""
+    peaks = {b: m.peak_bytes for b, m in seen.items() if m.peak_bytes is not None and m.status in (Status.OK, Status.OOM)}
+    anchor = lo if lo in peaks else hi if hi in peaks else None
+    if anchor is None:
+        return None
+    below = sorted(b for b in peaks if b < lo)
+    other = (hi if hi in peaks else below[-1] if below else None) if anchor == lo else None
+    rise = (peaks[other] - peaks[anchor]) / (other - anchor) if other is not None else per_sample_bytes
+    if not rise or rise <= 0:
+        return None
+    return int((anchor + (limit_bytes - peaks[anchor]) / rise) // multiple * multiple)

@@ -15,7 +15,7 @@ from autotune.errors import NothingFits, UsageError
 from autotune.report import Report
 
 __all__ = ["ModelCopy", "divisors", "trainer_options", "on_host", "distributed_job", "recommendation_of", "say_changes",
-           "trains_plan"]
+           "trains_plan", "eval_batch_of"]
 
 
 class ModelCopy:
@@ -97,6 +97,13 @@ def recommendation_of(report: Report) -> tuple[Any, int]:
     return best, steps
 
 
+def eval_batch_of(report: Report, best: Any) -> int | None:
+    """The largest evaluation batch during training for the recommendation's precision and plan (the report's
+    eval_limits), or None where the report has none or none fits: the trainer's own setting then stays."""
+    row = report.eval_limit(best.precision, best.config.plan)
+    return None if row is None else row["during_training_max_batch_size"]
+
+
 def trains_plan(plan: Any, how: str) -> str:
     """How the trainer now trains the checkpoint plan ``plan``, as the end of a sentence: ``without checkpointing``,
     or ``with checkpoint plan 2 (segments 2, HOW)``, ``how`` saying what applied it."""
@@ -105,9 +112,10 @@ def trains_plan(plan: Any, how: str) -> str:
     return f"with checkpoint plan {plan} ({plan.label}, {how})"
 
 
-def say_changes(what: str, changes: list[tuple[str, Any, Any]]) -> str:
-    """One line of what the integration set on the trainer: ``name old -> new`` for each value that changed."""
+def say_changes(what: str, changes: list[tuple[str, Any, Any]], after: str = "") -> str:
+    """One line of what the integration set on the trainer: ``name old -> new`` for each value that changed, then
+    ``after``."""
     changed = [f"{name} {old!r} -> {new!r}" for name, old, new in changes if old != new]
-    line = f"autotune: {what}: " + (", ".join(changed) if changed else "nothing changed (it already trains the recommendation)")
+    line = f"autotune: {what}: " + (", ".join(changed) if changed else "nothing changed (it already trains the recommendation)") + after
     logger.warning(line)
     return line

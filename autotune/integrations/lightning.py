@@ -14,7 +14,10 @@ The global batch stays the user's: the dataloader's batch size x ``accumulate_gr
 the world size; the micro batches tried divide it. The recommendation is written back where
 Lightning's own batch-size finder writes it (``model.batch_size``, ``model.hparams.batch_size``,
 ``datamodule.batch_size``, ``datamodule.hparams.batch_size``), ``trainer.accumulate_grad_batches``,
-and the checkpoint plan (:func:`autotune.apply` on the module, in place). A trainer's precision
+and the checkpoint plan (:func:`autotune.apply` on the module, in place). The evaluation batch (the report's
+``eval_limits``, sized on the validation dataloader's worst batch, its ``training_step`` run under ``no_grad``) is
+written to a ``val_batch_size`` or ``eval_batch_size`` attribute or hparam of the module or datamodule, where one
+is; else the line says what to build ``val_dataloader`` with. A trainer's precision
 plugin is made with the trainer: when the recommendation's precision is another, one line says so
 and ``autotune.export.lightning_trainer_kwargs(report)`` gives the keyword arguments of a trainer that trains it.
 When nothing fits, :class:`~autotune.errors.NothingFits` is raised and nothing is changed.
@@ -32,8 +35,8 @@ from torch import nn
 
 from autotune.errors import UsageError
 from autotune.export import LIGHTNING_PRECISION
-from autotune.integrations.common import (ModelCopy, on_host, recommendation_of, say_changes, trainer_options,
-                                          trains_plan)
+from autotune.integrations.common import (ModelCopy, eval_batch_of, on_host, recommendation_of, say_changes,
+                                          trainer_options, trains_plan)
 from autotune.report import Report
 
 __all__ = ["tune_trainer"]
@@ -56,11 +59,15 @@ def tune_trainer(trainer: Any, model: Any, datamodule: Any = None, **options: An
         defaults["device"] = "cpu"  # a CPU trainer's module is tuned where it trains
     # the module's configure_optimizers(), unless tune_trainer(..., optimizer=...) names another
     defaults["optimizer"] = _FirstOptimizer(type(model), _FitView.of(trainer, loader, datamodule))
+    validation = _val_loader(model, datamodule)
+    if validation is not None:  # the evaluation batch is sized on the validation data's worst batch
+        defaults["eval_data"] = torch.utils.data.DataLoader(validation.dataset, batch_size=1,
+                                                            collate_fn=validation.collate_fn)
     with on_host(model):
         report = tune(ModelCopy(model), data=torch.utils.data.DataLoader(loader.dataset, batch_size=1,
                                                                           collate_fn=loader.collate_fn),
                       step=_TrainingStep(type(model)), **{**defaults, **options})
-    said = _write_back(trainer, model, holders, report)
+    said = _write_back(trainer, model, holders, report, datamodule)
     return dataclasses.replace(report, notices=(*report.notices, said))
 
 
@@ -90,6 +97,50 @@ def _train_loader(model: Any, datamodule: Any) -> torch.utils.data.DataLoader:
         raise UsageError(f"the training data is a {type(loader.dataset).__name__} without a length: autotune needs a "
                          f"map-style dataset (with __getitem__ and __len__) to find its worst batch")
     return loader
+
+
+def _val_loader(model: Any, datamodule: Any) -> torch.utils.data.DataLoader | None:
+    """The validation DataLoader of the datamodule (or the module), where one defines it as one loader of a map-style
+    dataset (Lightning's own ``val_dataloader`` raises: none is defined)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    source = next((s for s in (datamodule, model) if s is not None and is_overridden("val_dataloader", s)), None)
+    if source is None:
+        return None
+    loader = source.val_dataloader()
+    dataset = getattr(loader, "dataset", None)
+    if not isinstance(loader, torch.utils.data.DataLoader) or isinstance(dataset, torch.utils.data.IterableDataset) \
+            or not hasattr(dataset, "__len__"):
+        return None
+    return loader
+
+
+EVAL_NAMES = ("val_batch_size", "eval_batch_size")  # where a module or datamodule may keep its validation batch
+
+
+def _write_eval_batch(model: Any, datamodule: Any, report: Report, best: Any) -> tuple[list[tuple[str, Any, Any]], str]:
+    """The evaluation batch written where the module or datamodule keeps one (an attribute or hparam named in
+    ``EVAL_NAMES``): the changes, and what to do where none keeps one (the end of a sentence)."""
+    size = eval_batch_of(report, best)
+    if size is None:
+        return [], ""
+    changes: list[tuple[str, Any, Any]] = []
+    for owner in (model, datamodule):
+        for holder in (owner, getattr(owner, "hparams", None)):
+            for name in EVAL_NAMES:
+                mapping = isinstance(holder, Mapping)
+                if holder is None or name not in (holder if mapping else vars(holder)):
+                    continue
+                old = holder[name] if mapping else getattr(holder, name)
+                if mapping:
+                    holder[name] = size
+                else:
+                    setattr(holder, name, size)
+                changes.append((f"{'hparams.' if holder is not owner else ''}{name}", old, size))
+    if changes:
+        return changes, ""
+    return [], (f"; the largest evaluation batch during training is {size}: no {' or '.join(EVAL_NAMES)} keeps it, so "
+                f"build val_dataloader with batch_size={size}")
 
 
 def _batch_size_holders(model: Any, datamodule: Any) -> list[Any]:
@@ -237,7 +288,7 @@ def _schedulers(found: Any) -> list[str]:
     return [name for item in inner for name in _schedulers(item)]
 
 
-def _write_back(trainer: Any, model: Any, holders: list[Any], report: Report) -> str:
+def _write_back(trainer: Any, model: Any, holders: list[Any], report: Report, datamodule: Any = None) -> str:
     """Set the batch size, accumulation and plan (raises NothingFits, nothing changed, when none)."""
     best, steps = recommendation_of(report)
     old_batch = _batch_size(holders[0])
@@ -257,9 +308,11 @@ def _write_back(trainer: Any, model: Any, holders: list[Any], report: Report) ->
     precision = ("" if current == wanted else
                  f"; the trainer's precision is {current!r} and Lightning fixes it when the Trainer is made: build "
                  f"one with Trainer(**autotune.export.lightning_trainer_kwargs(report)) to train {wanted!r}")
+    evaluation, after = _write_eval_batch(model, datamodule, report, best)
     return say_changes(f"the module now trains batch {best.batch_size} x {steps} steps "
                        f"{trains_plan(plan, 'autotune.apply on the module')}{precision}",
-                       [("batch_size", old_batch, best.batch_size), ("accumulate_grad_batches", old_steps, steps)])
+                       [("batch_size", old_batch, best.batch_size), ("accumulate_grad_batches", old_steps, steps),
+                        *evaluation], after)
 
 
 def _batch_size(holder: Any) -> Any:

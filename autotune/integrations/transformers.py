@@ -25,7 +25,9 @@ world size``. The micro batches tried divide it, and the accumulation steps rise
 falls. The recommendation is written back: ``per_device_train_batch_size``,
 ``gradient_accumulation_steps``, ``bf16``/``fp16`` (the trainer's accelerator made again for the new
 precision), and the checkpoint plan: the model's own ``gradient_checkpointing`` where the plan is
-the one it makes (every block), else :func:`autotune.apply` on the trainer's model. One line says
+the one it makes (every block), else :func:`autotune.apply` on the trainer's model; and
+``per_device_eval_batch_size``, the largest evaluation batch during training (the report's ``eval_limits``, sized on
+``eval_dataset``'s worst batch as the trainer's collator pads it, ``compute_loss`` under ``no_grad``). One line says
 what changed. When nothing fits, :class:`~autotune.errors.NothingFits` is raised with what to try,
 and the trainer is left as it was.
 """
@@ -39,8 +41,8 @@ import torch
 from torch import nn
 
 from autotune.errors import UsageError
-from autotune.integrations.common import (ModelCopy, distributed_job, on_host, recommendation_of, say_changes,
-                                          trainer_options, trains_plan)
+from autotune.integrations.common import (ModelCopy, distributed_job, eval_batch_of, on_host, recommendation_of,
+                                          say_changes, trainer_options, trains_plan)
 from autotune.vocabulary import ALL, FSDP_ONLY, PRECISIONS, TRUE
 from autotune.report import Report
 
@@ -66,6 +68,9 @@ def tune_trainer(trainer: Any, **options: Any) -> Report:
         defaults["clip_grad_norm"] = float(args.max_grad_norm)
     if "optimizer" not in options:  # tune_trainer(..., optimizer=...) trains the one given instead
         defaults["optimizer"] = _TrainerOptimizer(trainer)
+    evaluation = _eval_data(trainer)
+    if evaluation is not None:
+        defaults["eval_data"] = evaluation
     model = trainer.model
     with on_host(model), distributed_job(defaults):
         report = tune(ModelCopy(model, _without_library_checkpointing),
@@ -114,6 +119,25 @@ def _training_data(trainer: Any) -> tuple[Any, Any]:
     if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):  # a datasets.Dataset, as the trainer asks
         return trainer._remove_unused_columns(dataset, description="training"), trainer.data_collator
     return dataset, trainer._get_collator_with_removed_columns(trainer.data_collator, description="training")
+
+
+def _eval_data(trainer: Any) -> Any:
+    """The trainer's ``eval_dataset`` as its evaluation loader would batch it (unused columns removed, its collator):
+    the evaluation batch is sized on its worst batch. Several (a dict) are sized together, on the worst batch of all
+    their items; none, or one without a length, leaves it to the training data."""
+    given = trainer.eval_dataset
+    if given is None:
+        return None
+    named = given if isinstance(given, dict) else {"eval": given}
+    if any(isinstance(d, torch.utils.data.IterableDataset) or not hasattr(d, "__len__") for d in named.values()):
+        return None
+    parts = [trainer._remove_unused_columns(d, description="evaluation")
+             if hasattr(d, "column_names") and hasattr(d, "remove_columns") else d for d in named.values()]
+    plain = not any(hasattr(d, "column_names") and hasattr(d, "remove_columns") for d in named.values())
+    collator = (trainer._get_collator_with_removed_columns(trainer.data_collator, description="evaluation") if plain
+                else trainer.data_collator)
+    dataset = parts[0] if len(parts) == 1 else torch.utils.data.ConcatDataset(parts)
+    return torch.utils.data.DataLoader(dataset, batch_size=1, collate_fn=collator)
 
 
 def _without_library_checkpointing(model: nn.Module) -> None:
@@ -200,10 +224,15 @@ def _write_back(trainer: Any, report: Report) -> str:
         from autotune.training.applied import apply
 
         apply(model, report)  # the checkpoint plan (and fp32 modules) on the trainer's model, in place
-    after = (best.batch_size, steps, args.bf16, args.fp16, _checkpointing(args))
-    names = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "gradient_checkpointing")
+    evaluation = eval_batch_of(report, best)
+    before_eval = args.per_device_eval_batch_size
+    if evaluation is not None:
+        args.per_device_eval_batch_size = evaluation
+    after = (best.batch_size, steps, args.bf16, args.fp16, _checkpointing(args), args.per_device_eval_batch_size)
+    names = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "gradient_checkpointing",
+             "per_device_eval_batch_size")
     return say_changes(f"the trainer now trains {best.precision}, batch {best.batch_size} x {steps} steps {applied}",
-                       list(zip(names, before, after)))
+                       list(zip(names, (*before, before_eval), after)))
 
 
 _SWITCHES = ("activation_checkpointing", "gradient_checkpointing")  # newer transformers' name first

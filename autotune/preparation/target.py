@@ -23,6 +23,7 @@ from autotune.records import Budget, ProbeSettings, TrialSettings
 from autotune.training.compiled import require_compiler
 from autotune.training.data import scan_items, worst_indices
 from autotune.training.lowbit import stand_in
+from autotune.training.evaluation import EvalData, eval_workload
 from autotune.training.workload import Workload, parse_model_kwargs
 from autotune.vocabulary import EAGER, PRECISIONS, TRUE, Offload, Plan, rounding_notice, runs_where
 
@@ -45,12 +46,14 @@ class WorkloadKey:
     study: str | None  # --study, else derived from the model and the device
     storage: str | None  # --storage, else a SQLite file in results_dir
     results_dir: str
+    eval_data: str | None = None  # a stable name for --eval-data (not part of the study: trials train)
 
     @classmethod
     def of(cls, options: Options) -> "WorkloadKey":
         return cls(parse_model_kwargs(options.model_kwargs), describe(options.data), describe(options.loss),
                    describe(options.step), options.optimizer is None and options.optimizer_kwargs is None
-                   and options.step is None, options.study, options.storage, options.results_dir)
+                   and options.step is None, options.study, options.storage, options.results_dir,
+                   describe(options.eval_data))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,7 @@ class Searching:
     world_size: int | None  # a dry run's ranks (--world-size): the job it predicts one rank of
     cuda_capability: tuple[int, int] | None = None  # --cuda-capability: the GPU a dry run plans for
     cuda_context_bytes: int | None = None  # --cuda-context: its CUDA context, as NVML counts it
+    eval_limits: bool = True  # the stage after the probe: the largest evaluation batches (--no-eval-limits)
 
     @property
     def sharding_ranks(self) -> int | None:
@@ -101,6 +105,7 @@ class Target:
     job: "Job | None" = None  # --parallel: this rank's place in the job (rank 0: the leader)
     host_budget_bytes: int | None = None  # what offloaded activations may hold: --host-budget, else half the available
     host_budget_source: str = ""
+    eval_data: EvalData | None = None  # --eval-data, loaded and checked; None: --data's batches, else example_batch
 
     @property
     def device(self) -> torch.device:
@@ -138,6 +143,9 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
                          f"or --device cuda")
     venue = venue_for(isolation, backend.device, job, trials_per_worker=options.trials_per_worker)
     venue.admit(workload)  # one clear line now, not every trial crashed later
+    eval_data = EvalData.load(options.eval_data)  # bad --eval-data ends the run now, before any trial
+    if eval_data is not None:
+        venue.admit(eval_workload(workload, eval_data))  # a worker can build it too
     workload, profile = _with_data(workload, options.batch_sizes)
     notices = list(workload.notes)
     for notice in notices:
@@ -157,7 +165,8 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
     host_budget, host_source = _host_budget(options.host_budget, job.local_world_size if job is not None else 1)
     return Target(backend, workload, budget, precisions, isolation, venue, profile,
                   tuple(notices), dataclasses.replace(options.trial_settings, host_budget_bytes=host_budget),
-                  _searching(options, backend.device), WorkloadKey.of(options), job, host_budget, host_source)
+                  _searching(options, backend.device), WorkloadKey.of(options), job, host_budget, host_source,
+                  eval_data)
 
 
 def _searching(options: Options, device: torch.device) -> Searching:
@@ -167,7 +176,8 @@ def _searching(options: Options, device: torch.device) -> Searching:
         options.batch_sizes, options.segments, options.offload, options.compile, options.strategy, options.n_trials,
         batch_multiple(options.batch_multiple, device), options.exact_limit, options.static_compile,
         options.probe_settings if options.probe else None, options.target_batch_size, options.compare_library,
-        options.dry_run, options.parallel, options.world_size, options.cuda_capability, options.cuda_context)
+        options.dry_run, options.parallel, options.world_size, options.cuda_capability, options.cuda_context,
+        options.eval_limits)
 
 
 def _host_budget(given: int | None, local_ranks: int = 1) -> tuple[int | None, str]:

@@ -76,6 +76,9 @@ class Report:
     data: dict[str, Any] | None = None  # with --data: the item sizes, how they were found, which batches were used
     distributed: dict[str, Any] | None = None  # --parallel: backend, world_size, wrapper, mixed precision, isolation
     predictions: tuple[Measurement, ...] = ()  # what auto started from: configurations predicted under fake tensors
+    # per precision and plan, the largest evaluation batch during training and for inference alone (autotune.eval_limits);
+    # None where they were not looked for (--no-eval-limits, a report from before them)
+    eval_limits: tuple[dict[str, Any], ...] | None = None
 
     @property
     def memory_model(self) -> MemoryModel:
@@ -96,6 +99,11 @@ class Report:
             "limits": self._limits(budget_bytes, model=self.memory_model),
             "recommendation": self._trial_dict(rec) if rec else None,
         }
+
+    def eval_limit(self, precision: str, segments: str) -> dict[str, Any] | None:
+        """The evaluation limits of the variant (``precision``, plan ``segments``), or None where there are none."""
+        return next((row for row in self.eval_limits or () if (row["precision"], row["segments"]) == (precision, segments)),
+                    None)
 
     @property
     def pareto(self) -> list[Measurement]:
@@ -196,6 +204,7 @@ class Report:
                 [r["peak_bytes"] for r in recommendation.distributed["ranks"]],
             },
             "notices": list(self.notices),
+            **({} if self.eval_limits is None else {"eval_limits": [dict(row) for row in self.eval_limits]}),
         }
 
     def _trial_dict(self, m: Measurement) -> dict[str, Any]:
@@ -230,6 +239,7 @@ class Report:
             search=data["search"],
             trials=tuple(Measurement.from_dict(t) for t in data["trials"]),
             predictions=tuple(Measurement.from_dict(t) for t in data.get("predictions", ())),
+            eval_limits=None if data.get("eval_limits") is None else tuple(data["eval_limits"]),
             notices=tuple(data.get("notices", ())),
             guard=GuardRails.from_dict(data.get("guard")),
             probe=None if data.get("probe") is None else tuple(ProbeResult.from_dict(r) for r in data["probe"]["candidates"]),

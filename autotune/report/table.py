@@ -25,6 +25,7 @@ def render(report: Any) -> str:
     lines += _limit_lines(report)
     lines += _probe_lines(report)
     lines += _recommendation_lines(report)
+    lines += _eval_lines(report)
     if report.library_checkpointing:
         lines.append(_library_line(report.library_checkpointing))
     lines += _budget_lines(report)
@@ -204,6 +205,38 @@ def _recommendation_lines(report: Any) -> list[str]:
         lines.append(f"accumulation: {accumulation['accumulation_steps']} x {accumulation['micro_batch_size']}"
                      f"{ranks} = effective batch {accumulation['effective_batch_size']}; {accumulation['lr_note']}")
     return lines
+
+
+def _eval_lines(report: Any) -> list[str]:
+    """The evaluation limits, one entry per precision where its plans have the same (a pass without gradients saves
+    nothing for a plan to change): during training / for inference alone, and which were measured."""
+    rows = report.eval_limits
+    if not rows:
+        return []
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        key = (row["precision"], row["during_training_max_batch_size"], row["inference_max_batch_size"])
+        groups.setdefault(key, []).append(row)
+
+    def size(row: dict[str, Any], kind: str) -> str:
+        limit = row[f"{kind}_max_batch_size"]
+        return "none" if limit is None else f"{limit}+" if row[kind]["at_top"] else str(limit)
+
+    parts = []
+    for (precision, _, _), group in groups.items():
+        every = len(group) == sum(r["precision"] == precision for r in rows)
+        measured = [r["segments"] for r in group if r["source"] == "measured"]
+        source = "predicted" if not measured else "measured" if len(measured) == len(group) else \
+            f"plan {', '.join(measured)} measured, the others predicted"
+        which = "every plan" if every else "plan " + ", ".join(r["segments"] for r in group)
+        parts.append(f"{precision} ({which}): {size(group[0], 'during_training')} / {size(group[0], 'inference')} "
+                     f"({source})")
+    search = report.search.get("eval_limits") or {}
+    top = f"; N+: the largest looked for ({search['top']})" if any(r[k]["at_top"] for r in rows for k in (
+        "during_training", "inference")) and search.get("top") else ""
+    return [f"largest evaluation batch (forward and loss under torch.no_grad(), on the worst batch of "
+            f"{search.get('data', 'the data')}; within the budget less headroom), during training (weights and optimizer "
+            f"state resident) / for inference alone: " + "; ".join(parts) + top]
 
 
 def _budget_lines(report: Any) -> list[str]:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from autotune.training.workload import Workload
 
-__all__ = ["predict_space", "seed", "Seeding", "SEED_SECONDS"]
+__all__ = ["predict_space", "seed", "Seeding", "SEED_SECONDS", "let_go"]
 
 # A search waits this long at most for its predictions: they save trials, and must not cost more than they save
 SEED_SECONDS = 60.0
@@ -142,7 +142,7 @@ def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", bu
     except Exception as exc:  # noqa: BLE001 - a prediction only saves trials: the search goes on without it
         return Seeding({}, time.monotonic() - started, f"{type(exc).__name__}: {first_line(exc)}")
     finally:
-        _let_go()
+        let_go()
     took = time.monotonic() - started
     if predictions and not any(m.status.measured_memory for m in predictions.values()):  # none says anything of memory
         failed = next(iter(predictions.values()))
@@ -153,7 +153,7 @@ def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", bu
     return Seeding(predictions, took, stopped=stopped)
 
 
-def _let_go() -> None:
+def let_go() -> None:
     """Drop what the predictions left in this process: fake tensors' dispatch cache (its entries hold fake tensors
     and their shape environment), and the cycles among the fake models. Trials in this process (the CPU's) would
     otherwise pay for them in every collection and every scan of live objects: ResNetish's memory trials ran about

@@ -57,6 +57,11 @@ class Applied:
     record_lost_updates: bool = False
     updates_sampled: int = 0  # sampled entries with a nonzero gradient, over the steps
     updates_lost: int = 0  # ... whose weight the step did not change
+    # The report's largest evaluation batches for this precision and plan (eval_limits): a forward pass and the loss
+    # under torch.no_grad() with the training state resident (evaluate between steps with loaders of this size), and
+    # for inference alone; None where the report has none (or none fits)
+    eval_batch_size: int | None = None
+    inference_batch_size: int | None = None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The autocast context for the forward pass and the loss (a no-op for fp32, for bf16-fsdp: FSDP2 casts, and
@@ -149,6 +154,7 @@ class _Recommended:
     guard: dict[str, Any] = dataclasses.field(default_factory=dict)
     checks: list | None = None  # the plan checks; None where there were none (a bare trial, a version 1 report)
     chain: dict[str, Any] | None = None  # the model's blocks in forward order, as the tuner found them
+    eval_limits: list | None = None  # the report's eval_limits, where it has them
 
 
 def _recommendation_fields(recommendation: Any) -> _Recommended:
@@ -163,7 +169,8 @@ def _recommendation_fields(recommendation: Any) -> _Recommended:
         if rec is None:
             raise UsageError(_NOTHING)
         return _Recommended(rec.to_dict(), recommendation.accumulation or {}, recommendation.guard.to_dict(),
-                            [c.to_dict() for c in recommendation.plan_checks], recommendation.workload.get("chain"))
+                            [c.to_dict() for c in recommendation.plan_checks], recommendation.workload.get("chain"),
+                            list(recommendation.eval_limits or ()) or None)
     if isinstance(recommendation, dict) and (recommendation.get("search") or {}).get("dry_run"):
         raise UsageError(_DRY_RUN)
     if isinstance(recommendation, dict):
@@ -173,7 +180,7 @@ def _recommendation_fields(recommendation: Any) -> _Recommended:
             return _Recommended(recommendation["recommendation"],
                                 recommendation.get("accumulation", recommendation.get("plan")) or {},  # "plan" in v1-2
                                 recommendation.get("guard") or {}, recommendation.get("plan_checks"),
-                                (recommendation.get("workload") or {}).get("chain"))
+                                (recommendation.get("workload") or {}).get("chain"), recommendation.get("eval_limits"))
         return _Recommended(recommendation)
     raise UsageError(f"cannot apply a {type(recommendation).__name__}: pass a Report, its recommendation or its JSON dict")
 
@@ -237,6 +244,9 @@ def apply(model: nn.Module, recommendation: Any, *, device_type: str | None = No
     applied = prepare(model, precision=fields["precision"], plan=plan, chain=chain, guard=guard,
                       device_type=device_type, micro_batch_size=micro,
                       accumulation_steps=int(accumulation.get("accumulation_steps") or 1))
+    row = next((r for r in source.eval_limits or () if (r["precision"], r["segments"]) == (fields["precision"], plan)), {})
+    applied.eval_batch_size = row.get("during_training_max_batch_size")
+    applied.inference_batch_size = row.get("inference_max_batch_size")
     mode = fields.get("compile") or EAGER
     if mode != EAGER:  # measured compiled: train the compiled model, the plan inside it (run.model; same parameters)
         # MODE+static: plain torch.compile, whose graph at a fixed batch size is the static one measured, and which

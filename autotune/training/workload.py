@@ -48,7 +48,7 @@ from autotune.errors import AutotuneError, UsageError, first_line, is_oom
 from autotune.device import on_host
 from autotune.thirdparty import not_found
 
-__all__ = ["Workload", "load_object", "to_device", "move_model", "parse_model_kwargs"]
+__all__ = ["Workload", "load_object", "dataset_of", "to_device", "move_model", "parse_model_kwargs"]
 
 
 def load_object(spec: str, *, flag: str) -> Any:
@@ -120,7 +120,7 @@ class Workload:
             raise UsageError(f"--model {name!r} is a module instance: name its class or a function that builds it")
         if not callable(target):
             raise UsageError(f"--model {name!r} is a {type(target).__name__}, not an nn.Module class or a factory function")
-        dataset, collate_fn, notes = _dataset(data)
+        dataset, collate_fn, notes = dataset_of(data)
         loss_fn = load_object(loss, flag="--loss") if isinstance(loss, str) else loss
         if loss_fn is not None and not callable(loss_fn):
             raise UsageError(f"--loss {loss!r} is not callable: name a function loss(output, target)")
@@ -313,24 +313,24 @@ class Workload:
         return loss
 
 
-def _dataset(data: Any) -> tuple[Dataset | None, Callable[[list], Any] | None, tuple[str, ...]]:
-    """``--data`` (``MODULE:ATTR``, a Dataset or DataLoader, or a factory for one): the map-style dataset, the
-    loader's ``collate_fn`` and what the loader's form means for the limits."""
-    data_obj = load_object(data, flag="--data") if isinstance(data, str) else data
+def dataset_of(data: Any, flag: str = "--data") -> tuple[Dataset | None, Callable[[list], Any] | None, tuple[str, ...]]:
+    """``flag``'s value (``MODULE:ATTR``, a Dataset or DataLoader, or a factory for one): the map-style dataset, the
+    loader's ``collate_fn`` and what the loader's form means for the limits; bad input is one line naming ``flag``."""
+    data_obj = load_object(data, flag=flag) if isinstance(data, str) else data
     if data_obj is None:
         return None, None, ()
-    dataset = data_obj if isinstance(data_obj, (Dataset, DataLoader)) else _call(data_obj, "--data", data)
+    dataset = data_obj if isinstance(data_obj, (Dataset, DataLoader)) else _call(data_obj, flag, data)
     collate_fn, notes = None, ()
     if isinstance(dataset, DataLoader):  # a loader brings its collate_fn (padding, say)
         notes = loader_notes(dataset)
         dataset, collate_fn = dataset.dataset, dataset.collate_fn
     if isinstance(dataset, IterableDataset):
-        raise UsageError(f"--data {data!r} is an IterableDataset: autotune needs a map-style Dataset (with "
+        raise UsageError(f"{flag} {data!r} is an IterableDataset: autotune needs a map-style Dataset (with "
                          f"__getitem__ and __len__) to find the worst batch and draw random ones")
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise UsageError(f"--data {data!r} gave a {type(dataset).__name__}, not a map-style Dataset (with __getitem__ and __len__)")
+        raise UsageError(f"{flag} {data!r} gave a {type(dataset).__name__}, not a map-style Dataset (with __getitem__ and __len__)")
     if len(dataset) == 0:
-        raise UsageError(f"--data {data!r} is an empty dataset")
+        raise UsageError(f"{flag} {data!r} is an empty dataset")
     return dataset, collate_fn, notes
 
 
