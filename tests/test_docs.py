@@ -201,6 +201,24 @@ def test_the_version_follows_the_schema_and_the_docs_list_every_schema_version()
     assert rows == list(range(1, SCHEMA_VERSION + 1))
 
 
+def test_the_report_page_names_the_current_schema_and_the_migrated_reports():
+    """docs/report.md's key list gives the schema autotune writes and the versions it also reads, and its list of
+    migrated reports is the set of files of results/ with a ``migrated`` key."""
+    import json
+
+    from autotune.report import READABLE_VERSIONS, SCHEMA_VERSION
+
+    text = (ROOT / "docs" / "report.md").read_text(encoding="utf-8")
+    written, oldest, newest = re.search(r"`schema_version` \((\d+), .*? also read versions (\d+) to (\d+)", text,
+                                        re.DOTALL).groups()
+    assert (int(written), int(oldest), int(newest)) == (SCHEMA_VERSION, READABLE_VERSIONS[0], SCHEMA_VERSION - 1)
+    paragraph = text[text.index("The reports in `results/` that 0.4 measured"):].split("\n\n", 1)[0]
+    named = set(re.findall(r"`(results/[\w.-]+\.json)`", paragraph))
+    migrated = {f"results/{path.name}" for path in (ROOT / "results").glob("*.json")
+                if isinstance(data := json.loads(path.read_text(encoding="utf-8")), dict) and "migrated" in data}
+    assert migrated and named == migrated
+
+
 # --- the checks themselves can fail --------------------------------------------------------------------------------
 
 
