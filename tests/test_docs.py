@@ -219,6 +219,18 @@ def test_the_report_page_names_the_current_schema_and_the_migrated_reports():
     assert migrated and named == migrated
 
 
+def test_the_usage_page_lists_every_exit_code():
+    """Every exit code the CLI's docstring names (``autotune/__main__.py``: 0, 3, 2, 130, 143, 1) is in
+    docs/usage.md's exit codes."""
+    main = (ROOT / "autotune" / "__main__.py").read_text(encoding="utf-8")
+    said = main.split('"""', 2)[1]
+    codes = set(re.findall(r"\b(\d+) (?:with|when|for)\b", said[said.index("Exit codes:"):]))
+    text = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"`(\d+)` (?:with|when|for)\b", text[text.index("Exit codes:"):].split("\n\n", 1)[0]))
+    assert {"0", "1", "2", "3", "130", "143"} <= codes
+    assert codes <= listed, sorted(codes - listed)
+
+
 # --- the checks themselves can fail --------------------------------------------------------------------------------
 
 
