@@ -1,7 +1,8 @@
 """The docs: every relative link of README.md and docs/ resolves (a ``#anchor`` into a Markdown file to one of its
 headings, by GitHub's rules), the README stays a short front page, its quick start's test command is the one CI
-runs, the flag reference has every flag of ``python -m autotune --help``, and every include block holds its result
-file as it is now (benchmarks/sync_docs.py). Needs no torch."""
+runs, the flag reference has every flag of ``python -m autotune --help``, every include block holds its result
+file as it is now and every figure tagged with its file and key reads as the file says (benchmarks/sync_docs.py).
+Needs no torch."""
 
 from __future__ import annotations
 
