@@ -1,7 +1,8 @@
 """The docs: every relative link of README.md and docs/ resolves (a ``#anchor`` into a Markdown file to one of its
 headings, by GitHub's rules), the README stays a short front page, its quick start's test command is the one CI
-runs, the flag reference has every flag of ``python -m autotune --help``, and every include block holds its result
-file as it is now (benchmarks/sync_docs.py). Needs no torch."""
+runs, the flag reference has every flag of ``python -m autotune --help``, every include block holds its result
+file as it is now and every figure tagged with its file and key reads as the file says (benchmarks/sync_docs.py).
+Needs no torch."""
 
 from __future__ import annotations
 
@@ -201,6 +202,36 @@ def test_the_version_follows_the_schema_and_the_docs_list_every_schema_version()
     assert rows == list(range(1, SCHEMA_VERSION + 1))
 
 
+def test_the_report_page_names_the_current_schema_and_the_migrated_reports():
+    """docs/report.md's key list gives the schema autotune writes and the versions it also reads, and its list of
+    migrated reports is the set of files of results/ with a ``migrated`` key."""
+    import json
+
+    from autotune.report import READABLE_VERSIONS, SCHEMA_VERSION
+
+    text = (ROOT / "docs" / "report.md").read_text(encoding="utf-8")
+    written, oldest, newest = re.search(r"`schema_version` \((\d+), .*? also read versions (\d+) to (\d+)", text,
+                                        re.DOTALL).groups()
+    assert (int(written), int(oldest), int(newest)) == (SCHEMA_VERSION, READABLE_VERSIONS[0], SCHEMA_VERSION - 1)
+    paragraph = text[text.index("The reports in `results/` that 0.4 measured"):].split("\n\n", 1)[0]
+    named = set(re.findall(r"`(results/[\w.-]+\.json)`", paragraph))
+    migrated = {f"results/{path.name}" for path in (ROOT / "results").glob("*.json")
+                if isinstance(data := json.loads(path.read_text(encoding="utf-8")), dict) and "migrated" in data}
+    assert migrated and named == migrated
+
+
+def test_the_usage_page_lists_every_exit_code():
+    """Every exit code the CLI's docstring names (``autotune/__main__.py``: 0, 3, 2, 130, 143, 1) is in
+    docs/usage.md's exit codes."""
+    main = (ROOT / "autotune" / "__main__.py").read_text(encoding="utf-8")
+    said = main.split('"""', 2)[1]
+    codes = set(re.findall(r"\b(\d+) (?:with|when|for)\b", said[said.index("Exit codes:"):]))
+    text = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"`(\d+)` (?:with|when|for)\b", text[text.index("Exit codes:"):].split("\n\n", 1)[0]))
+    assert {"0", "1", "2", "3", "130", "143"} <= codes
+    assert codes <= listed, sorted(codes - listed)
+
+
 # --- the checks themselves can fail --------------------------------------------------------------------------------
 
 
@@ -281,6 +312,59 @@ def test_an_include_block_that_cannot_be_synced_is_an_error(tmp_path, block, err
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "x.md").write_text("x\n", encoding="utf-8")
     (tmp_path / "README.md").write_text("# R\n\n" + block, encoding="utf-8")
+    with pytest.raises(sync.IncludeError, match=re.escape(error)):
+        sync.check(tmp_path)
+    assert sync.main(["--check", "--root", str(tmp_path)]) == 2
+
+
+def test_a_stale_figure_is_named_then_synced(tmp_path):
+    sync = _sync_docs()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "results" / "x.json").write_text(
+        '{"wall_s": 1441.8, "trials": [{"precision": "bf16", "batch_size": 8, "samples_per_s": 73.904},'
+        ' {"precision": "bf16", "batch_size": 16, "samples_per_s": 87.93}], "peak_bytes": 615123456}', encoding="utf-8")
+    (tmp_path / "results" / "y.md").write_text("exit 0 (the machine's load average 0.8 as it started)\n", "utf-8")
+    page = tmp_path / "docs" / "p.md"
+    example = "```\n<!-- figure: results/x.json wall_s -->9.9 in a fence: an example, not a figure\n```\n"
+    page.write_text(example + (
+        "took <!-- figure: results/x.json wall_s -->1,400.0 s (<!-- figure: results/x.json wall_s/60 -->24.5 min),\n"
+        "<!-- figure: results/x.json trials[precision=bf16,batch_size=8].samples_per_s -->78.9 and "
+        "<!-- figure: results/x.json trials[1].samples_per_s -->87.9 samples/s,\n"
+        "<!-- figure: results/x.json peak_bytes/1048576 -->586.63 MiB at a load of "
+        "<!-- figure: results/y.md /load average ([0-9.]+)/ -->5.4.\n"), encoding="utf-8")
+    assert sync.check(tmp_path) == [
+        "docs/p.md:4: the figure 1,400.0 is stale: results/x.json says 1,441.8 (wall_s)",
+        "docs/p.md:4: the figure 24.5 is stale: results/x.json says 24.0 (wall_s/60)",
+        "docs/p.md:5: the figure 78.9 is stale: results/x.json says 73.9 "
+        "(trials[precision=bf16,batch_size=8].samples_per_s)",
+        "docs/p.md:6: the figure 5.4 is stale: results/y.md says 0.8 (/load average ([0-9.]+)/)",
+    ]
+    assert sync.main(["--check", "--root", str(tmp_path)]) == 1
+    assert sync.main(["--root", str(tmp_path)]) == 0
+    assert page.read_text(encoding="utf-8") == example + (
+        "took <!-- figure: results/x.json wall_s -->1,441.8 s (<!-- figure: results/x.json wall_s/60 -->24.0 min),\n"
+        "<!-- figure: results/x.json trials[precision=bf16,batch_size=8].samples_per_s -->73.9 and "
+        "<!-- figure: results/x.json trials[1].samples_per_s -->87.9 samples/s,\n"
+        "<!-- figure: results/x.json peak_bytes/1048576 -->586.63 MiB at a load of "
+        "<!-- figure: results/y.md /load average ([0-9.]+)/ -->0.8.\n")
+    assert sync.check(tmp_path) == []
+
+
+@pytest.mark.parametrize("figure, error", [
+    ("<!-- figure: results/x.json wall_s --> s", "a figure comment without a number right after it"),
+    ("<!-- figure: results/none.json wall_s -->1.0", "quotes results/none.json, which does not exist"),
+    ("<!-- figure: results/x.json wall -->1.0", "x.json: wall: no 'wall' there (KeyError)"),
+    ("<!-- figure: results/x.json trials[precision=bf16].samples_per_s -->1.0", "2 items have precision=bf16"),
+    ("<!-- figure: results/x.json trials[0].precision -->1.0", "trials[0].precision is 'bf16', not a number"),
+    ("<!-- figure: results/x.json /load ([0-9]+)/ -->1.0", "nothing matches /load ([0-9]+)/"),
+])
+def test_a_figure_that_cannot_be_read_is_an_error(tmp_path, figure, error):
+    sync = _sync_docs()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "x.json").write_text(
+        '{"wall_s": 1.0, "trials": [{"precision": "bf16"}, {"precision": "bf16"}]}', encoding="utf-8")
+    (tmp_path / "README.md").write_text(f"# R\n\nfigure: {figure}\n", encoding="utf-8")
     with pytest.raises(sync.IncludeError, match=re.escape(error)):
         sync.check(tmp_path)
     assert sync.main(["--check", "--root", str(tmp_path)]) == 2

@@ -11,6 +11,7 @@ import weakref
 
 import optuna
 import pytest
+import sqlalchemy.exc
 import torch
 
 import autotune
@@ -58,16 +59,45 @@ def measured_trials(storage, study):
     return [t for t in trials if "measurement" in t.user_attrs]
 
 
+# What reading a SQLite store may meet while the search that writes it starts: its tables being made, or the file
+# locked by the writer (sqlite3's messages). Any other error is the store's own and ends the wait with it.
+_BUSY = ("database is locked", "no such table", "already exists", "UNIQUE constraint failed")
+
+
 def wait_for_trials(storage, study, n, timeout=120):
+    """Wait until ``n`` trials of ``study`` in the SQLite ``storage`` hold a measurement. Until the search has made
+    the file and the study, and while it holds the file locked, wait on; a store that fails otherwise (not a
+    database, a folder that does not exist) raises its own error at once."""
+    path = storage[len("sqlite:///"):] if storage.startswith("sqlite:///") else None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            if len(measured_trials(storage, study)) >= n:
-                return
-        except Exception:  # the study may not exist yet
-            pass
+        if path is None or os.path.exists(path):  # not made yet: reading would make it, racing the search
+            try:
+                if len(measured_trials(storage, study)) >= n:
+                    return
+            except KeyError:  # optuna.load_study: no study of that name yet
+                pass
+            except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError) as exc:
+                if not any(busy in str(exc) for busy in _BUSY):
+                    raise
         time.sleep(0.2)
     raise AssertionError(f"fewer than {n} trials finished in {timeout} s")
+
+
+def test_waiting_for_trials_fails_at_once_on_a_broken_store_and_waits_on_a_missing_study(tmp_path):
+    broken = tmp_path / "broken.db"
+    broken.write_bytes(b"not a database " * 512)
+    with pytest.raises(sqlalchemy.exc.DatabaseError, match="file is not a database"):  # its own error, not the wait's
+        wait_for_trials(f"sqlite:///{broken}", "s", 1, timeout=60)
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="unable to open database file"):
+        wait_for_trials(f"sqlite:///{tmp_path}", "s", 1, timeout=60)  # a folder, not a file
+    empty = f"sqlite:///{tmp_path}/empty.db"
+    optuna.create_study(study_name="other", storage=empty)
+    with pytest.raises(AssertionError, match="fewer than 1 trials finished in 0.5 s"):
+        wait_for_trials(empty, "s", 1, timeout=0.5)  # no such study yet: waited on until the time-out
+    with pytest.raises(AssertionError, match="fewer than 1 trials finished in 0.5 s"):
+        wait_for_trials(f"sqlite:///{tmp_path}/not-yet.db", "s", 1, timeout=0.5)
+    assert not (tmp_path / "not-yet.db").exists()  # the wait made no file the search would race to make
 
 
 # A slow enough search to be caught mid-way: 16 trials of ~0.3 s each; under the budget of 320,000 bytes
