@@ -3,6 +3,7 @@
     python benchmarks/published.py                   # every row; writes results/published-cpu.{json,md}
     python benchmarks/published.py --check           # each row's arguments parsed by autotune's parser; nothing run
     python benchmarks/published.py --only ID[,ID]    # those rows (the files then hold only them)
+    python benchmarks/published.py --only ID --merge # those rows again, every other row's result kept from the files
     python benchmarks/published.py --rows FILE       # rows from a JSON list instead (the fields of :class:`Row`)
 
 A row is data (:data:`ROWS`): where the figure was published, the configuration measured, which statistic it is
@@ -12,8 +13,9 @@ expressible row runs ``python -m autotune ARGS --dry-run`` in a process that see
 the report's trial and writes ``predicted / published - 1`` as its error. Every row's arguments are parsed by
 autotune's own parser before anything runs: a row naming an option that does not exist is one line and exit 2.
 
-The models the rows name are in ``benchmarks/published_models.py``. About 5 minutes on 2 cores (the two Llama 3 8B
-rows take most of it: their processes stay under 1 GiB).
+The rows are in ``benchmarks/published_rows.py``, the models they name in ``benchmarks/published_models.py`` and
+``benchmarks/litgpt_models.py``. About 10 minutes on 2 cores (the Llama 3 8B and Llama 2 7B rows take most of it:
+their processes stay under 1 GiB).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import dataclasses
 import json
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -35,190 +36,17 @@ sys.path.insert(0, ROOT)
 from autotune.cli.parser import build_parser, options_from  # noqa: E402 - after the repository root is importable
 from autotune.errors import AutotuneError  # noqa: E402
 from autotune.units import format_bytes  # noqa: E402
+from autotune.vocabulary import Status  # noqa: E402
+
+from benchmarks.published_rows import ROWS, STATISTICS, UNITS, Row, Statistic  # noqa: E402,F401 - the table's
 
 COMMAND = "python benchmarks/published.py"
-UNITS = {"GiB": 1 << 30, "MiB": 1 << 20}
-
-
-@dataclasses.dataclass(frozen=True)
-class Statistic:
-    """A published statistic: what its publisher read, and the trial field of a dry run's report that predicts it."""
-
-    says: str
-    field: str  # a trial's field in the report
-    kind: str = "bytes"  # the row's keys: published_<kind>, predicted_<kind> (a later "per_s" for throughput rows)
-
-
-STATISTICS = {
-    "max_memory_reserved": Statistic("torch.cuda's peak reserved bytes (the caching allocator's segments)",
-                                     "peak_reserved_bytes"),
-    "max_memory_allocated": Statistic("torch.cuda's peak allocated bytes (tensors, rounded to 512 bytes)",
-                                      "peak_allocated_bytes"),
-    "NVML used": Statistic("NVML's used device memory: what the caching allocator reserved and the CUDA context",
-                           "peak_nvml_bytes"),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One published figure and the configuration it was measured in."""
-
-    id: str
-    source: str  # where it was published (a URL, and the file of its repository)
-    where: str  # which table or section of the source
-    config: str  # the configuration, in words
-    statistic: str  # a key of STATISTICS
-    published: float  # the figure as printed, in ``unit``
-    unit: str  # a key of UNITS
-    args: tuple[str, ...] | None = None  # autotune's arguments that express it (without --dry-run and --out)
-    why_not: str | None = None  # why no arguments express it
-    note: str = ""  # what the prediction does not model, or how the figure was read
-
-    @property
-    def published_bytes(self) -> int:
-        return round(self.published * UNITS[self.unit])
-
-    @property
-    def command(self) -> str | None:
-        return None if self.args is None else shlex.join(["python", "-m", "autotune", *self.args, "--dry-run"])
 
 
 class RowError(Exception):
     """A row that cannot be run as written: one line, exit 2."""
 
 
-# -- the rows ---------------------------------------------------------------------------------------------------------
-
-TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/820504e20d1149fbf0b98c567af24c4b0433b22d/benchmarks/"
-              "llama3_h100_202412_torchtitan.md (runs of December 2024: torchtitan 9dec370, torch 1963fc8)")
-TT_SETUP = ("Llama 3.1 8B (torchtitan's model: dim 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocab 128256) "
-            "on H100s (96 GB HBM2e), FSDP2 with bf16 parameters and fp32 reduction")
-TT_ADAMW = {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1, "foreach": True}
-
-
-def _torchtitan_args(world_size: int) -> tuple[str, ...]:
-    return ("--model", "benchmarks.published_models:llama3_torchtitan", "--step",
-            "benchmarks.published_models:torchtitan_step", "--device", "cuda", "--cuda-capability", "9.0", "--budget",
-            "95GiB", "--precisions", "bf16-fsdp", "--segments", "sac-torchtitan", "--batch-sizes", "2", "--optimizer",
-            "torch.optim:AdamW", "--optimizer-kwargs", json.dumps(TT_ADAMW), "--clip-grad-norm", "1.0", "--parallel",
-            "fsdp", "--world-size", str(world_size))
-
-
-TT_NOTE = ("not modelled: torchtitan keeps the last block gathered from its forward to its backward "
-           "(reshard_after_forward=False), autotune reshards every block; the prediction runs this torch's FSDP2, not "
-           "December 2024's")
-NO_COMPILE = "torch.compile: a dry run does not predict compiled training (--compile with --dry-run exits 2)"
-NO_FLOAT8 = "Float8 linear layers (torchao): autotune has no float8 training precision"
-NO_CP = "context parallelism: autotune's --parallel has ddp and fsdp, no context parallelism"
-NO_TP = "tensor parallelism (and AsyncTP): autotune's --parallel has ddp and fsdp only"
-NO_PP = "pipeline parallelism: autotune's --parallel has ddp and fsdp only"
-
-
-def _tt(id: str, where: str, config: str, gib: float, *, world_size: int | None = None,
-        why_not: str | None = None) -> Row:
-    expressed = why_not is None
-    return Row(id, TORCHTITAN, where, config, "max_memory_reserved", gib, "GiB",
-               args=_torchtitan_args(world_size) if expressed else None, why_not=why_not,
-               note=TT_NOTE if expressed else "")
-
-
-def _torchtitan_rows() -> list[Row]:
-    t1 = (f"{TT_SETUP}, 8 GPUs, local batch 2 of 8192 tokens, selective per-op activation checkpointing, AdamW "
-          f"(foreach), gradient clipping at 1.0, cross-entropy on float32 logits")
-    t3 = t1.replace("8 GPUs", "128 GPUs")
-    t2 = "Llama 3.1 8B, FSDP + CP + torch.compile + Float8, 8 GPUs, local batch 1, full activation checkpointing"
-    t6 = ("Llama 3.1 405B, 4D (FSDP + TP 8 + PP 8 + CP) + torch.compile + Float8 + AsyncTP + 1F1B, 512 GPUs, "
-          "local batch 8")
-    rows = [_tt("torchtitan-8b-fsdp-8", "Table 1, FSDP", t1, 82.4, world_size=8),
-            _tt("torchtitan-8b-fsdp-compile-8", "Table 1, FSDP + torch.compile", t1 + ", torch.compile", 77.0,
-                why_not=NO_COMPILE),
-            _tt("torchtitan-8b-fsdp-compile-float8-8", "Table 1, FSDP + torch.compile + Float8",
-                t1 + ", torch.compile, Float8", 76.8, why_not=f"{NO_COMPILE}; {NO_FLOAT8}")]
-    for fsdp, cp, seq, gib in ((8, 1, 32768, 83.9), (4, 2, 65536, 84.2), (2, 4, 131072, 84.0), (1, 8, 262144, 84.5)):
-        rows.append(_tt(f"torchtitan-8b-fsdp{fsdp}-cp{cp}", f"Table 2, FSDP {fsdp}, CP {cp}",
-                        f"{t2}, FSDP {fsdp} x CP {cp}, {seq} tokens", gib,
-                        why_not=f"{NO_COMPILE}; {NO_FLOAT8}" + (f"; {NO_CP}" if cp > 1 else "")))
-    rows += [_tt("torchtitan-8b-fsdp-128", "Table 3, FSDP", t3, 67.0, world_size=128),
-             _tt("torchtitan-8b-fsdp-compile-128", "Table 3, FSDP + torch.compile", t3 + ", torch.compile", 62.0,
-                 why_not=NO_COMPILE),
-             _tt("torchtitan-8b-fsdp-compile-float8-128", "Table 3, FSDP + torch.compile + Float8",
-                 t3 + ", torch.compile, Float8", 61.8, why_not=f"{NO_COMPILE}; {NO_FLOAT8}")]
-    t4 = ("Llama 3.1 70B, FSDP 32 x TP 8 + torch.compile + Float8, 256 GPUs, local batch 16, full activation "
-          "checkpointing")
-    t5 = "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8 + torch.compile + Float8 + AsyncTP, 512 GPUs, local batch 32"
-    rows += [_tt("torchtitan-70b-2d", "Table 4, 2D", t4, 71.9, why_not=f"{NO_TP}; {NO_COMPILE}; {NO_FLOAT8}"),
-             _tt("torchtitan-70b-2d-asynctp", "Table 4, 2D + AsyncTP", t4 + ", AsyncTP", 67.6,
-                 why_not=f"{NO_TP}; {NO_COMPILE}; {NO_FLOAT8}"),
-             _tt("torchtitan-405b-3d-1f1b", "Table 5, 1F1B", t5 + ", 1F1B", 82.5,
-                 why_not=f"{NO_PP}; {NO_TP}; {NO_COMPILE}; {NO_FLOAT8}"),
-             _tt("torchtitan-405b-3d-interleaved", "Table 5, Interleaved 1F1B", t5 + ", interleaved 1F1B", 72.7,
-                 why_not=f"{NO_PP}; {NO_TP}; {NO_COMPILE}; {NO_FLOAT8}")]
-    for fsdp, cp, seq, gib in ((8, 1, 32768, 75.3), (4, 2, 65536, 75.9), (2, 4, 131072, 77.1), (1, 8, 262144, 84.9)):
-        rows.append(_tt(f"torchtitan-405b-4d-fsdp{fsdp}-cp{cp}", f"Table 6, FSDP {fsdp}, CP {cp}",
-                        f"{t6}, FSDP {fsdp} x CP {cp}, {seq} tokens", gib,
-                        why_not=f"{NO_PP}; {NO_TP}; " + (f"{NO_CP}; " if cp > 1 else "")
-                        + f"{NO_COMPILE}; {NO_FLOAT8}"))
-    return rows
-
-
-HUGGING_FACE = ("https://huggingface.co/docs/transformers/v4.27.2/en/perf_train_gpu_one (huggingface/transformers "
-                "docs/source/en/perf_train_gpu_one.mdx; measured in January 2022 on a V100-SXM2 16 GB)")
-HF_SETUP = ("bert-large-uncased, AutoModelForSequenceClassification, 512 random token ids and a label per sample, "
-            "the Trainer (transformers 4.16, torch 1.10) on a V100 16 GB (compute capability 7.0), its CUDA context "
-            "1343 MiB as the page measured it")
-HF_ARGS = ("--model", "benchmarks.published_models:bert_classifier", "--model-kwargs", '{"attention": "2022"}',
-           "--step", "benchmarks.published_models:zeroed_grads_step", "--device", "cuda", "--cuda-capability", "7.0",
-           "--cuda-context", "1343MiB", "--budget", "16160MiB", "--clip-grad-norm", "1.0")
-ADAMW_HF = ("--optimizer", "torch.optim:AdamW", "--optimizer-kwargs",
-            '{"lr": 5e-05, "betas": [0.9, 0.999], "eps": 1e-08, "weight_decay": 0.0, "foreach": false}')
-ADAFACTOR = ("--optimizer", "transformers.optimization:Adafactor", "--optimizer-kwargs",
-             '{"lr": 5e-05, "scale_parameter": false, "relative_step": false, "warmup_init": false}')
-HF_NOTE = ("the Trainer of 2022 under torch 1.x, expressed: --step zeroed_grads_step holds every gradient through the "
-           "next step (torch 1.x's zero_grad set them to zero, not None); --model-kwargs attention 2022 is BERT's "
-           "attention of transformers 4.16 under torch 1.10 (the float32 extended mask added to the scores, a softmax "
-           "that keeps its input for backward); the Trainer's max_grad_norm 1.0 is --clip-grad-norm 1.0. MB on the "
-           "page is MiB (NVML's used bytes // 1024**2)")
-ADAMW_NOTE = ("; adamw_hf, transformers' own AdamW of then (gone from transformers 5), stepped parameter by parameter: "
-              "torch's AdamW with foreach false")
-NO_BNB = ("bitsandbytes' Adam8bit (passed to the Trainer as its optimizer): bitsandbytes is not installed here and its "
-          "8-bit optimizers run CUDA kernels; autotune builds the optimizer to plan its state")
-
-
-def _hf(id: str, where: str, config: str, mib: float, *args: str, why_not: str | None = None) -> Row:
-    expressed = why_not is None
-    note = HF_NOTE + (ADAMW_NOTE if "torch.optim:AdamW" in args else "") if expressed else ""
-    return Row(id, HUGGING_FACE, where, f"{HF_SETUP}; {config}", "NVML used", mib, "MiB",
-               args=(*HF_ARGS, *args) if expressed else None, why_not=why_not, note=note)
-
-
-def _hugging_face_rows() -> list[Row]:
-    one = ("--batch-sizes", "1", "--target-batch-size", "4")
-    return [
-        _hf("hf-bert-load", "Load Model", "the weights loaded, no training step", 2631,
-            why_not="the weights alone, before any training step: autotune predicts training steps"),
-        _hf("hf-bert-b4", "Vanilla Training", "batch 4, fp32, AdamW (adamw_hf)", 14949, *ADAMW_HF, "--precisions",
-            "fp32", "--segments", "0", "--batch-sizes", "4"),
-        _hf("hf-bert-b1-ga4", "Gradient Accumulation", "batch 1, gradient_accumulation_steps 4, fp32, AdamW", 8681,
-            *ADAMW_HF, "--precisions", "fp32", "--segments", "0", *one),
-        _hf("hf-bert-b1-ga4-gc", "Gradient Checkpointing", "batch 1, accumulation 4, gradient checkpointing, fp32, "
-            "AdamW", 6775, *ADAMW_HF, "--precisions", "fp32", "--segments", "all", *one),
-        _hf("hf-bert-b4-fp16", "FP16 Training", "batch 4, fp16, AdamW", 13939, *ADAMW_HF, "--precisions", "fp16",
-            "--segments", "0", "--batch-sizes", "4"),
-        _hf("hf-bert-b1-ga4-gc-fp16", "FP16 Training", "batch 1, accumulation 4, gradient checkpointing, fp16, AdamW",
-            7275, *ADAMW_HF, "--precisions", "fp16", "--segments", "all", *one),
-        _hf("hf-bert-b4-adafactor", "Adafactor", "batch 4, fp32, Adafactor (optim adafactor)", 12295, *ADAFACTOR,
-            "--precisions", "fp32", "--segments", "0", "--batch-sizes", "4"),
-        _hf("hf-bert-b1-ga4-gc-fp16-adafactor", "Adafactor", "batch 1, accumulation 4, gradient checkpointing, fp16, "
-            "Adafactor", 4847, *ADAFACTOR, "--precisions", "fp16", "--segments", "all", *one),
-        _hf("hf-bert-b4-adam8bit", "8-bit Adam", "batch 4, fp32, 8-bit Adam (bitsandbytes)", 13085, why_not=NO_BNB),
-        _hf("hf-bert-b1-ga4-gc-fp16-adam8bit", "8-bit Adam", "batch 1, accumulation 4, gradient checkpointing, fp16, "
-            "8-bit Adam (bitsandbytes)", 5363, why_not=NO_BNB),
-        _hf("hf-bert-accelerate-adam8bit", "Using Accelerate", "the same in an Accelerate loop: batch 1, "
-            "accumulation 4, gradient checkpointing, fp16, 8-bit Adam (bitsandbytes)", 5363, why_not=NO_BNB),
-    ]
-
-
-ROWS: tuple[Row, ...] = (*_torchtitan_rows(), *_hugging_face_rows())
 CLI_ADDS = ("--dry-run", "--out", "--quiet")  # what this script adds to each row's arguments
 
 
@@ -237,6 +65,8 @@ def check(rows: tuple[Row, ...]) -> None:
             raise RowError(f"row {row.id}: statistic {row.statistic!r} is not one of {', '.join(STATISTICS)}")
         if row.unit not in UNITS:
             raise RowError(f"row {row.id}: unit {row.unit!r} is not one of {', '.join(UNITS)}")
+        if (row.published is None) != row.ran_out or (row.ran_out and row.args is None):
+            raise RowError(f"row {row.id}: a figure, or ran_out (the source's OOM) with the arguments that predict it")
         if (row.args is None) == (row.why_not is None):
             raise RowError(f"row {row.id}: give either the arguments that express it or why none can, not "
                            f"{'both' if row.args is not None else 'neither'}")
@@ -286,10 +116,12 @@ def result(row: Row, predicted: dict[str, Any] | None) -> dict[str, Any]:
     published = row.published_bytes
     return {"source": row.source, "config": row.config, "statistic": row.statistic,
             f"published_{statistic.kind}": published, f"predicted_{statistic.kind}": value,
-            "error": None if value is None else round(value / published - 1, 4), "command": row.command,
-            "id": row.id, "where": row.where, "published": f"{row.published:g} {row.unit}", "unit": row.unit,
+            "error": None if value is None or published is None else round(value / published - 1, 4),
+            "command": row.command, "id": row.id, "where": row.where,
+            "published": "OOM" if row.ran_out else f"{row.published:g} {row.unit}", "unit": row.unit,
             "statistic_says": statistic.says, "expressed": row.args is not None, "why_not": row.why_not,
-            "note": row.note, "status": trial["status"] if trial else None,
+            "note": row.note, "published_status": Status.OOM if row.ran_out else Status.OK,
+            "status": trial["status"] if trial else None,  # the prediction's: ok, or oom past the budget
             "predicted_s": predicted["seconds"] if predicted else None}
 
 
@@ -307,6 +139,23 @@ def _figure(value: int | None, unit: str) -> str:
     return f"{value / UNITS[unit]:,.{0 if unit == 'MiB' else 2}f} {unit} ({value:,} B)"
 
 
+def _predicted(r: dict[str, Any]) -> str:
+    """The predicted column: the figure, or the prediction's out of memory where it ran past the budget."""
+    if not r["expressed"]:
+        return "not expressed"
+    figure = _figure(r["predicted_bytes"], r["unit"])
+    return f"OOM (needs {figure})" if r["status"] == Status.OOM else figure
+
+
+def _outcomes(rows: list[dict[str, Any]]) -> str:
+    """``, and the N that ran out of memory are predicted to (M of them)`` for the rows published as OOM."""
+    oom = [r for r in rows if r.get("published_status") == Status.OOM and r["expressed"]]
+    if not oom:
+        return ""
+    agree = sum(r["status"] == Status.OOM for r in oom)
+    return f"; of the {len(oom)} that ran out of memory, {agree} {'is' if agree == 1 else 'are'} predicted to"
+
+
 def markdown(data: dict[str, Any]) -> str:
     """Return the Markdown file, generated from the JSON's rows."""
     rows = data["rows"]
@@ -317,13 +166,15 @@ def markdown(data: dict[str, Any]) -> str:
              f"Command: `{data['command']}`. Each row a project published; the ones autotune's options express are "
              "predicted by `python -m autotune ... --dry-run` in a process that sees no GPU: predictions, not "
              f"measurements. {len(rows)} rows, {len(expressed)} expressed"
-             + (f", each within {worst * 100:.1f}% of the published figure." if worst is not None else "."), "",
+             + (f", each figure within {worst * 100:.1f}% of the published one" if worst is not None else "")
+             + _outcomes(rows) + ".", "",
              "| row | source | statistic | published | predicted | error |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         url = r["source"].split(" ")[0]
-        predicted = _figure(r["predicted_bytes"], r["unit"]) if r["expressed"] else "not expressed"
-        lines.append(f"| {r['id']} | [{r['where']}]({url}) | {r['statistic']} | {r['published']} | {predicted} | "
-                     f"{_percent(r['error'])} |")
+        error = _percent(r["error"]) if r.get("published_status") != Status.OOM or not r["expressed"] else (
+            "agrees" if r["status"] == Status.OOM else "disagrees")
+        lines.append(f"| {r['id']} | [{r['where']}]({url}) | {r['statistic']} | {r['published']} | {_predicted(r)} | "
+                     f"{error} |")
     lines += ["", "Statistics: " + "; ".join(f"**{name}**, {s.says}" for name, s in STATISTICS.items()
                                              if any(r["statistic"] == name for r in rows)) + ".", ""]
     for source in dict.fromkeys(r["source"] for r in rows):
@@ -359,16 +210,37 @@ def _rows_from(path: str) -> tuple[Row, ...]:
     return tuple(rows)
 
 
-def run(rows: tuple[Row, ...], out_dir: str, reports: str | None) -> dict[str, Any]:
-    """Predict every expressible row (identical arguments once), write the JSON and the Markdown; return the data."""
+def _kept(rows: tuple[Row, ...], wanted: set[str], out_dir: str) -> dict[str, dict[str, Any]]:
+    """``--merge``: the results of the rows not in ``wanted``, read from the file in ``out_dir``, by id; a row the file
+    lacks is one line (run it with ``--only``)."""
+    path = os.path.join(out_dir, "published-cpu.json")
+    try:
+        with open(path) as f:
+            kept = {r["id"]: r for r in json.load(f)["rows"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RowError(f"--merge: cannot read the rows of {path}: {exc}") from None
+    absent = [r.id for r in rows if r.id not in wanted and r.id not in kept]
+    if absent:
+        raise RowError(f"--merge: {path} has no row {absent[0]}: add it to --only")
+    return {r.id: kept[r.id] for r in rows if r.id not in wanted}
+
+
+def run(rows: tuple[Row, ...], out_dir: str, reports: str | None,
+        kept: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Predict every expressible row (identical arguments once) but those ``kept`` (their results as the file had
+    them), write the JSON and the Markdown; return the data."""
     import torch
 
     done: dict[tuple[str, ...], dict[str, Any]] = {}
+    kept = kept or {}
     with tempfile.TemporaryDirectory() as scratch:
         folder = reports or scratch
         os.makedirs(folder, exist_ok=True)
         results = []
         for row in rows:
+            if row.id in kept:  # in this version's keys (a file written before a key was added lacks it)
+                results.append({**result(row, None), **kept[row.id]})
+                continue
             if row.args is not None and row.args not in done:
                 done[row.args] = predict(row, folder)
             results.append(result(row, done.get(row.args) if row.args is not None else None))
@@ -392,19 +264,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", help="a JSON list of rows to run instead of the table's")
     parser.add_argument("--only", help="comma-separated row ids")
     parser.add_argument("--check", action="store_true", help="parse every row's arguments; run nothing")
+    parser.add_argument("--merge", action="store_true", help="with --only: keep every other row's result from the "
+                        "files in --out, and write them all")
     parser.add_argument("--reports", help="keep each row's dry-run report in this folder")
     args = parser.parse_args(argv)
     try:
         rows = _rows_from(args.rows) if args.rows else ROWS
+        kept = None
+        if args.merge and not args.only:
+            raise RowError("--merge keeps the rows --only does not name: give --only")
         if args.only:
             wanted = args.only.split(",")
             missing = [i for i in wanted if i not in {r.id for r in rows}]
             if missing:
                 raise RowError(f"--only: no row {missing[0]}")
-            rows = tuple(r for r in rows if r.id in wanted)
-        check(rows)
+            kept = _kept(rows, set(wanted), args.out) if args.merge else None
+            rows = rows if args.merge else tuple(r for r in rows if r.id in wanted)
+        check(tuple(r for r in rows if kept is None or r.id not in kept))
         if not args.check:
-            run(rows, args.out, args.reports)
+            run(rows, args.out, args.reports, kept)
     except RowError as exc:
         print(f"published.py: {exc}", file=sys.stderr)
         return 2

@@ -478,3 +478,20 @@ class BatchNormDropout(nn.Module):
 
     def example_batch(self, batch_size):
         return torch.randn(batch_size, 8)
+
+
+class FrozenWide(nn.Module):
+    """A wide frozen linear layer and a small trained head: its weights, not its steps, hold most of its memory (an
+    adapter's shape: what a bf16-true prediction's build would count twice)."""
+
+    def __init__(self, width: int = 1024) -> None:
+        super().__init__()
+        self.body = nn.Linear(width, width)
+        self.body.requires_grad_(False)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)).square().mean()
+
+    def example_batch(self, batch_size: int) -> torch.Tensor:
+        return torch.randn(batch_size, self.body.in_features)

@@ -244,3 +244,20 @@ def test_the_planned_gpu_is_described_by_its_capability_and_context(no_gpu, tmp_
     assert trial.peak_nvml_bytes == trial.peak_reserved_bytes + 1343 * MiB
     assert "7.0" in report.environment["device_name"]
     assert not any("assumed: --cuda" in n for n in report.notices)
+
+
+def test_a_cuda_plan_counts_the_weights_from_their_move_not_the_hosts_build(no_gpu):
+    """A GPU's trial builds the model in host memory and casts it there: the device holds bf16-true's weights in bf16
+    only. On the CPU both are one memory (the float32 build counts); a CUDA plan made here counts what the move
+    would put on the GPU."""
+    workload = Workload.from_specs("tests.models:FrozenWide")
+    weights = sum(p.numel() for p in workload.build_model().parameters())  # float32 at build, 1,050,625 of them
+    rules = CudaRules.for_this_machine()
+    workspaces = 2 * cublas_workspace_bytes(*rules.capability)
+    true, fp32 = Config("bf16-true", "0", 4), Config("fp32", "0", 4)
+    on_gpu = predict_trial(workload, true, cuda=rules).peak_allocated_bytes - workspaces
+    assert 2 * weights <= on_gpu < 2 * weights * 1.05  # the bf16 weights, a small step's tensors beside them
+    assert predict_trial(workload, true).peak_bytes >= 4 * weights  # the CPU's: the float32 build counts there
+    assert predict_trial(workload, fp32, cuda=rules).peak_allocated_bytes - workspaces >= 4 * weights
+
+

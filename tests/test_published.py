@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from benchmarks import published
+from benchmarks.litgpt_models import litgpt_lora, litgpt_step
 from benchmarks.published_models import bert_classifier, llama3_torchtitan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,3 +119,57 @@ def test_berts_attention_of_2022_computes_eager_attention_and_keeps_the_softmax_
             model(**batch).loss
         scores[name] = saved.count(torch.Size([3, 4, 16, 16]))
     assert scores == {"eager": 2, "2022": 4}  # a layer's softmax output; in 2022 its input too
+
+def test_litgpts_lora_models_train_the_parameters_its_resource_table_counts():
+    counts = {}
+    for name, trained in (("phi-1_5", 1_572_864), ("stablelm-base-alpha-3b", 2_097_152), ("Llama-2-7b-hf", 4_194_304)):
+        with torch.device("meta"):
+            model = litgpt_lora(name)
+        counts[name] = sum(p.numel() for p in model.parameters() if p.requires_grad), trained
+    assert all(ours == table for ours, table in counts.values()), counts
+    with torch.device("meta"):
+        llama = litgpt_lora("Llama-2-7b-hf")
+    assert sum(p.numel() for p in llama.parameters() if not p.requires_grad) == 6_738_415_616  # Llama 2 7B
+
+
+def test_litgpts_lora_updates_the_query_and_value_only_and_its_step_holds_the_float32_logits():
+    torch.manual_seed(0)
+    model = litgpt_lora("Llama-2-7b-hf", seq=300, n_layer=1, n_embd=64, n_head=4, intermediate_size=96,
+                        padded_vocab_size=100, dropout=0.0)
+    qkv = model.transformer.h[0].attn.attn
+    torch.nn.init.normal_(qkv.lora_B)
+    x = torch.randn(2, 5, 64)
+    update = qkv(x) - qkv.linear(x)
+    assert update[..., :64].abs().min() > 0 and update[..., 64:128].abs().max() == 0 and update[..., 128:].abs().min() > 0
+    loss = litgpt_step(model, model.example_batch(2))
+    held = model._litgpt_logits  # the script's logits, alive through its backward
+    assert [c.shape[1] for c in held] == [128, 128, 43] and all(c.dtype == torch.float32 for c in held)
+    loss.backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == {
+        "transformer.h.0.attn.attn.lora_A", "transformer.h.0.attn.attn.lora_B"}
+
+
+def test_a_row_that_ran_out_is_predicted_out_of_memory_and_merge_keeps_the_other_rows(tmp_path):
+    args = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", json.dumps(TINY), "--device", "cuda",
+            "--budget", "{}", "--precisions", "fp32", "--segments", "0", "--batch-sizes", "4"]
+    small = [a.replace("{}", "1GiB") for a in args]
+    tiny = [a.replace("{}", "1MiB") for a in args]
+    rows = [_row("fits", small), _row("ran-out", tiny, published=None, ran_out=True)]
+    done = _run(tmp_path, rows)
+    assert done.returncode == 0, done.stderr
+    fits, ran_out = json.loads((tmp_path / "out" / "published-cpu.json").read_text())["rows"]
+    assert ran_out["published_status"] == ran_out["status"] == "oom" and ran_out["error"] is None
+    assert fits["published_status"] == fits["status"] == "ok"
+    md = (tmp_path / "out" / "published-cpu.md").read_text()
+    assert "| OOM | OOM (needs " in md and "| agrees |" in md and "1 is predicted to" in md
+    edited = [{**rows[0], "config": "changed"}, rows[1]]  # rerun one row; the other's result is the file's
+    done = _run(tmp_path, edited, "--only", "fits", "--merge")
+    assert done.returncode == 0, done.stderr
+    again = json.loads((tmp_path / "out" / "published-cpu.json").read_text())["rows"]
+    assert [r["id"] for r in again] == ["fits", "ran-out"] and again[0]["config"] == "changed"
+    assert again[1] == ran_out
+    for extra, says in ((["--merge"], "give --only"), (["--only", "fits", "--merge", "--out", str(tmp_path)],
+                                                        "cannot read")):
+        done = _run(tmp_path, rows, *extra)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert _run(tmp_path, [_row("r", None, published=None, ran_out=True, why_not="x")]).returncode == 2

@@ -35,9 +35,9 @@ __all__ = ["run_eval", "predict_eval", "EvalWork"]
 
 
 def _evaluation(workload: Workload, config: Config, device: torch.device, settings: TrialSettings,
-                cls: type = Evaluation) -> Evaluation:
+                cls: type = Evaluation, *, host_apart: bool | None = None) -> Evaluation:
     return cls(workload, config, device, lr=settings.lr, seed=settings.seed, guard=settings.guard,
-               host_budget_bytes=settings.host_budget_bytes)
+               host_budget_bytes=settings.host_budget_bytes, host_apart=host_apart)
 
 
 def _result(config: Config, status: Status, error: str | None, reading: Any, plan: dict, started: float) -> Measurement:
@@ -94,7 +94,8 @@ def predict_eval(workload: Workload, config: Config, kind: EvalKind, *, device: 
     ``cuda`` as for :func:`~autotune.execution.predict.predict_trial`."""
     device = torch.device(device) if cuda is None else cuda.here
     started = time.monotonic()
-    run = _evaluation(workload.unwarmed(), config, device, settings, _PredictedEvaluation)
+    run = _evaluation(workload.unwarmed(), config, device, settings, _PredictedEvaluation,
+                      host_apart=cuda is not None)
     status, error, handle = Status.OK, None, None
     try:
         meter = TensorMeter(device, trace=cuda is not None)

@@ -299,7 +299,7 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     """
     device = torch.device(device) if cuda is None else cuda.here
     started = time.monotonic()
-    run = _Predicted(workload.unwarmed(), config, device, settings, parallel)
+    run = _Predicted(workload.unwarmed(), config, device, settings, parallel, host_apart=cuda is not None)
     status, error, handle = Status.OK, None, None
     try:
         meter = TensorMeter(device, budget_bytes=budget_bytes, trace=cuda is not None)

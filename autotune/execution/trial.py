@@ -40,9 +40,9 @@ class _Run(Trainer):
     """A trial: the trainer, its worst batch (memory) and its random batches (timed steps)."""
 
     def __init__(self, workload: Workload, config: Config, device: torch.device, settings: TrialSettings,
-                 parallel: "Wrapping | None" = None) -> None:
+                 parallel: "Wrapping | None" = None, *, host_apart: bool | None = None) -> None:
         super().__init__(workload, config, device, lr=settings.lr, seed=settings.seed, guard=settings.guard,
-                         parallel=parallel, host_budget_bytes=settings.host_budget_bytes)
+                         parallel=parallel, host_budget_bytes=settings.host_budget_bytes, host_apart=host_apart)
         self.settings = settings
         self.step_times: list[float] = []
         self.tokens: list[int | None] = []  # real tokens of each timed step's batch

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._subclasses.fake_tensor import is_fake  # private, and in every torch autotune supports
 
-from autotune.device import Backend, autocast_type, backend_for
+from autotune.device import Backend, autocast_type, backend_for, host_memory_apart
 from autotune.errors import UsageError
+from autotune.meters.tensor import enter_device, meter_aside
 from autotune.training.host_state import HostState, OnHost, built_on_host, wrap_bytes
 from autotune.plans.offload import offloader_of
 from autotune.records import Config, GuardRails
@@ -36,8 +37,12 @@ class Trainer:
 
     def __init__(self, workload: Workload, config: Config, device: torch.device, *, lr: float = 1e-4, seed: int = 0,
                  guard: GuardRails = GuardRails(), record_grad_norm: bool = False,
-                 parallel: "Wrapping | None" = None, host_budget_bytes: int | None = None) -> None:
+                 parallel: "Wrapping | None" = None, host_budget_bytes: int | None = None,
+                 host_apart: bool | None = None) -> None:
         self.workload, self.config, self.device, self.guard = workload, config, device, guard
+        # whether the device's memory is not the host's, where the model is built: CUDA's; a CUDA prediction on the
+        # CPU says so of the CPU's tensors that stand for the GPU's (default: the device's own kind)
+        self.host_apart = host_memory_apart(device) if host_apart is None else host_apart
         self.parallel = parallel  # --parallel: the trial's process group and wrapper
         self.backend: Backend = backend_for(device)
         self.lr, self.seed, self.record_grad_norm = lr, seed, record_grad_norm
@@ -80,22 +85,30 @@ class Trainer:
 
     def _prepared(self, host: OnHost | None) -> torch.nn.Module:
         """The model, built (seeded), prepared, on its device and under the job's wrapper; ``host`` for a plan
-        ``+state``, whose model stays on the host for FSDP2 to shard there."""
-        if self.parallel is None:
-            model, meta = self.workload.build_model(seed=self.seed), None  # the same seeded model (a copy once warm)
-        else:  # DDP's whole; FSDP2's on the meta device, its shards made on the device by the wrap (wrapping.py)
-            model, meta = self.parallel.build(self.workload, self.seed, offload_state=host is not None)
-        self.run = prepare(model, precision=self.config.precision, plan=self.config.plan,
-                           chain=self.workload.chain, guard=self.guard, device_type=autocast_type(self.device),
-                           micro_batch_size=self.config.batch_size, record_loss_scale=True,
-                           record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes,
-                           record_lost_updates=self.record_grad_norm)  # the probe's: bf16-true's rounding
+        ``+state``, whose model stays on the host for FSDP2 to shard there.
+
+        A CUDA prediction on the CPU (``host_apart`` on a CPU device) builds and prepares the model outside the tensor
+        meter, as a GPU's trial builds it in host memory, and counts its parameters and buffers from its move: a
+        bf16-true model built in float32 holds its float32 weights on the host only."""
+        aside = self.parallel is None and self.host_apart and not host_memory_apart(self.device)
+        with meter_aside() if aside else contextlib.nullcontext():
+            if self.parallel is None:
+                model, meta = self.workload.build_model(seed=self.seed), None  # the same seeded model (a copy once warm)
+            else:  # DDP's whole; FSDP2's on the meta device, its shards made on the device by the wrap (wrapping.py)
+                model, meta = self.parallel.build(self.workload, self.seed, offload_state=host is not None)
+            self.run = prepare(model, precision=self.config.precision, plan=self.config.plan,
+                               chain=self.workload.chain, guard=self.guard, device_type=autocast_type(self.device),
+                               micro_batch_size=self.config.batch_size, record_loss_scale=True,
+                               record_grad_norm=self.record_grad_norm, host_budget_bytes=self.host_budget_bytes,
+                               record_lost_updates=self.record_grad_norm)  # the probe's: bf16-true's rounding
         self.plan = self.run.plan
         blocks = self.workload.chain.blocks if self.workload.chain else ()
         if host is not None:
             host.wrap_bytes = wrap_bytes(model, blocks, self.parallel.job.world_size)
         elif meta is None:
             move_model(model, self.device)
+            if aside:  # on the device from here: what the move would have allocated there
+                enter_device([*model.parameters(), *model.buffers()])
         self.module = model  # the user's module (batches come from its example_batch), under any wrapper
         if self.parallel is not None:  # DDP, or FSDP2 on each repeated block and the root, on the trial's group
             self.run.model = self.parallel.wrap(model, blocks, offload_state=host is not None, meta=meta,
