@@ -29,6 +29,7 @@ from autotune.cli.parser import (
     follower,
     options_from,
 )
+from autotune._log import log_to_stderr
 from autotune.errors import AutotuneError, UsageError, first_line
 from autotune.cli.advice import nothing_fits
 
@@ -108,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # other ranks train its trials and exit with its code, saying only an unexpected error of their own.
     speaks = args.parallel == "none" or not follower()
     level = logging.WARNING if args.quiet else (logging.DEBUG if args.verbose else logging.INFO)
-    logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
+    log_to_stderr()
     logging.getLogger("autotune").setLevel(level if speaks else logging.ERROR)  # only ours: libraries keep theirs
 
     from autotune.cli.progress import Progress

@@ -52,3 +52,16 @@ def test_a_notice_with_percent_signs_is_logged_as_written(caplog):
     message = _fresh("90% of the budget, %s and %d stay literal")
     notice_once(message)
     assert len(_said(caplog, message)) == 1
+
+
+def test_a_librarys_record_on_stderr_keeps_its_loggers_name():
+    """The command's stderr says autotune's lines as ``autotune: ...`` and another library's with its logger's name
+    (bitsandbytes warns at import), so that a library's warning is not read as autotune's."""
+    import subprocess
+    import sys
+
+    code = ("import logging; from autotune._log import log_to_stderr, logger; log_to_stderr(); "
+            "logger.warning('ours'); logging.getLogger('autotune.x').warning('ours too'); "
+            "logging.getLogger('somelib.ops').warning('theirs')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stderr.splitlines() == ["autotune: ours", "autotune: ours too", "autotune: [somelib.ops] theirs"]

@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import torch
 
-from autotune._log import logger
+from autotune._log import log_to_stderr, logger
 from autotune.device import backend_for
 from autotune.errors import UsageError, first_line
 from autotune.execution.work import Place, Venue, Work
@@ -82,7 +82,7 @@ def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with, args=(os.getppid(),), name="autotune-parent-watch", daemon=True).start()
     if log_level < logging.WARNING:  # --verbose: the trial's per-step lines, on the stderr the worker shares
-        logging.basicConfig(format="autotune: %(message)s", stream=sys.stderr)
+        log_to_stderr()
         logger.setLevel(log_level)
     workload = backend = baseline = None
     jobs, frozen = 0, 0  # frozen: the bytes counted when what the first job left was frozen out of the collector
