@@ -11,7 +11,11 @@ Writes ``cli-<name>-cpu.md`` per run:
 * ``tight``: the same under 24 MiB, where some configurations run out of memory (docs/first-run.md);
 * ``nothing-fits``: under 16 MiB (trials run, nothing fits: exit 3) and under 6 MiB (the training state alone is
   over the budget: exit 3 before any trial) (docs/first-run.md);
-* ``hf-factory``: docs/examples/hf_factory.py's tiny GPT-2 from its config, with its data factory (docs/workload.md).
+* ``hf-factory``: docs/examples/hf_factory.py's tiny GPT-2 from its config, with its data factory (docs/workload.md);
+* ``lora``: a transformers Llama under a PEFT LoRA adapter (``autotune.thirdparty:hf_lora``), bf16 beside bf16-true,
+  its evaluation limits measured and its exports written (docs/fine-tuning.md);
+* ``eight-bit``: a wider TinyGPT in bf16-true with AdamW, then with bitsandbytes' 8-bit AdamW (needs ``pip install
+  bitsandbytes``, 0.50 or later on a CPU) (docs/fine-tuning.md).
 
 Each command runs as a user would type it (``python -m autotune ...``), in a new directory, with this checkout on
 ``PYTHONPATH`` (the factory example's ``docs.examples`` module is imported from a copy of ``docs/`` there).
@@ -45,12 +49,25 @@ def _with_budget(budget: str) -> list[str]:
 HF = ["--model", "docs.examples.hf_factory:causal_lm", "--data", "docs.examples.hf_factory:random_tokens", "--device",
       "cpu", "--budget", "256MiB", "--precisions", "fp32,bf16", "--batch-sizes", "1..32"]
 
+LORA = ["--model", "autotune.thirdparty:hf_lora", "--model-kwargs",
+        '{"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, '
+        '"num_attention_heads": 4, "vocab_size": 1024, "max_position_embeddings": 128, "r": 8}',
+        "--device", "cpu", "--budget", "48MiB", "--precisions", "bf16,bf16-true", "--segments", "0,all",
+        "--batch-sizes", "1..32", "--export", "hf,lightning", "--out", "lora.json"]
+# A TinyGPT whose state is most of the budget (4.2M parameters, 32 tokens): what an optimizer's state costs shows
+EIGHT_BIT = ["--model", "autotune.examples:TinyGPT", "--model-kwargs",
+             '{"n_layer": 4, "n_embd": 256, "block_size": 32, "vocab_size": 4096}', "--device", "cpu", "--budget", "48MiB",
+             "--precisions", "bf16-true", "--segments", "0", "--batch-sizes", "1..16", "--no-eval-limits"]
+
 # name: (what the run shows, [commands]); each command a list of arguments of python -m autotune
 RUNS = {
     "quickstart": ("the README's quick start", [QUICKSTART]),
     "tight": ("the quick start under a budget of 24 MiB", [_with_budget("24MiB")]),
     "nothing-fits": ("the quick start under budgets nothing fits", [_with_budget("16MiB"), _with_budget("6MiB")]),
     "hf-factory": ("docs/examples/hf_factory.py's tiny GPT-2, with its data factory", [HF]),
+    "lora": ("a Llama under a LoRA adapter, bf16 and bf16-true", [LORA]),
+    "eight-bit": ("TinyGPT in bf16-true with AdamW, then bitsandbytes' 8-bit AdamW",
+                  [EIGHT_BIT, [*EIGHT_BIT, "--optimizer", "bitsandbytes.optim:AdamW8bit"]]),
 }
 
 
