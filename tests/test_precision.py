@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from autotune.errors import UsageError
-from autotune.training.precision import PRECISIONS, get_mode
+from autotune.training.precision import MODES, get_mode
 
 
 def test_modes():
@@ -17,8 +17,8 @@ def test_modes():
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 def test_autocast_computes_matmuls_in_the_mode(name):
     lin = torch.nn.Linear(8, 8)
-    with PRECISIONS[name].autocast("cpu"):
-        assert lin(torch.randn(2, 8)).dtype == PRECISIONS[name].autocast_dtype
+    with MODES[name].autocast("cpu"):
+        assert lin(torch.randn(2, 8)).dtype == MODES[name].autocast_dtype
     assert lin(torch.randn(2, 8)).dtype == torch.float32
 
 

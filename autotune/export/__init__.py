@@ -125,8 +125,8 @@ def _hf(ctx: Context, notes: list[str]) -> dict[str, Any]:
     args: dict[str, Any] = {
         "per_device_train_batch_size": ctx.micro,
         "gradient_accumulation_steps": ctx.steps,
-        "bf16": ctx.precision in ("bf16", "bf16-fsdp"),  # bf16-fsdp: the nearest (its note)
-        "fp16": ctx.precision == "fp16",
+        "bf16": ctx.bf16_flag,  # bf16-fsdp: the nearest (its note)
+        "fp16": ctx.fp16_flag,
         "gradient_checkpointing": ctx.recomputes and ctx.library in HF_SWITCHES and not ctx.offloads,
     }
     if ctx.offloads:
@@ -154,7 +154,7 @@ def _hf(ctx: Context, notes: list[str]) -> dict[str, Any]:
                      "old names, which v6 removes")
     if ctx.clip is not None:
         args["max_grad_norm"] = ctx.clip
-    if ctx.device_type == "cpu" and ctx.precision in ("bf16", "bf16-fsdp"):
+    if ctx.device_type == "cpu" and ctx.bf16_flag:
         notes.append("without a GPU, TrainingArguments refuses bf16=True unless use_cpu=True is passed too")
     if ctx.fsdp_mixed:
         notes.append(f"measured {ctx.precision}: FSDP2's {MP_POLICY}, without autocast. TrainingArguments has no "
@@ -162,7 +162,7 @@ def _hf(ctx: Context, notes: list[str]) -> dict[str, Any]:
                      f"measured, but reduce the gradients in bf16 and autocast too. To train as measured, set "
                      f"bf16=False and, once the Trainer is made and before train(), "
                      f"trainer.accelerator.state.fsdp_plugin.mixed_precision_policy = {MP_POLICY}")
-    elif ctx.wrapper == "fsdp" and ctx.precision != "fp32":
+    elif ctx.wrapper == "fsdp" and ctx.sixteen_bit:
         notes.append(f"measured {ctx.precision}: autocast over FSDP2's fp32 parameters; with {ctx.precision}=True "
                      f"accelerate's FSDP2 also gathers the parameters and reduces the gradients in {ctx.precision}")
     if ctx.true:
@@ -184,7 +184,7 @@ def _lightning(ctx: Context, notes: list[str]) -> dict[str, Any]:
     trainer: dict[str, Any] = {"precision": LIGHTNING_PRECISION[ctx.precision], "accumulate_grad_batches": ctx.steps}
     if ctx.clip is not None:
         trainer["gradient_clip_val"] = ctx.clip
-    if ctx.device_type == "cpu" and ctx.precision == "fp16":
+    if ctx.device_type == "cpu" and ctx.fp16_flag:
         notes.append("on a CPU, Lightning replaces precision '16-mixed' with 'bf16-mixed' (with a warning)")
     if ctx.true:
         notes.append("precision 'bf16-true' trains as measured: Lightning casts the module's floating weights and "
@@ -216,7 +216,7 @@ def _lightning_fsdp_precision(ctx: Context) -> str:
                 f"'bf16-true' also makes the weights bf16): precision is '32-true', and the policy is the strategy's, "
                 f"FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) "
                 f"with FSDP1, or the mp_policy above with ModelParallelStrategy")
-    if ctx.precision == "fp32":
+    if not ctx.sixteen_bit:
         return "precision '32-true' under FSDPStrategy gathers, reduces and computes in fp32, as measured"
     if ctx.true:
         return ("precision 'bf16-true' under FSDPStrategy gathers, reduces and computes in bf16 over bf16 weights, as "

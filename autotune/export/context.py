@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from autotune.vocabulary import EAGER, PRECISIONS, Plan, compile_mode
+from autotune.vocabulary import EAGER, PRECISIONS, Plan, Precision, compile_mode
 
 __all__ = ["Context", "LIGHTNING_PRECISION", "ACCELERATE_PRECISION", "MP_POLICY", "NAMES", "HF_SWITCHES", "APPLY_HINT"]
 
@@ -51,6 +51,27 @@ class Context:
         """The call that compiles the model as measured (after the plan is applied: autotune.apply's model)."""
         mode = compile_mode(self.compile)  # a static measurement too: see STATIC_NOTE
         return "model = torch.compile(model" + ("" if mode == "default" else f", mode={mode!r}") + ")"
+
+    @property
+    def mode(self) -> Precision:
+        """What the measured precision is (the ground floor's record: its dtypes, its scaler)."""
+        return PRECISIONS[self.precision]
+
+    @property
+    def sixteen_bit(self) -> bool:
+        """Whether the passes ran in 16 bits at all (autocast, FSDP2's policy or the weights'): not fp32."""
+        return self.mode.compute_dtype is not None
+
+    @property
+    def bf16_flag(self) -> bool:
+        """Whether a trainer's ``bf16`` switch (autocast, or FSDP2's bf16 parameters) is the nearest to what was
+        measured: not for bf16-true, whose model is cast instead."""
+        return self.mode.compute_dtype == "bfloat16" and not self.true
+
+    @property
+    def fp16_flag(self) -> bool:
+        """Whether a trainer's ``fp16`` switch (autocast in fp16 with a GradScaler) is what was measured."""
+        return self.mode.autocast_dtype == "float16"
 
     @property
     def fsdp_mixed(self) -> bool:

@@ -15,8 +15,8 @@ def deepspeed(ctx: Context, notes: list[str]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": ctx.micro,
         "gradient_accumulation_steps": ctx.steps,
-        "bf16": {"enabled": ctx.precision in ("bf16", "bf16-fsdp", "bf16-true")},
-        "fp16": {"enabled": ctx.precision == "fp16"},
+        "bf16": {"enabled": ctx.mode.compute_dtype == "bfloat16"},
+        "fp16": {"enabled": ctx.fp16_flag},
     }
     if ctx.fsdp_mixed:
         config["communication_data_type"] = "fp32"  # the gradients reduced in fp32, as FSDP2's reduce_dtype did
@@ -24,7 +24,7 @@ def deepspeed(ctx: Context, notes: list[str]) -> dict[str, Any]:
         config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
         if not ctx.wrapper:
             config["zero_optimization"] = {"stage": 1}
-    if ctx.precision == "fp16":
+    if ctx.fp16_flag:
         # Dynamic loss scaling as autotune's GradScaler does it: start at 2**16, halve on every overflow
         # (hysteresis 1), double after growth_interval clean steps. DeepSpeed's factors are fixed at 2 and 1/2,
         # GradScaler's defaults; it floors the scale at min_loss_scale, GradScaler has no floor.
@@ -43,7 +43,7 @@ def deepspeed(ctx: Context, notes: list[str]) -> dict[str, Any]:
             "keeps the weights, gradients and optimizer state in bf16 (DeepSpeed 0.19; no fp32 master weights), and "
             "ZeRO's optimizer, which they need, with its own buffers: stage 1 on one process shards nothing"
             + ("" if not ctx.wrapper else "; set a zero_optimization stage (1 to 3) for them"))
-    elif ctx.precision != "fp32":
+    elif ctx.sixteen_bit:
         notes.append(
             f"DeepSpeed's {ctx.precision} section casts the model's weights to 16 bits (fp32 master weights in the "
             f"optimizer) instead of autocasting an fp32 model as the trials did, so memory and speed differ from the "
@@ -69,7 +69,7 @@ def accelerate(ctx: Context, notes: list[str]) -> dict[str, Any]:
     if ctx.clip is not None:
         notes.append(f"clip as measured with accelerator.clip_grad_norm_(model.parameters(), {ctx.clip}) before each "
                      f"optimizer step")
-    if ctx.device_type == "cpu" and ctx.precision == "fp16":
+    if ctx.device_type == "cpu" and ctx.fp16_flag:
         notes.append("on a CPU, Accelerator(mixed_precision='fp16') neither autocasts nor scales the loss: "
                      "it trains in fp32")
     out: dict[str, Any] = {"accelerator": {"mixed_precision": ACCELERATE_PRECISION[ctx.precision],
@@ -103,7 +103,7 @@ def _accelerate_fsdp_precision(ctx: Context, out: dict[str, Any], notes: list[st
                      f"the policy is the plugin's: FullyShardedDataParallelPlugin(**fsdp_plugin, "
                      f"mixed_precision_policy={MP_POLICY}) (mixed_precision_policy above, by name). mixed_precision="
                      f"'bf16' instead would reduce the gradients in bf16 and autocast as well")
-    elif ctx.precision != "fp32" and not ctx.true:  # autocast over fp32 FSDP2, as measured: the plugin's policy fp32
+    elif ctx.sixteen_bit and not ctx.true:  # autocast over fp32 FSDP2, as measured: the plugin's policy fp32
         out["fsdp_plugin"]["mixed_precision_policy"] = "fp32"
         notes.append(f"the plugin's mixed_precision_policy 'fp32' keeps FSDP2's gathered parameters and reduction in "
                      f"fp32 under the Accelerator's {ctx.precision} autocast, as measured; without it accelerate would "

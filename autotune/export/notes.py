@@ -84,7 +84,7 @@ def common_notes(ctx: Context, report: Report, framework: str) -> list[str]:
         notes.append(f"the batch size is per rank: {ctx.micro} on each of {ctx.world_size} ranks "
                      f"({ctx.micro * ctx.world_size} per micro-step) under {ctx.wrapper.upper()}, with "
                      f"{ctx.steps} accumulation step(s); the peak holds on every rank")
-    if ctx.device_type == "cpu" and ctx.precision != "fp32":
+    if ctx.device_type == "cpu" and ctx.sixteen_bit:
         kind = "mixed precision" if ctx.fsdp_mixed else "bf16 weights" if ctx.true else "autocast mode"
         notes.append(f"the trials ran on a CPU: the {ctx.precision} setting asks for the same {kind} on the device you "
                      f"train on (a GPU), "

@@ -24,7 +24,7 @@ from autotune.preparation.target import Target
 from autotune.records import usable_bytes
 from autotune.thirdparty import library_checkpointing, training_caches
 from autotune.training.optimizer import UNPRIMED_NOTICE, measure_optimizer
-from autotune.training.precision import PRECISIONS, keep_in_fp32
+from autotune.training.precision import MODES, keep_in_fp32
 from autotune.training.state import held_parts, smaller_state
 from autotune.training.workload import Workload, move_model, to_device
 from autotune.vocabulary import SIXTEEN_BIT, Offload, runs_where
@@ -96,8 +96,8 @@ def preflight(target: Target) -> ModelFacts:
         # The optimizer's state is measured on the CPU, before the model goes to the device: a model whose state
         # does not fit is told so with figures, not met by an out-of-memory error in its first forward pass.
         state, unprimed, made = measure_optimizer(workload.optimizer, model, target.trial_settings.lr)
-        held = {name: held_parts(model, workload.optimizer, target.trial_settings.lr, PRECISIONS[name].weight_dtype)
-                for name in target.precisions if PRECISIONS[name].weight_dtype is not None}
+        held = {name: held_parts(model, workload.optimizer, target.trial_settings.lr, MODES[name].weight_dtype)
+                for name in target.precisions if MODES[name].weight_dtype is not None}
         facts = dataclasses.replace(facts, optimizer_state_bytes=state, held=held)
         # Closures over this frame's ``model``, not arguments: ``del model`` below then frees the model even while the
         # StateDoesNotFit raised through here, and its traceback's frames, live on in the caller
@@ -177,7 +177,7 @@ def _floor_of(workload: Workload, chain: Chain | None, precisions: Sequence[str]
 def _floor_measured(model: nn.Module, workload: Workload, chain: Chain | None, half: str,
                     mode: contextlib.AbstractContextManager) -> Floor:
     batch = workload.make_batch(model, 1)
-    with mode, PRECISIONS[half].autocast("cpu"):
+    with mode, MODES[half].autocast("cpu"):
         measured = measure_floor(model, chain, lambda: workload.loss(model, batch))
     return dataclasses.replace(measured, precision=half)
 

@@ -17,9 +17,9 @@ import torch
 from torch.utils._pytree import tree_map
 
 from autotune.errors import UsageError
-from autotune.vocabulary import GROWTH_INTERVAL, INIT_LOSS_SCALE, PRECISIONS as _NAMED
+from autotune.vocabulary import GROWTH_INTERVAL, INIT_LOSS_SCALE, PRECISIONS
 
-__all__ = ["PRECISIONS", "PrecisionMode", "get_mode", "keep_in_fp32", "INIT_LOSS_SCALE"]
+__all__ = ["MODES", "PrecisionMode", "get_mode", "keep_in_fp32", "INIT_LOSS_SCALE"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,19 +98,20 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return getattr(torch, name) if name else None
 
 
-PRECISIONS: dict[str, PrecisionMode] = {  # the ground floor's modes (autotune.vocabulary.precision), with torch's dtypes
+# The ground floor's precisions (autotune.vocabulary.PRECISIONS, what each name means) as modes that run: torch's dtypes
+MODES: dict[str, PrecisionMode] = {
     name: PrecisionMode(name, _dtype(p.autocast_dtype), p.uses_scaler, _dtype(p.param_dtype), _dtype(p.reduce_dtype),
                         _dtype(p.weight_dtype))
-    for name, p in _NAMED.items()
+    for name, p in PRECISIONS.items()
 }
 
 
 def get_mode(name: str) -> PrecisionMode:
     """Return the :class:`PrecisionMode` called ``name`` ("fp32", "fp16", "bf16", "bf16-fsdp" or "bf16-true")."""
     try:
-        return PRECISIONS[name]
+        return MODES[name]
     except KeyError:
-        raise UsageError(f"unknown precision {name!r}: choose from {', '.join(PRECISIONS)}") from None
+        raise UsageError(f"unknown precision {name!r}: choose from {', '.join(MODES)}") from None
 
 
 def keep_in_fp32(model: torch.nn.Module, class_names: tuple[str, ...], device_type: str) -> list[str]:
