@@ -305,12 +305,14 @@ class Options:
     def trial_settings(self) -> TrialSettings:
         return TrialSettings(warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
                              settle_steps=self.settle_steps, timeout_s=self.trial_timeout, guard=self.guard,
-                             host_budget_bytes=self.host_budget)  # the search's: Target.trial_settings
+                             host_budget_bytes=self.host_budget,  # the search's: Target.trial_settings
+                             target_batch_size=self.target_batch_size)
 
     @property
     def probe_settings(self) -> ProbeSettings:
         return ProbeSettings(top=self.probe_top, epochs=self.probe_epochs, fraction=self.probe_fraction,
-                             num_workers=self.num_workers, seed=0, timeout_s=self.trial_timeout)
+                             num_workers=self.num_workers, seed=0, timeout_s=self.trial_timeout,
+                             target_batch_size=self.target_batch_size)
 
 
 

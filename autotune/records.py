@@ -19,7 +19,7 @@ from autotune.vocabulary import EAGER, HEADROOM, CheckStatus, Config, Plan, Stat
 
 __all__ = [
     "Budget", "PREDICTED", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
-    "ProbeResult", "PlanCheck", "settled", "timing_fields", "completed", "retimed", "usable_bytes", "accumulation_plan",
+    "ProbeResult", "PlanCheck", "settled", "timing_fields", "completed", "retimed", "usable_bytes", "accumulation_plan", "micro_steps",
 ]
 
 PREDICTED = "predicted"  # a Measurement's memory_source where the trial ran under fake tensors (--dry-run), not for real
@@ -143,6 +143,10 @@ class TrialSettings:
     seed: int = 0  # the same initial weights and dropout masks for every trial
     guard: GuardRails = GuardRails()  # gradient clipping and fp32 modules: part of how a trial trains
     host_budget_bytes: int | None = None  # what offloaded activations and state may hold in host memory (--host-budget)
+    # --target-batch-size: a trial whose batch (times the ranks) is under it trains with gradient accumulation, so its
+    # metered steps are two micro-steps and one optimizer step: the first micro-step's gradients stay resident
+    # through the second's forward and backward, as in every accumulated step after the first micro-batch
+    target_batch_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +270,7 @@ class ProbeSettings:
     max_skipped_share: float = 0.2  # fp16: more skipped steps than this rejects a candidate
     seed: int = 0
     timeout_s: float | None = None  # per candidate pass
+    target_batch_size: int | None = None  # the data's worst batch is stepped as trials step it (TrialSettings')
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -365,6 +370,13 @@ class PlanCheck:
         kwargs = {k: v for k, v in data.items() if k in fields}
         kwargs["recomputed_blocks"] = tuple(kwargs.get("recomputed_blocks", ()))
         return cls(**kwargs)
+
+
+def micro_steps(batch_size: int, target_batch_size: int | None, *, world_size: int = 1) -> int:
+    """The micro-steps a metered step runs: 2 where ``batch_size`` (on each of ``world_size`` ranks) accumulates to
+    ``target_batch_size`` (every micro-step after the first holds the gradients of those before: the second's memory is
+    every later one's), else 1."""
+    return 2 if target_batch_size is not None and batch_size * world_size < target_batch_size else 1
 
 
 def accumulation_plan(micro_batch_size: int, target_batch_size: int | None, *, world_size: int = 1) -> dict[str, Any]:

@@ -190,12 +190,12 @@ def test_a_warm_worker_that_hangs_is_killed_after_the_limit_and_a_crashed_one_is
     monkeypatch.setattr(isolation, "WARM_GRACE_S", 1.0)
     workers = Workers("cpu")
     try:
-        assert workers.run(gpt(), job_describe, {"tag": "a"}, name="autotune-test", timeout_s=60)[0] == "result"
-        outcome, payload, seconds = workers.run(gpt(), job_hang, {}, name="autotune-test", timeout_s=1.5)
+        assert workers.run_job(gpt(), job_describe, {"tag": "a"}, name="autotune-test", timeout_s=60)[0] == "result"
+        outcome, payload, seconds = workers.run_job(gpt(), job_hang, {}, name="autotune-test", timeout_s=1.5)
         assert (outcome, payload) == ("timeout", "the worker ran past 2.5 s and was killed (--trial-timeout plus 1 s)")
         assert workers.pid is None and 2.5 < seconds < 30
-        assert workers.run(gpt(), job_describe, {"tag": "b"}, name="autotune-test", timeout_s=60)[0] == "result"
-        assert workers.run(gpt(), job_exit, {"code": 9}, name="autotune-test", timeout_s=60)[:2] == \
+        assert workers.run_job(gpt(), job_describe, {"tag": "b"}, name="autotune-test", timeout_s=60)[0] == "result"
+        assert workers.run_job(gpt(), job_exit, {"code": 9}, name="autotune-test", timeout_s=60)[:2] == \
             ("crashed", "worker process exited with code 9")
         assert workers.started == 2 and workers.pid is None  # the crashed worker is not waited on for the next
     finally:

@@ -208,7 +208,7 @@ def test_guard_rails_from_dict():
 def test_probe_settings_to_dict():
     assert ProbeSettings(top=2, fraction=0.5).to_dict()["top"] == 2
     assert set(ProbeSettings().to_dict()) == {"top", "epochs", "fraction", "num_workers", "max_skipped_share", "seed",
-                                              "timeout_s"}
+                                              "timeout_s", "target_batch_size"}
 
 
 # --- ProbeResult ---------------------------------------------------------------------------------

@@ -307,7 +307,7 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
         with mode or fake_tensors(), _AsTheKernelsDo(cuda is not None or device.type == "cuda"), rules, \
                 meter.measure() as handle:
             run.build()
-            run.step(run.batch)  # the optimizer's state primed: one step holds all a step holds
+            run.step(run.batch, micro_steps=run.micro_steps)  # the state primed: one step holds all
             if run.unprimed is not None:
                 run.make_state()
     except CANNOT_FAKE as exc:

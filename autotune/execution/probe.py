@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Subset
 from autotune.device import backend_for
 from autotune.errors import TrialTimeoutError, UsageError
 from autotune.meters import Meter
-from autotune.records import GuardRails, Measurement, ProbeResult, ProbeSettings, usable_bytes
+from autotune.records import GuardRails, Measurement, ProbeResult, ProbeSettings, micro_steps, usable_bytes
 from autotune.units import quantile
 from autotune.vocabulary import INIT_LOSS_SCALE, Status
 from autotune.execution.agreement import combine_probe, probe_left_early
@@ -99,7 +99,10 @@ class _Candidate:
                 self._metered(lambda b=batch: self.step_times.append(self._timed(self.trainer, b)))
                 self.samples += _batch_len(batch)
             worst = to_device(self.workload.make_batch(self.trainer.module, self.config.batch_size), self.device)
-            self._metered(lambda: self.trainer.step(worst))
+            # accumulating to --target-batch-size: two micro-steps of it, the first's gradients resident (as a trial)
+            accumulated = micro_steps(self.config.batch_size, self.settings.target_batch_size,
+                                      world_size=self.parallel.job.world_size if self.parallel is not None else 1)
+            self._metered(lambda: self.trainer.step(worst, micro_steps=accumulated))
             self.worst_peak = self.step_peaks[-1]
         if meter.slows_steps:  # time the same batches again, unmetered, on a fresh model
             timer = Trainer(self.workload, self.config, self.device, lr=self.lr, seed=self.settings.seed, guard=self.guard,

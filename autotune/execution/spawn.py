@@ -36,6 +36,7 @@ cannot take its workers with it) exits within a second instead of training on.
 from __future__ import annotations
 
 import contextlib
+import enum
 import gc
 import io
 import logging
@@ -58,13 +59,23 @@ from autotune.execution.work import Place, Venue, Work
 from autotune.training.workload import Workload
 from autotune.vocabulary import Status
 
-__all__ = ["Spawned", "run_isolated", "check_picklable", "STARTUP_GRACE_S", "WARM_GRACE_S", "CLEAN_TOLERANCE_BYTES"]
+__all__ = ["Spawned", "Reply", "run_isolated", "check_picklable", "STARTUP_GRACE_S", "WARM_GRACE_S", "CLEAN_TOLERANCE_BYTES"]
 
 STARTUP_GRACE_S = 120.0  # importing torch and building a CUDA context can take this long on a busy machine
 WARM_GRACE_S = 30.0  # a warm worker's time on top of the work's limit: the model's copy, the release and the check
 CLEAN_TOLERANCE_BYTES = 1 << 20  # what a reused worker may hold above its first baseline (lazily made constants)
 _POLL_S = 1.0
 _EXIT_GRACE_S = 30.0
+
+
+class Reply(str, enum.Enum):
+    """What a worker says of a job it took (or that it is gone), beside the trial's own statuses (timeout, crashed):
+    the pipe's words, not a trial's outcome."""
+
+    RESULT = "result"  # the job returned: its payload
+    USAGE = "usage"  # the job found bad input (UsageError): raised again in the parent, one line
+    ERROR = "error"  # any other exception: the worker's text, recorded as the trial's failure
+    GONE = "gone"  # the worker died before it took the job (a warm one is replaced once)
 
 
 def _exit_with(parent: int) -> None:
@@ -104,11 +115,11 @@ def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING)
                 gc.collect()
                 gc.freeze()
                 baseline = _held(backend, workload)
-            reply: tuple = ("result", job(workload, **job_kwargs))
+            reply: tuple = (Reply.RESULT, job(workload, **job_kwargs))
         except UsageError as exc:
-            reply = ("usage", str(exc))
+            reply = (Reply.USAGE, str(exc))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which records the trial
-            reply = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
+            reply = (Reply.ERROR, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}")
         conn.send(reply)  # the result first: the parent goes on while this worker checks itself
         held = None if workload is None else _held(backend, workload)
         conn.send(("held", None if held is None else held + frozen, baseline))
@@ -204,11 +215,11 @@ class _Worker:
             same = False
         return same and self.proc.is_alive()
 
-    def run(self, job: Callable[..., Any], job_kwargs: dict, timeout_s: float | None) -> tuple[str, Any]:
+    def hand(self, job: Callable[..., Any], job_kwargs: dict, timeout_s: float | None) -> tuple["Reply | Status", Any]:
         """Hand the worker a job and wait; return (outcome, payload); its check follows (:meth:`check`).
 
-        Outcomes: ``"result"``, ``"usage"``, ``"error"`` (payload: the worker's text), :attr:`Status.TIMEOUT`,
-        :attr:`Status.CRASHED` (payload: one line) and ``"gone"``: the worker died before it took the job.
+        Outcomes: the worker's :class:`Reply` (``RESULT``, ``USAGE``, ``ERROR``: payload its text), :attr:`Status.TIMEOUT`,
+        :attr:`Status.CRASHED` (payload: one line) and :attr:`Reply.GONE`: the worker died before it took the job.
         """
         fresh = self.jobs == 0
         self.jobs += 1
@@ -218,12 +229,12 @@ class _Worker:
             self.conn.send(("job", job, job_kwargs))
         except OSError:  # BrokenPipeError: it is gone
             self.proc.join(_EXIT_GRACE_S)
-            return "gone", None
+            return Reply.GONE, None
         try:
             taken = self._receive(deadline)
             if taken is None:
                 self.proc.join(_EXIT_GRACE_S)
-                return "gone", None
+                return Reply.GONE, None
             message = self._receive(deadline) if taken is not _LATE else _LATE
         except BaseException:  # KeyboardInterrupt: the worker goes with the work
             self.kill()
@@ -297,8 +308,8 @@ class Workers:
         """The live worker's process id, if one is waiting for work."""
         return self._worker.proc.pid if self._worker is not None else None
 
-    def run(self, workload: Workload, job: Callable[..., Any], job_kwargs: dict, *, name: str,
-            timeout_s: float | None) -> tuple[str, Any, float]:
+    def run_job(self, workload: Workload, job: Callable[..., Any], job_kwargs: dict, *, name: str,
+                timeout_s: float | None) -> tuple["Reply | Status", Any, float]:
         """Run ``job(workload, **job_kwargs)`` in a worker; return (outcome, payload, seconds) as :func:`run_isolated`."""
         if workload.spec is None:
             raise UsageError("process isolation needs a workload built by Workload.from_specs (or autotune.tune)")
@@ -306,20 +317,20 @@ class Workers:
         for _ in range(2):  # a warm worker found dead as it is handed the job: once more, in a new one
             worker = self._worker_for(workload.spec, name)
             warm = worker.jobs > 0
-            kind, payload = worker.run(job, job_kwargs, timeout_s)
-            if kind != "gone" or not warm:
+            kind, payload = worker.hand(job, job_kwargs, timeout_s)
+            if kind != Reply.GONE or not warm:
                 break
             logger.info("the worker died between two pieces of work (%s): a new one runs the next",
                         _exit_cause(worker.proc.exitcode))
             self._retire()
-        if kind == "gone":
+        if kind == Reply.GONE:
             kind, payload = Status.CRASHED, f"worker process {_exit_cause(self._worker.proc.exitcode)}"
-        if kind != "result" or worker.jobs == self.trials_per_worker:
+        if kind != Reply.RESULT or worker.jobs == self.trials_per_worker:
             self._retire()  # a result's worker is checked as the next piece of work comes (_worker_for)
         seconds = time.monotonic() - started
-        if kind == "usage":
+        if kind == Reply.USAGE:
             raise UsageError(payload)
-        if kind == "error":
+        if kind == Reply.ERROR:
             return Status.FAILED, payload.splitlines()[0], seconds
         return kind, payload, seconds
 
@@ -364,14 +375,14 @@ def run_isolated(workload: Workload, job: Callable[..., Any], job_kwargs: dict, 
     """Run ``job(workload, **job_kwargs)`` in a fresh spawned process; return (outcome, payload, seconds).
 
     ``job`` is a module-level function (the worker imports it by name) whose result pickles. The
-    outcome is ``"result"`` (payload: what the job returned), ``"timeout"``, ``"crashed"`` or
-    ``"failed"`` (payload: one line saying why; for ``"crashed"``, "worker process killed by SIGKILL").
+    outcome is :attr:`Reply.RESULT` (payload: what the job returned), or the trial's :class:`Status`: ``timeout``,
+    ``crashed`` or ``failed`` (payload: one line saying why; for ``"crashed"``, "worker process killed by SIGKILL").
     Bad input found in the worker is raised here as :class:`UsageError`; ``KeyboardInterrupt`` kills
     the worker. The worker has exited when this returns.
     """
     workers = Workers(device, trials_per_worker=1)
     try:
-        return workers.run(workload, job, job_kwargs, name=name, timeout_s=timeout_s)
+        return workers.run_job(workload, job, job_kwargs, name=name, timeout_s=timeout_s)
     finally:
         workers.close()
 
@@ -394,9 +405,9 @@ class Spawned(Venue):
         check_picklable(workload)  # one clear line now, not every trial crashed later
 
     def run(self, workload: Workload, work: Work) -> Any:
-        outcome, payload, seconds = self.workers.run(workload, _run_work, {"work": work, "device": str(self.device)},
+        outcome, payload, seconds = self.workers.run_job(workload, _run_work, {"work": work, "device": str(self.device)},
                                                      name=work.name, timeout_s=work.timeout_s)
-        if outcome == "result":
+        if outcome == Reply.RESULT:
             return work.decode(payload)
         return work.failed(outcome, payload, seconds)  # a Status: the worker timed out, crashed or failed
 

@@ -21,7 +21,7 @@ from autotune.errors import TrialTimeoutError, UsageError
 from autotune.execution.agreement import combine
 from autotune.execution.work import Place, Work, outcome
 from autotune.meters import Meter
-from autotune.records import Config, Measurement, TrialSettings, settled, timing_fields
+from autotune.records import Config, Measurement, TrialSettings, micro_steps, settled, timing_fields
 from autotune.training.compiled import CompileCount, compile_failure, compiling
 from autotune.training.data import real_tokens
 from autotune.training.trainer import Trainer
@@ -48,6 +48,9 @@ class _Run(Trainer):
         self.tokens: list[int | None] = []  # real tokens of each timed step's batch
         self.first_step_at: float | None = None  # time.time() when the model was ready and its first step began
         self.warmup_times: list[float] = []  # each warm-up step's wall seconds (a compiled trial's first compiles)
+        # the metered steps' micro-steps: 2 where the batch accumulates to --target-batch-size (timed steps take one)
+        self.micro_steps = micro_steps(config.batch_size, settings.target_batch_size,
+                                       world_size=parallel.job.world_size if parallel is not None else 1)
 
     def build(self) -> None:
         super().build()
@@ -84,7 +87,7 @@ class _Run(Trainer):
         """``steps`` steps on the worst batch, each one's wall seconds kept (a compiled trial's first compiles)."""
         for _ in range(steps):
             began = time.monotonic()
-            self.step(self.batch)
+            self.step(self.batch, micro_steps=self.micro_steps)
             self.warmup_times.append(time.monotonic() - began)
             self._log_step(kind)
 
@@ -94,7 +97,7 @@ class _Run(Trainer):
             if self.holds_state:
                 break
             self.step(self.batch)
-        self.step(self.batch)
+        self.step(self.batch, micro_steps=self.micro_steps)
         self._log_step("warm-up (the optimizer's state made)")
 
     def _log_step(self, kind: str, seconds: float | None = None) -> None:

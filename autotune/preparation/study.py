@@ -44,6 +44,8 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
     described = {"model_kwargs": key.model_kwargs, "data": key.data, "loss": key.loss}
     if not key.default_training:  # another optimizer or step is another study; the default keeps the key of before
         described.update(optimizer=workload.optimizer.to_dict(), step=key.step)
+    if searching.target_batch_size is not None:  # a trial under it accumulates (two micro-steps): another peak
+        described.update(accumulates_to=searching.target_batch_size)
     # Workers on several GPUs of one kind share a study: the key names the kind of device, not its index.
     # A distributed job's trials are another job's: the wrapper and world size are part of what they measure.
     job = target.job
@@ -51,7 +53,7 @@ def plan_study(target: Target, facts: ModelFacts) -> Study:
         f"{searching.parallel}{searching.world_size}" if searching.world_size else None)
     parallel = {"parallel": f"{job.wrapper}x{job.world_size}"} if job else {}
     workload_key = fingerprint(model=workload.name, **described, device=target.backend.kind, **parallel)
-    plain = not (key.model_kwargs or key.data or key.loss) and key.default_training
+    plain = not (key.model_kwargs or key.data or key.loss) and key.default_training and "accumulates_to" not in described
     options_key = None if plain else fingerprint(**described)
     name = key.study or default_study_name(workload.name, autocast_type(target.device), options_key) + (
         f"-{ranks}" if ranks else "") + ("-dry-run" if searching.dry_run else "")  # beside the search's, not over it

@@ -171,17 +171,21 @@ class Trainer:
         for name in ("optimizer", "batch", "module"):
             self.__dict__.pop(name, None)
 
-    def step(self, batch: Any) -> None:
-        """One optimizer step on ``batch`` (already on the device)."""
+    def step(self, batch: Any, *, micro_steps: int = 1) -> None:
+        """One optimizer step on ``batch`` (already on the device), after ``micro_steps`` forward and backward passes
+        of it (gradient accumulation: each loss divided by their count, as autotune.apply's loop divides it)."""
         mark_batch_dynamic(batch, self.config.batch_size, self.config.compile)  # compiled: one graph for every size
-        with self.run.autocast():
-            loss = self.workload.loss(self.run.model, batch)
-        self.run.backward(loss)
+        for _ in range(micro_steps):
+            with self.run.autocast():
+                loss = self.workload.loss(self.run.model, batch)
+                if micro_steps > 1:  # the divided loss alone held, as the loop's ``loss = ... / steps``
+                    loss = loss / micro_steps
+            self.run.backward(loss)
         self.run.step(self.optimizer)
         if self.host_state is not None:
             self.host_state.end_step()
         if not is_fake(loss):  # a dry run's loss has a shape and no value (autotune.execution.predict)
-            self.losses.append(float(loss.detach()))
+            self.losses.append(float(loss.detach()) * micro_steps)
 
     def timed_step(self, batch: Any) -> float:
         """One step, timed to completion on the device; return its seconds."""
