@@ -138,6 +138,11 @@ BAD_INPUT = [
     (["--model", "autotune.examples:TinyGPT", "--device", "cuda:99"],
      "CUDA device(s) are visible" if torch.cuda.is_available() else "no CUDA GPU"),
     (["--model", "autotune.examples:TinyGPT", "--device", "banana"], "not a device"),
+    (["--model", "autotune.examples:TinyGPT", "--dry-run", "--card", "l4"],
+     "--card l4 names the GPU a plan is made for: use it with --device cuda --dry-run"),
+    (["--model", "autotune.examples:TinyGPT", "--device", "cuda", "--dry-run", "--card", "rtx9090"],
+     "unknown --card 'rtx9090': choose one of a100-40gb, a100-80gb, a10g, h100-pcie, h100-sxm, h200, l4, l40s, "
+     "mi300x, rtx3090, rtx4090, v100"),
     (["--model", "autotune.examples:TinyGPT", "--headroom", "1.5"], "--headroom"),
     (["--model", "autotune.examples:TinyGPT", "--out", "/nonexistent-dir/x.json"], "does not exist"),
     # a store that cannot be opened: an unknown database, a database file in a folder that does not exist

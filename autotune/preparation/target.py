@@ -72,6 +72,7 @@ class Searching:
     world_size: int | None  # a dry run's ranks (--world-size): the job it predicts one rank of
     cuda_capability: tuple[int, int] | None = None  # --cuda-capability: the GPU a dry run plans for
     cuda_context_bytes: int | None = None  # --cuda-context: its CUDA context, as NVML counts it
+    card: str | None = None  # --card: the GPU a dry run plans for, by name (autotune.timing.cards): it prices time
 
     @property
     def sharding_ranks(self) -> int | None:
@@ -156,7 +157,8 @@ def _searching(options: Options, device: torch.device) -> Searching:
         options.batch_sizes, options.segments, options.offload, options.compile, options.strategy, options.n_trials,
         batch_multiple(options.batch_multiple, device), options.exact_limit, options.static_compile,
         options.probe_settings if options.probe else None, options.target_batch_size, options.compare_library,
-        options.dry_run, options.parallel, options.world_size, options.cuda_capability, options.cuda_context)
+        options.dry_run, options.parallel, options.world_size, options.cuda_capability, options.cuda_context,
+        options.card)
 
 
 def _host_budget(given: int | None, local_ranks: int = 1) -> tuple[int | None, str]:
