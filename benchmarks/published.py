@@ -37,7 +37,7 @@ from autotune.errors import AutotuneError  # noqa: E402
 from autotune.units import format_bytes  # noqa: E402
 
 COMMAND = "python benchmarks/published.py"
-UNITS = {"GiB": 1 << 30, "MiB": 1 << 20}
+UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "tokens/s per GPU": 1, "samples/s": 1}  # a throughput's unit is itself
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,9 @@ STATISTICS = {
                                       "peak_allocated_bytes"),
     "NVML used": Statistic("NVML's used device memory: what the caching allocator reserved and the CUDA context",
                            "peak_nvml_bytes"),
+    "throughput": Statistic("training throughput: the dry run's predicted samples/s (its time model, --card), times "
+                            "the row's tokens per sample over its GPUs where the figure is tokens/s per GPU",
+                            "samples_per_s", kind="per_s"),
 }
 
 
@@ -73,6 +76,7 @@ class Row:
     args: tuple[str, ...] | None = None  # autotune's arguments that express it (without --dry-run and --out)
     why_not: str | None = None  # why no arguments express it
     note: str = ""  # what the prediction does not model, or how the figure was read
+    per_sample: float = 1.0  # a throughput row: its unit per predicted sample/s (tokens per sample / GPUs)
 
     @property
     def published_bytes(self) -> int:
@@ -218,7 +222,33 @@ def _hugging_face_rows() -> list[Row]:
     ]
 
 
-ROWS: tuple[Row, ...] = (*_torchtitan_rows(), *_hugging_face_rows())
+LLM_FOUNDRY = ("https://github.com/mosaicml/llm-foundry/blob/c90b9b312c644dbde5c9e6eef75c6f1c117d8782/scripts/train/"
+               "benchmarking/README.md (MPT Training Benchmarks, H100 80GB BF16)")
+NO_MPT = ("MPT with llm-foundry's own attention (FlashAttention, Triton) and Composer's FSDP: autotune has no such model "
+          "among benchmarks/published_models.py, so the row stands unpredicted")
+
+
+def _throughput_rows() -> list[Row]:
+    """Published training throughputs, predicted by a dry run's time model for the card each was measured on."""
+    tt = _torchtitan_args(8)
+    bert = next(r for r in _hugging_face_rows() if r.id == "hf-bert-b4")
+    return [
+        Row("torchtitan-8b-fsdp-8-tps", TORCHTITAN, "Table 1, FSDP (TPS/GPU)",
+            f"{TT_SETUP}, 8 GPUs, local batch 2 of 8192 tokens, selective per-op activation checkpointing",
+            "throughput", 5762, "tokens/s per GPU", args=(*tt, "--card", "h100-sxm"), per_sample=8192 / 8,
+            note=TT_NOTE + "; the card: h100-sxm's data sheet (torchtitan's H100s had 96 GB: --budget says so)"),
+        Row("hf-bert-b4-samples", HUGGING_FACE, "Vanilla Training (samples/second)", bert.config, "throughput", 8.86,
+            "samples/s", args=(*bert.args, "--card", "v100"), note=bert.note + "; the card: v100's data sheet"),
+        Row("mpt-1b-8-tps", LLM_FOUNDRY, "1b, 2048 tokens, 8 GPUs (Throughput T/s/GPU)",
+            "MPT 1B (1,315,950,592 parameters), sequence 2048, 8 H100 80GB, micro batch 14, FULL_SHARD, amp_bf16, no "
+            "activation checkpointing", "throughput", 45455, "tokens/s per GPU", why_not=NO_MPT),
+        Row("mpt-7b-8-tps", LLM_FOUNDRY, "7b, 2048 tokens, 8 GPUs (Throughput T/s/GPU)",
+            "MPT 7B (6,658,859,008 parameters), sequence 2048, 8 H100 80GB, micro batch 6, FULL_SHARD, amp_bf16, no "
+            "activation checkpointing", "throughput", 10643, "tokens/s per GPU", why_not=NO_MPT),
+    ]
+
+
+ROWS: tuple[Row, ...] = (*_torchtitan_rows(), *_hugging_face_rows(), *_throughput_rows())
 CLI_ADDS = ("--dry-run", "--out", "--quiet")  # what this script adds to each row's arguments
 
 
@@ -283,7 +313,9 @@ def result(row: Row, predicted: dict[str, Any] | None) -> dict[str, Any]:
     statistic = STATISTICS[row.statistic]
     trial = predicted["trial"] if predicted else None
     value = trial.get(statistic.field) if trial else None
-    published = row.published_bytes
+    if value is not None and statistic.kind == "per_s":
+        value = round(value * row.per_sample, 2)
+    published = row.published if statistic.kind == "per_s" else row.published_bytes  # a throughput is not rounded
     return {"source": row.source, "config": row.config, "statistic": row.statistic,
             f"published_{statistic.kind}": published, f"predicted_{statistic.kind}": value,
             "error": None if value is None else round(value / published - 1, 4), "command": row.command,
@@ -321,7 +353,10 @@ def markdown(data: dict[str, Any]) -> str:
              "| row | source | statistic | published | predicted | error |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         url = r["source"].split(" ")[0]
-        predicted = _figure(r["predicted_bytes"], r["unit"]) if r["expressed"] else "not expressed"
+        kind = STATISTICS[r["statistic"]].kind
+        value = r[f"predicted_{kind}"]
+        figure = _figure(value, r["unit"]) if kind == "bytes" else "-" if value is None else f"{value:,.1f} {r['unit']}"
+        predicted = figure if r["expressed"] else "not expressed"
         lines.append(f"| {r['id']} | [{r['where']}]({url}) | {r['statistic']} | {r['published']} | {predicted} | "
                      f"{_percent(r['error'])} |")
     lines += ["", "Statistics: " + "; ".join(f"**{name}**, {s.says}" for name, s in STATISTICS.items()
@@ -372,7 +407,8 @@ def run(rows: tuple[Row, ...], out_dir: str, reports: str | None) -> dict[str, A
             if row.args is not None and row.args not in done:
                 done[row.args] = predict(row, folder)
             results.append(result(row, done.get(row.args) if row.args is not None else None))
-            print(json.dumps({k: results[-1][k] for k in ("id", "published_bytes", "predicted_bytes", "error")}),
+            print(json.dumps({k: v for k, v in results[-1].items() if k in ("id", "error") or k.startswith("p")
+                              and k.endswith(("_bytes", "_per_s"))}),
                   flush=True)
     data = {"command": COMMAND, "environment": {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
                                                 "torch": torch.__version__}, "rows": results}

@@ -52,6 +52,7 @@ MODELS = {  # name -> (spec, model kwargs, batch sizes)
              (2, 8, 32)),
 }
 PRECISIONS, PLANS = ("fp32", "bf16"), ("0", "all")
+STEPS = 8  # timed steps per configuration; the fastest is the measurement (other processes only slow a step down)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -91,29 +92,36 @@ def _rows(name: str, machine, quick: bool) -> list[dict]:
                 config = Config(precision, Plan(plan), b)
                 predicted = predict_trial(workload, config, time_model=machine)
                 measured = run_trial(workload, config, device="cpu", meter=TensorMeter("cpu"),
-                                     settings=TrialSettings(timeout_s=None))
+                                     settings=TrialSettings(measure_steps=STEPS, settle_steps=0, timeout_s=None))
                 if predicted.status != Status.OK or measured.status != Status.OK:
                     print(f"  {name} {config}: {predicted.status} / {measured.status}", flush=True)
                     continue
+                fastest = min(measured.step_times_s)
                 rows.append({"model": name, **config.to_dict(), "predicted_step_s": predicted.step_s,
-                             "measured_step_s": measured.step_s, "measured_step_s_spread": measured.step_s_spread,
-                             "predicted_per_s": predicted.samples_per_s, "measured_per_s": measured.samples_per_s,
-                             "error": predicted.step_s / measured.step_s - 1})
-                print(f"  {name} {config}: predicted {predicted.step_s:.4f} s, measured {measured.step_s:.4f} s "
-                      f"({rows[-1]['error']:+.0%})", flush=True)
+                             "measured_step_s": fastest, "measured_median_step_s": measured.step_s,
+                             "measured_step_s_spread": measured.step_s_spread,
+                             "predicted_per_s": predicted.samples_per_s, "measured_per_s": b / fastest,
+                             "measured_median_per_s": measured.samples_per_s,
+                             "error": predicted.step_s / fastest - 1,
+                             "error_median": predicted.step_s / measured.step_s - 1})
+                print(f"  {name} {config}: predicted {predicted.step_s:.4f} s, measured {fastest:.4f} s fastest, "
+                      f"{measured.step_s:.4f} s median ({rows[-1]['error']:+.0%})", flush=True)
     return rows
 
 
-def summary(rows: list[dict]) -> dict:
-    """Spearman, median absolute error and the recommendation's measured throughput against the best's."""
-    predicted, measured = [r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows]
+def summary(rows: list[dict], median: bool = False) -> dict:
+    """Spearman, median absolute error and the recommendation's measured throughput against the best's, against
+    each configuration's fastest timed step (``median``: its median step, the search's figure)."""
+    step, per_s, error = (("measured_median_step_s", "measured_median_per_s", "error_median") if median else
+                          ("measured_step_s", "measured_per_s", "error"))
+    predicted, measured = [r["predicted_step_s"] for r in rows], [r[step] for r in rows]
     chosen = max(rows, key=lambda r: r["predicted_per_s"])
-    best = max(rows, key=lambda r: r["measured_per_s"])
+    best = max(rows, key=lambda r: r[per_s])
     return {"configurations": len(rows), "spearman": spearman(predicted, measured),
-            "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
+            "median_abs_error": statistics.median(abs(r[error]) for r in rows),
             "recommended": f"{chosen['precision']}/{chosen['segments']}/{chosen['batch_size']}",
             "measured_best": f"{best['precision']}/{best['segments']}/{best['batch_size']}",
-            "recommended_over_best": chosen["measured_per_s"] / best["measured_per_s"]}
+            "recommended_over_best": chosen[per_s] / best[per_s]}
 
 
 def markdown(result: dict) -> str:
@@ -122,17 +130,21 @@ def markdown(result: dict) -> str:
              f"{env['torch']})", "",
              f"Command: `{result['command']}`. Each configuration's step predicted (the dry run's trial under fake "
              f"tensors, its ops' FLOPs and bytes priced on this CPU, calibrated: {result['machine']}) and then timed "
-             f"for real (the median of its timed steps). Load average when it ran: {env['load']}.", "",
+             f"for real: {STEPS} timed steps, the fastest its measurement (the machine is shared: other processes only "
+             f"slow a step down; the calibration takes the fastest runs too), the median beside it. Load average when "
+             f"it ran (1, 5, 15 min): {env['load']}.", "",
              "| model | configurations | Spearman | median abs error | recommended (predicted) | measured best | "
              "recommended / best (measured samples/s) |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name, s in [*result["models"].items(), ("all", result["all"])]:
+    for name, s in [*result["models"].items(), ("all", result["all"]),
+                    ("all, against median steps", result["all_against_median_steps"])]:
         lines.append(f"| {name} | {s['configurations']} | {s['spearman']:.3f} | {s['median_abs_error']:.1%} | "
                      f"{s['recommended']} | {s['measured_best']} | {s['recommended_over_best']:.1%} |")
-    lines += ["", "| model | precision | segments | batch | predicted step | measured step | error |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| model | precision | segments | batch | predicted step | measured step (fastest) | error | "
+              "measured step (median) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         lines.append(f"| {r['model']} | {r['precision']} | {r['segments']} | {r['batch_size']} | "
-                     f"{r['predicted_step_s']:.4f} s | {r['measured_step_s']:.4f} s | {r['error']:+.1%} |")
+                     f"{r['predicted_step_s']:.4f} s | {r['measured_step_s']:.4f} s | {r['error']:+.1%} | "
+                     f"{r['measured_median_step_s']:.4f} s |")
     return "\n".join(lines) + "\n"
 
 
@@ -176,10 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         rows += _rows(name, machine, args.quick)
     models = {name: summary([r for r in rows if r["model"] == name]) for name in dict.fromkeys(r["model"] for r in rows)}
+    pooled, against_median = summary(rows), summary(rows, median=True)
+    for figures, per_model in ((pooled, models), (against_median, {n: summary([r for r in rows if r["model"] == n],
+                                                                              median=True) for n in models})):
+        # a recommendation is one model's: over all, the worst model's recommendation against its best
+        worst = min(per_model, key=lambda n: per_model[n]["recommended_over_best"])
+        figures.update(recommended=f"worst: {worst}, {per_model[worst]['recommended']}",
+                       measured_best=per_model[worst]["measured_best"],
+                       recommended_over_best=per_model[worst]["recommended_over_best"])
     result = {"command": "python benchmarks/time_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "environment": {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": args.threads,
                               "torch": torch.__version__, "load": " ".join(f"{x:.2f}" for x in os.getloadavg())},
-              "machine": machine.source, "models": models, "all": summary(rows), "rows": rows,
+              "machine": machine.source, "models": models, "all": pooled,
+              "all_against_median_steps": against_median, "rows": rows,
               "wall_s": round(time.monotonic() - started, 1)}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "time_model-cpu.json"), "w") as f:

@@ -44,7 +44,7 @@ from autotune.execution.work import outcome
 from autotune.meters import TensorMeter
 from autotune.plans.offload import offloader_of
 from autotune.records import PREDICTED, Config, Measurement, TrialSettings
-from autotune.timing.counting import WorkCounter
+from autotune.timing.counting import OpWork, StepWork, WorkCounter
 from autotune.timing.model import with_predicted_time
 from autotune.training.workload import Workload, _copy_model
 from autotune.units import format_bytes
@@ -321,8 +321,7 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
             if run.unprimed is not None:
                 run.make_state()
             if time_model is not None:
-                offloader = offloader_of(run.module)
-                work = counter.work(offloader.moved_bytes if offloader is not None else 0)
+                work = _work(counter, run, parallel)
     except CANNOT_FAKE as exc:
         raise Unpredictable(_op(exc), _reason(exc)) from None
     except Exception as exc:  # noqa: BLE001 - as in a trial, the model's failures are outcomes
@@ -341,6 +340,18 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     if work is None:
         return predicted
     return with_predicted_time(predicted, work, time_model, world_size=parallel.job.world_size if parallel else 1)
+
+
+def _work(counter: WorkCounter, run: _Run, parallel: "Wrapping | None") -> StepWork:
+    """The step's counted work, with the bytes an offloading plan copied to the host, and under DDP its gradients'
+    all-reduce (on the fake process group DDP's buckets are reduced by a hook that moves nothing)."""
+    offloader = offloader_of(run.module)
+    work = counter.work(offloader.moved_bytes if offloader is not None else 0)
+    if parallel is not None and parallel.job.wrapper == "ddp":
+        grads = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
+        work = dataclasses.replace(work, ops=(*work.ops, OpWork("backward", "collective", "fp32", 0, grads, 1,
+                                                                "allreduce_")))
+    return work
 
 
 def _op(exc: Exception) -> str:

@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable
 
 import torch
+import torch.utils.checkpoint
 
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -36,7 +37,7 @@ _SUITE_BATCHES = (2, 16)
 _SUITE_REPEATS = 10
 _MIN_OP_S = 20e-6  # an op priced below this by the roofline is mostly dispatch: its efficiency is not measured
 _ELEMENTS = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
-_VERSION = 5  # of the calibration's method: a cache of another is measured again
+_VERSION = 8  # of the calibration's method: a cache of another is measured again
 
 
 def _seconds(fn: Callable[[], Any], *, budget_s: float = 0.1, run_s: float = 1e-3, runs: int = 5) -> float:
@@ -88,9 +89,9 @@ def _memory_rates(dispatch_s: float) -> dict[str, Rates]:
     memory = {}
     for name, dtype in _DTYPES.items():
         points = []
-        for n in _ELEMENTS:
-            a, b = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
-            points.append(_rate(lambda: torch.add(a, b), dispatch_s, flops=False))
+        for n in _ELEMENTS:  # into a tensor already there: a step's allocator hands back memory it has used before
+            a, b, c = torch.randn(n).to(dtype), torch.randn(n).to(dtype), torch.empty(n, dtype=dtype)
+            points.append(_rate(lambda: torch.add(a, b, out=c), dispatch_s, flops=False))
         memory[name] = Rates(tuple(sorted(points)))
     return memory
 
@@ -163,13 +164,22 @@ def _conv_block() -> torch.nn.Module:
 
 def _suite() -> list[tuple[torch.nn.Module, Callable[[int], Any]]]:
     """The calibration's models (none of autotune's bundled ones: those are what it is checked on) and their
-    batches: a transformer block written out, one with fused attention, a convolutional classifier."""
+    batches: a transformer block written out, one with fused attention, a convolutional classifier, and the first
+    and the last recomputed in the backward pass (torch.utils.checkpoint: the recompute's own overhead)."""
     torch.manual_seed(0)
     tokens = lambda b: torch.randint(0, 256, (b, 128))  # noqa: E731
-    conv = _conv_block()
     images = lambda b: (torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,)))  # noqa: E731
-    return [(_attention_block(False), tokens), (_attention_block(True), tokens),
-            (_Classifier(conv), images)]
+    return [(_attention_block(False), tokens), (_attention_block(True), tokens), (_Classifier(_conv_block()), images),
+            (_Recomputed(_attention_block(False)), tokens), (_Recomputed(_Classifier(_conv_block())), images)]
+
+
+class _Recomputed(torch.nn.Module):
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.body, batch, use_reentrant=False)
 
 
 class _Classifier(torch.nn.Module):
@@ -270,11 +280,28 @@ def _host(machine: Machine, steps: list[tuple[dict[str, float], StepWork]]) -> t
     points: dict[str, list[tuple[float, float, float]]] = {}
     for measured, work in steps:
         own, ops = step_time(work, machine).phases_s, work.totals()
+        if "recompute" in ops:
+            continue  # its backward pass holds the recompute too: fitted apart (_recompute_per_op)
         for phase, seconds in measured.items():
             points.setdefault(phase, []).append((seconds, own.get(phase, 0.0), float(ops[phase]["ops"])))
     fitted = {phase: _fit(rows) for phase, rows in points.items()}
-    fitted["recompute"] = fitted["forward"]  # a recomputed block's forward, dispatched as the forward's was
+    fitted["recompute"] = (fitted["forward"][0], _recompute_per_op(machine, steps, fitted["backward"]))
     return {p: f[1] for p, f in fitted.items()}, {p: f[0] for p, f in fitted.items()}
+
+
+def _recompute_per_op(machine: Machine, steps: list[tuple[dict[str, float], StepWork]],
+                      backward: tuple[float, float]) -> float:
+    """The host's seconds per recomputed op: what a backward pass that recomputes takes beyond its own ops' fitted
+    time and the recomputed ops' own time (checkpointing's hooks: a saved tensor unpacked, a frame restored), per
+    recomputed op; the median over the suite's recomputing steps."""
+    scale, per_op = backward
+    extra = []
+    for measured, work in steps:
+        ops, own = work.totals(), step_time(work, machine).phases_s
+        if "recompute" in ops:
+            beyond = measured["backward"] - scale * own["backward"] - per_op * ops["backward"]["ops"] - own["recompute"]
+            extra.append(max(beyond, 0.0) / ops["recompute"]["ops"])
+    return statistics.median(extra) if extra else per_op
 
 
 def calibrate_cpu() -> Machine:
