@@ -107,7 +107,7 @@ def _notice(machine: Any) -> str:
         return DRY_RUN_NOTICE
     checked = checked_error(machine.name)
     error = (f"median error {checked['median_abs_error']:.0%} against measured steps ({checked['source']})"
-             if checked else "not yet checked against a measured step on this machine")
+             if checked else f"not checked against a step measured on {machine.name}")
     return (f"a dry run: every peak is predicted (memory_source predicted: the trial's code under fake tensors, counted "
             f"by the tensor meter), not measured, and so is every step time (time_source predicted: each op's FLOPs "
             f"and bytes priced on {machine.name}, {machine.source.split(':')[0]}; {error}): the front and the "

@@ -174,7 +174,7 @@ def _estimate_lines(report: Any, rec: Any, budget: str) -> list[str]:
     model = report.search.get("time_model") or {}
     checked = model.get("checked")
     error = (f"median error {checked['median_abs_error']:.0%} measured ({checked['source']})" if checked
-             else "its error not measured on this machine")
+             else f"its error not measured on {model.get('name')}")
     share = f" ({rec.peak_bytes / report.budget_bytes:.0%} of the {budget} budget)" if report.budget_bytes else ""
     front = ", ".join(f"{m.precision}/{m.config.plan}/{m.batch_size}" for m in report.pareto)
     return [f"recommendation (an estimate: predicted, not measured): {rec.precision}, segments {rec.config.plan}, "

@@ -1,11 +1,13 @@
 """The machine at hand, measured once and cached: what its ops achieve, as a :class:`~autotune.timing.model.Machine`.
 
-On the CPU (the only device calibrated so far): matrix multiplications per dtype and size, convolutions forward and
-backward, an element-wise op's bandwidth per size, and the host's overhead per op in each phase of a small model's
-training step (its ops counted by :class:`~autotune.timing.counting.WorkCounter`, their own time taken off). Each
-figure is the fastest of repeated runs, at the threads torch uses now. The result is cached as JSON (a plain
-record: numbers and names), keyed by the processor, the thread count and torch's version, under
-``$AUTOTUNE_CACHE_DIR`` or ``~/.cache/autotune``; a second dry run reads it.
+On the CPU (the only device calibrated so far): matrix multiplications per dtype and size, an element-wise op's
+bandwidth per size (the roofline's two rates); then, over the training steps of a small suite of torch.nn models
+(none of the bundled ones, which check it), each op's measured time over its roofline time (its efficiency: a
+softmax, a depthwise convolution), and per phase a scale of the ops' own time and the host's overhead per op, fitted
+by least squares (a recomputed op's overhead from the suite's checkpointed models). Each figure is the fastest of
+repeated runs, at the threads torch uses now. The result is cached as JSON (a plain record: numbers and names),
+keyed by the processor, the thread count and torch's version, under ``$AUTOTUNE_CACHE_DIR`` or
+``~/.cache/autotune``; a second dry run reads it.
 """
 
 from __future__ import annotations

@@ -158,8 +158,8 @@ class WorkCounter(TorchDispatchMode):
             return out
         kind = op_kind(func)
         flops = op_flops(func, args, kwargs, out) if kind in (MATMUL, CONV, CONV_BACKWARD, ATTENTION) else 0
-        if kind == COLLECTIVE:  # what crosses the link: the buffer reduced, or the whole gathered
-            moved = _nbytes(tree_leaves(out))
+        if kind == COLLECTIVE:  # what crosses the link: the buffer reduced, the whole gathered or scattered
+            moved = max(_nbytes(tree_leaves((args, kwargs))), _nbytes(tree_leaves(out)))
         else:
             moved = 0 if kind == VIEW else _nbytes(tree_leaves((args, kwargs))) + _nbytes(tree_leaves(out))
         name = _name(func, args, kind)
