@@ -51,7 +51,7 @@ def _outputs(args: argparse.Namespace) -> tuple[tuple[str, ...], bool]:
 
 def _write_outputs(report, json_path: str, frameworks: tuple[str, ...], plot: bool) -> list[str]:
     paths: list[str] = []
-    if frameworks and report.recommendation is not None:
+    if frameworks and report.recommendation is not None and not report.dry_run:
         from autotune.export import write_exports
 
         paths += write_exports(report, json_path, frameworks)
@@ -288,8 +288,8 @@ def _finish(args: argparse.Namespace, report: Any, frameworks: tuple[str, ...], 
     if not args.quiet:
         for path in written:
             _say(f"wrote {path}")
-    if frameworks and report.recommendation is None:
-        _say("nothing to export: a dry run recommends nothing" if report.dry_run else
+    if frameworks and (report.recommendation is None or report.dry_run):
+        _say("nothing to export: a dry run's recommendation is an estimate, not measured" if report.dry_run else
              "nothing to export: no configuration fits (see below)")
     if report.nothing_fits:
         print(nothing_fits(report.shortfall()), file=sys.stderr)

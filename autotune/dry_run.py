@@ -9,9 +9,12 @@
 
 Every trial is :mod:`autotune.execution.predict`'s: the trial's own code under PyTorch's fake tensors, counted by
 the tensor meter with the budget's rules. Nothing is written to the trial store (a prediction is not a
-measurement a later search may reuse), and the report's default name ends in ``-dry-run``. A dry run says nothing
-of time, so it recommends nothing: its answer is the limits, the state and the predicted peaks; it exits 0 where
-some configuration is predicted to fit the budget less its headroom, and 3 where none is.
+measurement a later search may reuse), and the report's default name ends in ``-dry-run``. Each step's work is
+counted too and priced by a time model (:mod:`autotune.timing`): on the CPU, this machine calibrated; with
+``--device cuda --card NAME``, the card's data sheet. So a dry run has a predicted Pareto front and a
+recommendation, both estimates (``time_source`` predicted); without a time model (``--device cuda`` without
+``--card``) it recommends nothing. It exits 0 where some configuration is predicted to fit the budget less its
+headroom, and 3 where none is.
 
 With ``--device cuda`` each trial is predicted with CUDA's rules (:mod:`autotune.execution.cuda_rules`): on fake
 CUDA tensors where this machine has a GPU, else on the CPU's with CUDA's autocast lists; reserved bytes from a model
@@ -38,6 +41,8 @@ from autotune.execution.cuda_rules import CudaRules
 from autotune.execution.predict import CANNOT_FAKE, Predictor, cannot_fake, cannot_measure_here
 from autotune.records import Config, Measurement
 from autotune.search.loop import SearchResult
+from autotune.timing.cards import card
+from autotune.timing.model import card_machine, checked_error
 from autotune.vocabulary import Status
 
 if TYPE_CHECKING:
@@ -46,8 +51,9 @@ if TYPE_CHECKING:
 __all__ = ["predict", "preflight_under", "with_dry_run", "DRY_RUN_NOTICE"]
 
 DRY_RUN_NOTICE = ("a dry run: every peak is predicted (memory_source predicted: the trial's code under fake tensors, "
-                  "counted by the tensor meter), not measured; it has no step times, so it recommends nothing: run "
-                  "without --dry-run to measure which configuration is fastest")
+                  "counted by the tensor meter), not measured; it has no step times (a CUDA dry run prices them for "
+                  "the card named by --card NAME), so it recommends nothing: run without --dry-run to measure which "
+                  "configuration is fastest")
 
 
 def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, mode: Any = None
@@ -60,11 +66,12 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
     cuda = (CudaRules.for_this_machine(target.device, capability=searching.cuda_capability,
                                        context_bytes=searching.cuda_context_bytes)
             if follows_cuda(target.device) else None)
+    machine = _time_model(target, cuda is not None)
     with _ranks(target.searching, target.here) as ranks:
         predictor = Predictor(study.workload, device=target.device, budget_bytes=target.budget.enforced,
                               settings=target.trial_settings, model_name=facts.model_class,
                               state_bytes=facts.fixed_bytes, real_limit_bytes=available_ram_bytes(), mode=mode,
-                              ranks=ranks, cuda=cuda)
+                              ranks=ranks, cuda=cuda, time_model=machine)
         result = _predicted(predictor, target, study, events, multiple)
     measured = predictor.why is not None
     meter = ("tensor, under fake tensors (predicted)" if cuda is None else
@@ -76,8 +83,35 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
         search["distributed"] = ranks.describe(target.precisions)
     if cuda is not None:
         search["cuda"] = cuda.describe()
-    return result, search, (DRY_RUN_NOTICE, *_rank_notice(ranks), *(cuda.notices() if cuda else ()),
+    search["time_model"] = None if machine is None else {**machine.describe(), "checked": checked_error(machine.name)}
+    return result, search, (_notice(machine), *_rank_notice(ranks), *(cuda.notices() if cuda else ()),
                             *predictor.notices)
+
+
+def _time_model(target: "Target", for_cuda: bool) -> Any:
+    """The machine a dry run prices step times on: the card planned for (``--card``), this CPU (calibrated once,
+    cached), or none (CUDA without a card: the GPU here is not calibrated)."""
+    name = target.searching.card
+    if name is not None:
+        return card_machine(card(name))
+    if for_cuda:
+        return None
+    from autotune.timing.calibration import this_cpu  # measures this CPU once (seconds), then reads its cache
+
+    return this_cpu()
+
+
+def _notice(machine: Any) -> str:
+    """What a dry run's figures are: its peaks predicted, and its step times predicted by ``machine`` (or none)."""
+    if machine is None:
+        return DRY_RUN_NOTICE
+    checked = checked_error(machine.name)
+    error = (f"median error {checked['median_abs_error']:.0%} against measured steps ({checked['source']})"
+             if checked else f"not checked against a step measured on {machine.name}")
+    return (f"a dry run: every peak is predicted (memory_source predicted: the trial's code under fake tensors, counted "
+            f"by the tensor meter), not measured, and so is every step time (time_source predicted: each op's FLOPs "
+            f"and bytes priced on {machine.name}, {machine.source.split(':')[0]}; {error}): the front and the "
+            f"recommendation are estimates")
 
 
 def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["ModelFacts", tuple[str, ...]]:

@@ -18,6 +18,7 @@ from autotune.vocabulary import FSDP_ONLY, HEADROOM, PRECISIONS, TRUE, Offload, 
 from autotune.records import Budget, GuardRails, ProbeSettings, TrialSettings
 from autotune.search.space import parse_batch_sizes, parse_precisions
 from autotune.search.strategies import make_strategy
+from autotune.timing.cards import card
 from autotune.units import parse_size
 
 __all__ = ["Options", "Flag", "option", "ISOLATION_MODES", "PARALLEL_MODES"]
@@ -178,6 +179,11 @@ class Options:
         None, "with --device cuda --dry-run: the CUDA context of the GPU planned for, which NVML counts beside the "
         "caching allocator's reserved bytes (measure it on the card: NVML's used memory after torch.ones(1, "
         "device='cuda'))", group=TRIALS, metavar="SIZE", default_text="512MiB (assumed)")
+    card: str | None = option(
+        None, "with --device cuda --dry-run: the GPU planned for, by name (h100-sxm, h100-pcie, h200, a100-40gb, "
+        "a100-80gb, l4, l40s, a10g, rtx3090, rtx4090, v100, mi300x): its compute capability (--cuda-capability), its "
+        "memory (the default --budget) and its data sheet's peaks, which price every configuration's step time",
+        group=TRIALS, metavar="NAME", default_text="none: no step time predicted for CUDA")
     exact_limit: bool = option(
         False, "after the search, make the recommended variant's limit exact with real trials (bisecting between the "
         "space's sizes in steps of --batch-multiple) and time the largest size within the headroom; these trials are "
@@ -223,7 +229,9 @@ class Options:
         if isinstance(modules, str):
             modules = [name.strip() for name in modules.split(",") if name.strip()]
         budgets = _budgets(self.budgets)
-        budget = parse_size(self.budget) if self.budget is not None else (max(budgets) if budgets else None)
+        planned = self._check_card()
+        budget = parse_size(self.budget) if self.budget is not None else (
+            max(budgets) if budgets else (planned.memory_bytes if planned is not None else None))
         for name, value in (("fp32_modules", tuple(modules)), ("budget", budget),
                             ("budgets", tuple(b for b in budgets if b != budget)),
                             ("batch_sizes", _as_tuple(self.batch_sizes, parse_batch_sizes)),
@@ -280,6 +288,19 @@ class Options:
         if self.dry_run and self.parallel != "none" and n is None:
             raise UsageError(f"--dry-run --parallel {self.parallel} predicts one rank of a job: say how many ranks "
                              f"with --world-size N (and run it without torchrun)")
+
+    def _check_card(self) -> Any:
+        """``--card NAME``: the card of :mod:`autotune.timing.cards` a ``--device cuda --dry-run`` plans for (its
+        capability, unless ``--cuda-capability`` says another); None without it."""
+        if self.card is None:
+            return None
+        if not (self.dry_run and str(self.device or "").startswith("cuda")):
+            raise UsageError(f"--card {self.card} names the GPU a plan is made for: use it with --device cuda --dry-run")
+        planned = card(self.card)
+        object.__setattr__(self, "card", planned.name)
+        if self.cuda_capability is None and planned.capability is not None:
+            object.__setattr__(self, "cuda_capability", planned.capability)
+        return planned
 
     def _check_planned_gpu(self) -> None:
         """``--cuda-capability`` and ``--cuda-context`` describe a GPU a ``--device cuda --dry-run`` plans for."""

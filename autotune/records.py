@@ -18,11 +18,13 @@ from autotune.errors import UsageError
 from autotune.vocabulary import EAGER, HEADROOM, CheckStatus, Config, Plan, Status
 
 __all__ = [
-    "Budget", "PREDICTED", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
-    "ProbeResult", "PlanCheck", "settled", "timing_fields", "completed", "retimed", "usable_bytes", "accumulation_plan", "micro_steps",
+    "Budget", "PREDICTED", "MEASURED", "Config", "GuardRails", "TrialSettings", "Measurement", "ProbeSettings",
+    "ProbeResult", "PlanCheck", "settled", "timing_fields", "completed", "retimed", "usable_bytes", "accumulation_plan",
+    "micro_steps",
 ]
 
 PREDICTED = "predicted"  # a Measurement's memory_source where the trial ran under fake tensors (--dry-run), not for real
+MEASURED = "measured"  # a Measurement's time_source where its steps were timed (PREDICTED: by the time model)
 
 
 def settled(times: list[float] | tuple[float, ...], steps: int, share: float) -> bool:
@@ -47,6 +49,7 @@ def timing_fields(batch_size: int, step_times: tuple[float, ...], tokens: int | 
         "samples_per_s": batch_size / step_s if step_s and ok else None,
         "step_s_spread": (max(step_times) - min(step_times)) / step_s if step_s and n > 1 else None,
         "tokens_per_s": tokens / sum(step_times) if ok and tokens is not None and n and sum(step_times) > 0 else None,
+        "time_source": MEASURED if step_s else "",
     }
 
 
@@ -171,6 +174,8 @@ class Measurement:
     samples_per_s: float | None = None
     step_s_spread: float | None = None  # (slowest - fastest) / median of the timed steps, on their different batches
     tokens_per_s: float | None = None  # real tokens (attention_mask, or labels not -100) over the timed steps' time
+    time_source: str = ""  # MEASURED (timed steps), PREDICTED (the time model, a dry run), "" (no step time)
+    time_model: str | None = None  # a predicted time: the machine that priced it (autotune.timing), e.g. "cpu", "h100-sxm"
     loss_first: float | None = None
     loss_final: float | None = None
     nonfinite_losses: int = 0

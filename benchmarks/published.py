@@ -113,7 +113,9 @@ def result(row: Row, predicted: dict[str, Any] | None) -> dict[str, Any]:
     statistic = STATISTICS[row.statistic]
     trial = predicted["trial"] if predicted else None
     value = trial.get(statistic.field) if trial else None
-    published = row.published_bytes
+    if value is not None and statistic.kind == "per_s":
+        value = round(value * row.per_sample, 2)
+    published = row.published if statistic.kind == "per_s" else row.published_bytes  # a throughput is not rounded
     return {"source": row.source, "config": row.config, "statistic": row.statistic,
             f"published_{statistic.kind}": published, f"predicted_{statistic.kind}": value,
             "error": None if value is None or published is None else round(value / published - 1, 4),
@@ -143,6 +145,8 @@ def _predicted(r: dict[str, Any]) -> str:
     """The predicted column: the figure, or the prediction's out of memory where it ran past the budget."""
     if not r["expressed"]:
         return "not expressed"
+    if STATISTICS[r["statistic"]].kind == "per_s":
+        return "-" if r["predicted_per_s"] is None else f"{r['predicted_per_s']:,.1f} {r['unit']}"
     figure = _figure(r["predicted_bytes"], r["unit"])
     return f"OOM (needs {figure})" if r["status"] == Status.OOM else figure
 
@@ -160,13 +164,16 @@ def markdown(data: dict[str, Any]) -> str:
     """Return the Markdown file, generated from the JSON's rows."""
     rows = data["rows"]
     expressed = [r for r in rows if r["expressed"]]
-    worst = max((abs(r["error"]) for r in expressed if r["error"] is not None), default=None)
-    lines = [f"# Published memory figures, reproduced by a dry run ({data['environment']['machine']}, torch "
-             f"{data['environment']['torch']})", "",
+    said = []
+    for kind, what in (("bytes", "memory"), ("per_s", "throughput")):
+        errors = [abs(r["error"]) for r in expressed if r["error"] is not None and f"predicted_{kind}" in r]
+        if errors:
+            said.append(f"the {len(errors)} {what} rows each within {max(errors) * 100:.1f}% of the published figure")
+    lines = [f"# Published memory and throughput figures, predicted by a dry run ({data['environment']['machine']}, "
+             f"torch {data['environment']['torch']})", "",
              f"Command: `{data['command']}`. Each row a project published; the ones autotune's options express are "
              "predicted by `python -m autotune ... --dry-run` in a process that sees no GPU: predictions, not "
-             f"measurements. {len(rows)} rows, {len(expressed)} expressed"
-             + (f", each figure within {worst * 100:.1f}% of the published one" if worst is not None else "")
+             f"measurements. {len(rows)} rows, {len(expressed)} expressed" + (f": {'; '.join(said)}" if said else "")
              + _outcomes(rows) + ".", "",
              "| row | source | statistic | published | predicted | error |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -244,8 +251,8 @@ def run(rows: tuple[Row, ...], out_dir: str, reports: str | None,
             if row.args is not None and row.args not in done:
                 done[row.args] = predict(row, folder)
             results.append(result(row, done.get(row.args) if row.args is not None else None))
-            print(json.dumps({k: results[-1][k] for k in ("id", "published_bytes", "predicted_bytes", "error")}),
-                  flush=True)
+            print(json.dumps({k: v for k, v in results[-1].items() if k in ("id", "error") or k.startswith("p")
+                              and k.endswith(("_bytes", "_per_s"))}), flush=True)
     data = {"command": COMMAND, "environment": {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
                                                 "torch": torch.__version__}, "rows": results}
     os.makedirs(out_dir, exist_ok=True)

@@ -152,6 +152,11 @@ BAD_INPUT = [
     (["--model", "autotune.examples:TinyGPT", "--device", "cuda:99"],
      "CUDA device(s) are visible" if torch.cuda.is_available() else "no CUDA GPU"),
     (["--model", "autotune.examples:TinyGPT", "--device", "banana"], "not a device"),
+    (["--model", "autotune.examples:TinyGPT", "--dry-run", "--card", "l4"],
+     "--card l4 names the GPU a plan is made for: use it with --device cuda --dry-run"),
+    (["--model", "autotune.examples:TinyGPT", "--device", "cuda", "--dry-run", "--card", "rtx9090"],
+     "unknown --card 'rtx9090': choose one of a100-40gb, a100-80gb, a10g, h100-pcie, h100-sxm, h200, l4, l40s, "
+     "mi300x, rtx3090, rtx4090, v100"),
     (["--model", "autotune.examples:TinyGPT", "--headroom", "1.5"], "--headroom"),
     (["--model", "autotune.examples:TinyGPT", "--out", "/nonexistent-dir/x.json"], "does not exist"),
     # a store that cannot be opened: an unknown database, a database file in a folder that does not exist
@@ -217,7 +222,8 @@ def test_cuda_on_a_machine_without_a_gpu_is_bad_input(tmp_path, capsys, monkeypa
 
 @pytest.mark.parametrize("package", ["bitsandbytes", "torchao"])
 def test_an_optimizer_of_a_package_not_installed_names_what_to_install(package, tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, package, None)  # not installed, wherever these tests run
+    for name in [package, *(m for m in sys.modules if m.startswith(f"{package}."))]:  # not installed, wherever these
+        monkeypatch.setitem(sys.modules, name, None)  # tests run (peft imports bitsandbytes where it is installed)
     code = main(["--model", "autotune.examples:TinyGPT", "--optimizer", f"{package}.optim:AdamW8bit", "--quiet",
                  "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o.json")])
     err = capsys.readouterr().err.strip().splitlines()

@@ -294,12 +294,13 @@ def test_the_cli_dry_run_predicts_labels_and_stores_nothing(tmp_path):
     written = sorted(os.listdir(tmp_path / "results"))
     assert len(written) == 1 and written[0].endswith("-dry-run.json"), written  # no trial store, no search's report
     report = autotune.load(tmp_path / "results" / written[0])
-    assert report.dry_run and report.recommendation is None and not report.nothing_fits
-    assert all(m.predicted and m.step_s is None for m in report.trials)
+    assert report.dry_run and not report.nothing_fits
+    assert report.recommendation.time_source == "predicted" and report.search["time_model"]["name"] == "cpu"
+    assert all(m.predicted and (m.time_source == "predicted") == (m.status == "ok") for m in report.trials)
     assert report.search["batch_multiple"] == 4 and report.search["storage"] is None
     fp32 = next(r for r in report.limits if r["precision"] == "fp32" and r["segments"] == "0")
     assert fp32["exact"] and fp32["min_oom_batch_size"] - fp32["max_batch_size"] == 4
-    assert "predicted (dry run: not run)" in done.stdout and "recommendation: none in a dry run" in done.stdout
+    assert "predicted (dry run: not run)" in done.stdout and "recommendation (an estimate: predicted" in done.stdout
     assert any("dry run" in n for n in report.notices)
 
     nothing = _cli(tmp_path, *model, "--device", "cpu", "--budget", "1MiB", "--precisions", "fp32", "--segments", "0",
@@ -462,3 +463,18 @@ def test_a_dry_runs_report_cannot_be_applied_or_written_back(tiny_gpt_kwargs, tm
 
     with pytest.raises(autotune.UsageError, match="a dry run recommends nothing to write back"):
         recommendation_of(report)
+
+
+def test_a_dry_run_for_a_card_plans_its_memory_capability_and_time(tiny_gpt_kwargs, tmp_path):
+    report = autotune.tune("autotune.examples:TinyGPT", model_kwargs=tiny_gpt_kwargs, device="cuda", dry_run=True,
+                           card="rtx4090", precisions="fp32,bf16", segments="0,all", batch_sizes="8,16",
+                           results_dir=str(tmp_path))
+    assert report.budget_bytes == 24 * 2**30  # the card's memory: the default budget
+    assert report.search["cuda"]["compute_capability"] == "8.9"  # the card's, not the default 9.0 assumed
+    assert report.search["time_model"]["name"] == "rtx4090" and "RTX 4090" in report.search["time_model"]["source"]
+    rec = report.recommendation
+    assert rec is not None and rec.time_source == "predicted" and rec.time_model == "rtx4090"
+    assert report.pareto and all(m.time_source == "predicted" for m in report.pareto)
+    table = report.table()
+    assert "recommendation (an estimate: predicted, not measured)" in table and "on rtx4090" in table
+    assert "predicted Pareto front" in table

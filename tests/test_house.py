@@ -76,7 +76,8 @@ def test_there_is_no_import_cycle_lazy_or_not():
 FLOORS = (
     ("_version", "_log", "errors", "signals", "units", "vocabulary", "thirdparty"),  # the ground floor, no torch
     ("records", "meters"),  # the values every stage passes on; how memory is measured
-    ("analysis", "device"),  # front, limits and memory lines from records; the device backend
+    ("analysis", "device", "timing"),  # front, limits and memory lines from records; the device backend; step time
+    # from an op's work (the cards' data sheets, this machine calibrated)
     ("report", "plans"),  # a search's result and its JSON; checkpoint plans applied to a model
     ("training",),  # one training step: workload, data, precision, the prepared and wrapped model
     ("execution",),  # where a piece of work runs: this process, a worker, every rank; trials, probe, plan checks
@@ -216,8 +217,11 @@ def test_the_torch_blocker_catches_a_caught_import():
      "assert not is_oom(RuntimeError('shapes'))\n"
      "assert is_device_crash(RuntimeError('CUDA error: an illegal memory access was encountered'))\n"
      "assert first_line(UsageError('a\\nb')) == 'a'\n"),
+    ("autotune.timing.cards, autotune.timing.model",
+     "from autotune.timing.cards import card\nfrom autotune.timing.model import card_machine\n"
+     "assert card_machine(card('h100-sxm')).name == 'h100-sxm'\n"),
     ("autotune", ""),
-], ids=["analysis", "plans-and-cli", "report-and-records", "errors", "autotune"])
+], ids=["analysis", "plans-and-cli", "report-and-records", "errors", "timing", "autotune"])
 def test_the_analysis_side_imports_and_works_without_torch(modules, use):
     # No attempt to import torch, in the import or in the use: these modules must not even try.
     _python(f"import {modules}\n{use}", without_torch=True)

@@ -91,6 +91,20 @@ def test_a_row_is_predicted_and_read_by_its_statistic(tmp_path):
     assert f"{reserved['error'] * 100:+.1f}%" in md
 
 
+def test_a_throughput_row_is_the_predicted_samples_per_s_in_its_unit(tmp_path):
+    args = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", json.dumps(TINY), "--device", "cuda",
+            "--card", "rtx4090", "--precisions", "bf16", "--segments", "0", "--batch-sizes", "4"]
+    rows = [_row("tps", args, statistic="throughput", published=5000, unit="tokens/s per GPU", per_sample=32 / 2)]
+    done = _run(tmp_path, rows, "--reports", str(tmp_path / "reports"))
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads((tmp_path / "out" / "published-cpu.json").read_text())["rows"]
+    (trial,) = json.loads((tmp_path / "reports" / "tps.json").read_text())["trials"]
+    assert trial["time_source"] == "predicted" and trial["time_model"] == "rtx4090"
+    assert row["published_per_s"] == 5000 and row["predicted_per_s"] == round(trial["samples_per_s"] * 16, 2) > 0
+    assert row["error"] == round(row["predicted_per_s"] / 5000 - 1, 4)
+    assert "tokens/s per GPU" in (tmp_path / "out" / "published-cpu.md").read_text()
+
+
 def test_llama3_torchtitan_is_llama_3_8b():
     with torch.device("meta"):
         model = llama3_torchtitan()

@@ -10,7 +10,10 @@ same for one configuration). So a model of any size is planned on a machine that
 shape's configuration in about 2 s on two CPU cores (``results/dry_run-cpu.md``); a small model's prediction costs
 about what its real memory trial does (the dispatch of fake tensors is Python's, op by op).
 
-What no fake tensor can say is time: a prediction has no step time, and a dry run recommends nothing.
+What no fake tensor says is time; what the step does is known, though: with a time model (:mod:`autotune.timing`),
+the prediction counts each op's FLOPs and bytes as it runs (:class:`~autotune.timing.counting.WorkCounter`) and
+prices them on the machine planned for: its ``step_s`` and ``samples_per_s`` are predicted (``time_source``
+predicted, ``time_model`` the machine).
 
 Some models cannot run under fake tensors: values decide their shapes (a mixture of experts' routing,
 ``nonzero``). Their trials run for real on the CPU instead, metered and not timed (:class:`Predictor`), and the dry
@@ -39,7 +42,10 @@ from autotune.execution.known_values import KnowingFakeTensorMode
 from autotune.execution.trial import _compiled, _measurement, _Run, run_trial
 from autotune.execution.work import outcome
 from autotune.meters import TensorMeter
+from autotune.plans.offload import offloader_of
 from autotune.records import PREDICTED, Config, Measurement, TrialSettings
+from autotune.timing.counting import OpWork, StepWork, WorkCounter
+from autotune.timing.model import with_predicted_time
 from autotune.training.workload import Workload, _copy_model
 from autotune.units import format_bytes
 from autotune.vocabulary import Status
@@ -47,6 +53,7 @@ from autotune.vocabulary import Status
 if TYPE_CHECKING:
     from autotune.execution.cuda_rules import CudaRules
     from autotune.execution.one_rank import OneRank
+    from autotune.timing.model import Machine
     from autotune.training.wrapping import Wrapping
 
 __all__ = ["fake_tensors", "fake_buildable", "predict_trial", "Unpredictable", "Predictor", "CANNOT_FAKE",
@@ -286,7 +293,7 @@ class _Predicted(_Run):
 def predict_trial(workload: Workload, config: Config, *, device: torch.device | str = "cpu",
                   budget_bytes: int | None = None, settings: TrialSettings = TrialSettings(),
                   mode: FakeTensorMode | None = None, parallel: "Wrapping | None" = None,
-                  cuda: "CudaRules | None" = None) -> Measurement:
+                  cuda: "CudaRules | None" = None, time_model: "Machine | None" = None) -> Measurement:
     """Predict the peak memory of a memory trial of ``config`` (:func:`autotune.execution.trial.run_trial` with
     ``timed=False``) under ``budget_bytes``, without running it: status ``ok`` or ``oom`` (or ``failed``, the model's
     own error), ``memory_source`` :data:`PREDICTED`, no step time.
@@ -296,20 +303,25 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     ``parallel``: one rank's part of a distributed trial, on a fake process group (:mod:`autotune.execution.one_rank`).
     ``cuda``: predict for CUDA (:mod:`autotune.execution.cuda_rules`): run where its rules say (``device`` is then
     ignored), and read the allocator's reserved bytes from the allocation trace; the budget holds those.
+    ``time_model``: also predict the step's time on this machine (:func:`autotune.timing.model.step_time`).
     """
     device = torch.device(device) if cuda is None else cuda.here
     started = time.monotonic()
     run = _Predicted(workload.unwarmed(), config, device, settings, parallel, host_apart=cuda is not None)
-    status, error, handle = Status.OK, None, None
+    status, error, handle, work = Status.OK, None, None, None
+    counter = WorkCounter() if time_model is not None else contextlib.nullcontext()
     try:
         meter = TensorMeter(device, budget_bytes=budget_bytes, trace=cuda is not None)
         rules = cuda.applied() if cuda else contextlib.nullcontext()
         with mode or fake_tensors(), _AsTheKernelsDo(cuda is not None or device.type == "cuda"), rules, \
                 meter.measure() as handle:
             run.build()
-            run.step(run.batch, micro_steps=run.micro_steps)  # the state primed: one step holds all
+            with counter:
+                run.step(run.batch, micro_steps=run.micro_steps)  # the state primed: one step holds all
             if run.unprimed is not None:
                 run.make_state()
+            if time_model is not None:
+                work = _work(counter, run, parallel)
     except CANNOT_FAKE as exc:
         raise Unpredictable(_op(exc), _reason(exc)) from None
     except Exception as exc:  # noqa: BLE001 - as in a trial, the model's failures are outcomes
@@ -324,7 +336,26 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
         reading, allocator_error = cuda.read(reading, handle.trace or (), budget_bytes)
         if allocator_error is not None and status == Status.OK:
             status, error = Status.OOM, allocator_error
-    return _measurement(config, status, error, records, reading, started, timed=False)
+    predicted = _measurement(config, status, error, records, reading, started, timed=False)
+    if work is None:
+        return predicted
+    return with_predicted_time(predicted, work, time_model, world_size=parallel.job.world_size if parallel else 1)
+
+
+def _work(counter: WorkCounter, run: _Run, parallel: "Wrapping | None") -> StepWork:
+    """The step's counted work, with the bytes an offloading plan copied to the host, and under DDP its gradients'
+    all-reduce (on the fake process group DDP's buckets are reduced by a hook that moves nothing)."""
+    offloader = offloader_of(run.module)
+    work = counter.work(offloader.moved_bytes if offloader is not None else 0)
+    if run.micro_steps > 1:  # the metered step accumulated; a timed step is one micro-step and the optimizer's step
+        work = dataclasses.replace(work, offload_bytes=work.offload_bytes // run.micro_steps, ops=tuple(
+            op if op.phase == "optimizer" else dataclasses.replace(op, count=max(1, op.count // run.micro_steps))
+            for op in work.ops))
+    if parallel is not None and parallel.job.wrapper == "ddp":
+        grads = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
+        work = dataclasses.replace(work, ops=(*work.ops, OpWork("backward", "collective", "fp32", 0, grads, 1,
+                                                                "allreduce_")))
+    return work
 
 
 def _op(exc: Exception) -> str:
@@ -357,7 +388,8 @@ class Predictor:
     def __init__(self, workload: Workload, *, device: torch.device, budget_bytes: int | None, settings: TrialSettings,
                  model_name: str, state_bytes: int, real_limit_bytes: int | None,
                  mode: FakeTensorMode | None = None, ranks: "OneRank | None" = None,
-                 cuda: "CudaRules | None" = None) -> None:
+                 cuda: "CudaRules | None" = None, time_model: "Machine | None" = None) -> None:
+        self.time_model = time_model  # what prices each prediction's step time (None: no time)
         self.workload, self.device, self.budget_bytes, self.settings = workload, device, budget_bytes, settings
         self.cuda = cuda  # --device cuda: CUDA's rules
         self.mode = mode  # the fake tensors of the workload's models (fake_buildable), if it has its own
@@ -373,7 +405,7 @@ class Predictor:
             predicted = predict_trial(self.workload, config, device=self.device, budget_bytes=self.budget_bytes,
                                       settings=self.settings, mode=self.mode,
                                       parallel=self.ranks.wrapping() if self.ranks is not None else None,
-                                      cuda=self.cuda)
+                                      cuda=self.cuda, time_model=self.time_model)
         except Unpredictable as exc:
             self._cannot_predict(str(exc))
             return self._measured(config)

@@ -58,6 +58,9 @@ def export(report: Report, framework: str) -> dict[str, Any]:
     rec = report.recommendation
     if rec is None:
         raise UsageError("nothing to export: the report has no recommendation")
+    if report.dry_run:
+        raise UsageError("nothing to export: a dry run's recommendation is an estimate (predicted, not measured): "
+                         "search without --dry-run to export a measured one")
     accumulation = report.accumulation or {}
     ctx = Context(
         precision=rec.precision,

@@ -89,7 +89,7 @@ def recommendation_of(report: Report) -> tuple[Any, int]:
     """The recommended trial and its accumulation steps; :class:`NothingFits` (the trainer left as it was) if none."""
     best = report.recommendation
     if report.dry_run:
-        raise UsageError("a dry run recommends nothing to write back (it predicts memory, not time): tune the trainer "
+        raise UsageError("a dry run recommends nothing to write back (its figures are predicted: an estimate, not measured): tune the trainer "
                          "without dry_run; its report is the one that predicts (autotune.tune(..., dry_run=True))")
     if best is None:
         raise NothingFits(f"autotune: {report.shortfall().why()}; the trainer is unchanged", report)

@@ -96,6 +96,7 @@ class Offloader:
         self.host_bytes = 0  # held now
         self.host_peak_bytes = 0
         self.moved = 0  # tensors copied to the host so far
+        self.moved_bytes = 0  # their bytes (each copied back once, at most: the time model's transfers)
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its _Packed: saved twice, moved once
         self._last: weakref.ref | None = None  # the tensor saved last (weakly: the graph holds what it saved)
         self._params: set[int] = set()
@@ -141,6 +142,7 @@ class Offloader:
         self.host_bytes += nbytes
         self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
         self.moved += 1
+        self.moved_bytes += nbytes
         weakref.finalize(packed, self._freed, nbytes)
         self._seen[tensor] = packed
         self._last = weakref.ref(packed)

@@ -78,6 +78,7 @@ class Searching:
     cuda_capability: tuple[int, int] | None = None  # --cuda-capability: the GPU a dry run plans for
     cuda_context_bytes: int | None = None  # --cuda-context: its CUDA context, as NVML counts it
     eval_limits: bool = True  # the stage after the probe: the largest evaluation batches (--no-eval-limits)
+    card: str | None = None  # --card: the GPU a dry run plans for, by name (autotune.timing.cards): it prices time
 
     @property
     def sharding_ranks(self) -> int | None:
@@ -177,7 +178,7 @@ def _searching(options: Options, device: torch.device) -> Searching:
         batch_multiple(options.batch_multiple, device), options.exact_limit, options.static_compile,
         options.probe_settings if options.probe else None, options.target_batch_size, options.compare_library,
         options.dry_run, options.parallel, options.world_size, options.cuda_capability, options.cuda_context,
-        options.eval_limits)
+        options.eval_limits, options.card)
 
 
 def _host_budget(given: int | None, local_ranks: int = 1) -> tuple[int | None, str]:

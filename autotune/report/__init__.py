@@ -124,7 +124,8 @@ class Report:
 
     @property
     def dry_run(self) -> bool:
-        """Whether the trials were predicted (``--dry-run``), not measured: no step times, no recommendation."""
+        """Whether the trials were predicted (``--dry-run``), not measured: their step times (where a time model priced
+        them) and the recommendation are estimates."""
         return bool(self.search.get("dry_run"))
 
     @property

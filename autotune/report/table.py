@@ -172,9 +172,25 @@ def _probe_lines(report: Any) -> list[str]:
     return lines
 
 
+def _estimate_lines(report: Any, rec: Any, budget: str) -> list[str]:
+    """A dry run's recommendation: its memory and its time predicted, an estimate with the model's checked error."""
+    model = report.search.get("time_model") or {}
+    checked = model.get("checked")
+    error = (f"median error {checked['median_abs_error']:.0%} measured ({checked['source']})" if checked
+             else f"its error not measured on {model.get('name')}")
+    share = f" ({rec.peak_bytes / report.budget_bytes:.0%} of the {budget} budget)" if report.budget_bytes else ""
+    front = ", ".join(f"{m.precision}/{m.config.plan}/{m.batch_size}" for m in report.pareto)
+    return [f"recommendation (an estimate: predicted, not measured): {rec.precision}, segments {rec.config.plan}, "
+            f"batch size {rec.batch_size}: {rec.samples_per_s:.1f} samples/s predicted on {model.get('name')} "
+            f"({error}), peak {format_bytes(rec.peak_bytes)} predicted{share}",
+            f"predicted Pareto front (time and memory estimates): {front}"]
+
+
 def _recommendation_lines(report: Any) -> list[str]:
     rec = report.recommendation
     budget = format_bytes(report.budget_bytes) if report.budget_bytes else "none"
+    if report.dry_run and rec is not None:
+        return _estimate_lines(report, rec, budget)
     if report.dry_run:
         fitting = sum(m.fits(usable_bytes(report.budget_bytes, report.headroom)) for m in report.trials)
         return [f"recommendation: none in a dry run (it predicts memory, not time); {fitting} of its "

@@ -185,7 +185,8 @@ def _recommendation_fields(recommendation: Any) -> _Recommended:
     raise UsageError(f"cannot apply a {type(recommendation).__name__}: pass a Report, its recommendation or its JSON dict")
 
 
-_DRY_RUN = "a dry run's report has no recommendation (it predicts memory, not time): apply a search's"
+_DRY_RUN = ("a dry run's report has no recommendation to apply (its figures are predicted: an estimate, not measured): "
+            "apply a search's")
 _NOTHING = "the report has no recommendation: nothing fitted the budget"
 
 
