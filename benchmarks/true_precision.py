@@ -42,11 +42,13 @@ def _workload(spec: str) -> Workload:
     return load.with_chain(find_chain(load.build_model()))
 
 
-def state_by_part(load: Workload, precision: str) -> dict:
-    trainer = Trainer(load, Config(precision, "0", BATCH), torch.device("cpu"))
+def state_by_part(load: Workload, precision: str, batch: int = BATCH) -> dict:
+    """One step of a Trainer in ``precision``: the bytes of its weights, gradients, AdamW's moments and step counts
+    (tests/test_precision.py holds bf16-true's to half of bf16's with it)."""
+    trainer = Trainer(load, Config(precision, "0", batch), torch.device("cpu"))
     trainer.build(prime=False)
     with trainer.run.autocast():
-        loss = load.loss(trainer.model, load.make_batch(trainer.module, BATCH))
+        loss = load.loss(trainer.model, load.make_batch(trainer.module, batch))
     trainer.run.backward(loss)
     params = list(trainer.model.parameters())
     parts = {"weights": sum(p.numel() * p.element_size() for p in params),

@@ -151,25 +151,11 @@ def test_bf16_true_casts_the_floating_weights_buffers_and_inputs_and_neither_aut
 
 
 def _state_by_part(spec: str, precision: str) -> dict[str, int]:
-    """One step of a Trainer in ``precision``: the bytes of its weights, gradients, AdamW's moments and step counts."""
-    from autotune.records import Config
-    from autotune.training.trainer import Trainer
+    """One step of a Trainer in ``precision``: the bytes of its weights, gradients, AdamW's moments and step counts
+    (the benchmark's measurement, results/true_precision-cpu.md, at batch 4)."""
+    from benchmarks.true_precision import state_by_part
 
-    load = _workload(spec)
-    trainer = Trainer(load, Config(precision, "0", 4), torch.device("cpu"))
-    trainer.build(prime=False)
-    with trainer.run.autocast():
-        loss = load.loss(trainer.model, load.make_batch(trainer.module, 4))
-    trainer.run.backward(loss)
-    params = list(trainer.model.parameters())
-    parts = {"weights": sum(p.numel() * p.element_size() for p in params),
-             "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)}
-    trainer.run.step(trainer.optimizer)
-    state = [(k, t) for s in trainer.optimizer.state.values() for k, t in s.items()]
-    parts["moments"] = sum(t.numel() * t.element_size() for k, t in state if k != "step")
-    parts["steps"] = sum(t.numel() * t.element_size() for k, t in state if k == "step")
-    trainer.release()
-    return parts
+    return state_by_part(_workload(spec), precision, batch=4)
 
 
 @pytest.mark.parametrize("spec", MODELS)
@@ -180,11 +166,11 @@ def test_bf16_true_holds_half_the_state_of_bf16_to_the_byte_and_the_preflight_sa
     from autotune.training.state import held_parts
 
     bf16, true = _state_by_part(spec, "bf16"), _state_by_part(spec, "bf16-true")
-    assert {k: 2 * v for k, v in true.items() if k != "steps"} == {k: v for k, v in bf16.items() if k != "steps"}
-    assert true["steps"] == bf16["steps"] > 0
+    assert {k: 2 * v for k, v in true.items() if k != "step_counts"} == {k: v for k, v in bf16.items() if k != "step_counts"}
+    assert true["step_counts"] == bf16["step_counts"] > 0
     held = held_parts(_workload(spec).build_model(), OptimizerSpec(), 1e-4, torch.bfloat16)
     assert held == {"weights": true["weights"], "gradients": true["gradients"],
-                    "optimizer_state": true["moments"] + true["steps"]}
+                    "optimizer_state": true["moments"] + true["step_counts"]}
 
 
 @pytest.mark.parametrize("spec", MODELS)
