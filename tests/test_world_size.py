@@ -202,13 +202,9 @@ AUTOCAST = ["--precisions", "fp32,bf16", "--segments", "0,all", "--batch-sizes",
 FSDP_MIXED = ["--precisions", "bf16-fsdp", "--segments", "0,all,sac-torchtitan", "--batch-sizes", "2,8,32,64"]
 
 
-@pytest.mark.parametrize("spec, kwargs", [("tests.zoo:llama", None), ("autotune.examples:TinyGPT", REAL_KWARGS)])
-def test_one_rank_under_fsdp2_s_mixed_precision_is_predicted_to_the_byte(spec, kwargs):
-    """bf16-fsdp and the selective plans, rank 0 of one: predicted on the fake process group, measured on a real gloo
-    group, in this process: the same bytes. On a Llama (no biases: torchtitan's plan alternates its mm, and keeps
-    what sac-lean keeps; fused attention), and on TinyGPT, whose LayerNorms get bf16 weights: the CPU's kernel then
-    keeps its statistics in bf16 (the predictor counted them in fp32, as with fp32 weights: 2,560 bytes too many
-    here, 5 LayerNorms x 128 rows x 2 statistics x 2 bytes)."""
+def _one_rank_both_ways(load: Workload, configs: list, wrapper: str) -> tuple[list, list]:
+    """Each configuration's rank 0 of one under ``wrapper``: predicted on the fake process group, then measured on a
+    real gloo group in this process (each trial's mesh its own name, as the job's trials have)."""
     import torch.distributed as dist
 
     from autotune.execution.job import Job
@@ -217,26 +213,37 @@ def test_one_rank_under_fsdp2_s_mixed_precision_is_predicted_to_the_byte(spec, k
     from autotune.records import TrialSettings
     from autotune.training.wrapping import Wrapping
 
+    settings = TrialSettings(measure_steps=1, settle_steps=0)
+    with one_rank(wrapper, 1, torch.device("cpu")) as ranks:
+        predicted = [predict_trial(load, c, settings=settings, parallel=ranks.wrapping()) for c in configs]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        job = Job(wrapper, 0, 1, 0, "gloo")
+        measured = []
+        for config in configs:
+            job.trials += 1
+            measured.append(run_trial(load, config, device="cpu", meter=TensorMeter("cpu"), settings=settings,
+                                      parallel=Wrapping(job, dist.group.WORLD, torch.device("cpu"))))
+    finally:
+        dist.destroy_process_group()
+    return predicted, measured
+
+
+@pytest.mark.parametrize("spec, kwargs", [("tests.zoo:llama", None), ("autotune.examples:TinyGPT", REAL_KWARGS)])
+def test_one_rank_under_fsdp2_s_mixed_precision_is_predicted_to_the_byte(spec, kwargs):
+    """bf16-fsdp and the selective plans, rank 0 of one: predicted on the fake process group, measured on a real gloo
+    group, in this process: the same bytes. On a Llama (no biases: torchtitan's plan alternates its mm, and keeps
+    what sac-lean keeps; fused attention), and on TinyGPT, whose LayerNorms get bf16 weights: the CPU's kernel then
+    keeps its statistics in bf16 (the predictor counted them in fp32, as with fp32 weights: 2,560 bytes too many
+    here, 5 LayerNorms x 128 rows x 2 statistics x 2 bytes)."""
     from tests.optional import needs
 
     if spec.startswith("tests.zoo"):
         needs("transformers")
     load = Workload.from_specs(spec, model_kwargs=json.dumps(kwargs) if kwargs else None)
     load = load.with_chain(find_chain(load.build_model()))
-    settings = TrialSettings(measure_steps=1, settle_steps=0)
     configs = [Config(p, s, 8) for p in ("bf16-fsdp", "fp32") for s in ("0", "sac-torchtitan", "sac-lean")]
-    with one_rank("fsdp", 1, torch.device("cpu")) as ranks:
-        predicted = [predict_trial(load, c, settings=settings, parallel=ranks.wrapping()) for c in configs]
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        job = Job("fsdp", 0, 1, 0, "gloo")
-        measured = []
-        for config in configs:
-            job.trials += 1  # each trial's mesh its own name, as the job's trials have
-            measured.append(run_trial(load, config, device="cpu", meter=TensorMeter("cpu"), settings=settings,
-                                      parallel=Wrapping(job, dist.group.WORLD, torch.device("cpu"))))
-    finally:
-        dist.destroy_process_group()
+    predicted, measured = _one_rank_both_ways(load, configs, "fsdp")
     assert [m.status for m in measured] == ["ok"] * len(configs), [m.error for m in measured]
     assert [p.peak_bytes for p in predicted] == [m.peak_bytes for m in measured], (predicted, measured)
     peaks = {(c.precision, c.plan): m.peak_bytes for c, m in zip(configs, measured)}
@@ -252,14 +259,6 @@ def test_a_frozen_models_ddp_rank_peaks_at_the_weights_broadcast_and_is_predicte
     so at a small batch with every block recomputed the broadcast is the trial's peak. Predicted on the fake group
     (torch's own broadcast run there) as a real gloo rank measures it, to the byte; before, the prediction skipped
     the broadcast as below a step's peak, which it is not here (plan all: 306,536 bytes predicted, 344,384 measured)."""
-    import torch.distributed as dist
-
-    from autotune.execution.job import Job
-    from autotune.execution.predict import predict_trial
-    from autotune.execution.trial import run_trial
-    from autotune.records import TrialSettings
-    from autotune.training.wrapping import Wrapping
-
     from tests.optional import needs
     from tests.zoo import BY_NAME
 
@@ -268,20 +267,8 @@ def test_a_frozen_models_ddp_rank_peaks_at_the_weights_broadcast_and_is_predicte
         needs(package)
     load = Workload.from_specs(member.build)
     load = load.with_chain(find_chain(load.build_model()))
-    settings = TrialSettings(measure_steps=1, settle_steps=0)
     configs = [Config("fp32", plan, 2) for plan in ("0", "all")]
-    with one_rank("ddp", 1, torch.device("cpu")) as ranks:
-        predicted = [predict_trial(load, c, settings=settings, parallel=ranks.wrapping()) for c in configs]
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        job = Job("ddp", 0, 1, 0, "gloo")
-        measured = []
-        for config in configs:
-            job.trials += 1
-            measured.append(run_trial(load, config, device="cpu", meter=TensorMeter("cpu"), settings=settings,
-                                      parallel=Wrapping(job, dist.group.WORLD, torch.device("cpu"))))
-    finally:
-        dist.destroy_process_group()
+    predicted, measured = _one_rank_both_ways(load, configs, "ddp")
     assert [m.status for m in measured] == ["ok", "ok"], [m.error for m in measured]
     assert [p.peak_bytes for p in predicted] == [m.peak_bytes for m in measured]
     model = load.build_model()
@@ -294,30 +281,10 @@ def test_one_rank_of_bf16_true_is_predicted_to_the_byte(wrapper):
     """bf16-true under each wrapper, rank 0 of one: the model cast to bf16 before the wrap (FSDP2 shards and gathers
     bf16 weights without a policy, and reduces bf16 gradients; DDP's buckets are bf16), predicted on the fake process
     group and measured on a real gloo group: the same bytes."""
-    import torch.distributed as dist
-
-    from autotune.execution.job import Job
-    from autotune.execution.predict import predict_trial
-    from autotune.execution.trial import run_trial
-    from autotune.records import TrialSettings
-    from autotune.training.wrapping import Wrapping
-
     load = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=json.dumps(REAL_KWARGS))
     load = load.with_chain(find_chain(load.build_model()))
-    settings = TrialSettings(measure_steps=1, settle_steps=0)
     configs = [Config("bf16-true", s, 8) for s in ("0", "all")]
-    with one_rank(wrapper, 1, torch.device("cpu")) as ranks:
-        predicted = [predict_trial(load, c, settings=settings, parallel=ranks.wrapping()) for c in configs]
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        job = Job(wrapper, 0, 1, 0, "gloo")
-        measured = []
-        for config in configs:
-            job.trials += 1
-            measured.append(run_trial(load, config, device="cpu", meter=TensorMeter("cpu"), settings=settings,
-                                      parallel=Wrapping(job, dist.group.WORLD, torch.device("cpu"))))
-    finally:
-        dist.destroy_process_group()
+    predicted, measured = _one_rank_both_ways(load, configs, wrapper)
     assert [m.status for m in measured] == ["ok"] * len(configs), [m.error for m in measured]
     assert [p.peak_bytes for p in predicted] == [m.peak_bytes for m in measured], (predicted, measured)
 
