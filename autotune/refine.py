@@ -28,55 +28,110 @@ __all__ = ["exact_limit", "static_compile"]
 
 
 def exact_limit(report: Report, target: Target, study: Study, events: Any) -> Report:
-    """Stage 5b (``--exact-limit``): the recommended variant's limit made exact by real trials, and the recommendation
-    reconsidered at it.
+    """Stage 5b: the recommended variant's limit made exact by real trials, and the recommendation reconsidered at it.
 
-    Between the largest batch that fits and the smallest that does not (measured, or implied by a memory line or a
-    plan that needs no more), memory trials bisect in steps of ``--batch-multiple``, and the size above the limit is
-    measured failing. The largest size within the budget less its headroom is found the same way and timed, so the
-    recommendation considers training at it. These trials are the report's, not the study's (their sizes are not
-    the space's): workers sharing a study each run them, and a resumed search runs them again.
+    By default, where the search's predictions made the recommended variant's limit exact
+    (:func:`~autotune.analysis.exact.exact_limits`), its predicted sides are measured: a memory trial at the largest
+    size predicted to fit and one at the next (``search.exact_limit.confirmed``). Where a trial contradicts its
+    prediction, the predictions of every variant fall back on trials of their own (a notice says so) and the
+    recommended variant's limit is bisected by real trials as below.
+
+    With ``--exact-limit``, between the largest batch that fits and the smallest that does not (measured, or implied
+    by a memory line or a plan that needs no more), memory trials bisect in steps of ``--batch-multiple``, and the size
+    above the limit is measured failing. The largest size within the budget less its headroom is found the same way
+    and timed, so the recommendation considers training at it. These trials are the report's, not the study's (their
+    sizes are not the space's): workers sharing a study each run them, and a resumed search runs them again.
     """
     rec = report.recommendation
-    if rec is None or not target.searching.exact_limit:
+    if rec is None:
         return report
-    row = next(r for r in report.limits if Variant(r["precision"], r["segments"], r.get("compile", EAGER)) == rec.config.variant)
-    lo, hi = row["max_batch_size"], row["min_oom_batch_size"]
-    step = target.searching.batch_multiple
-    measured = {m.config: m for m in report.trials}
-    if lo is None or hi is None or (hi - lo <= step and rec.config.variant.at(hi) in measured):
+    variant = rec.config.variant
+    row = _row(report, variant)
+    # The sides of its limit the search's predictions gave (exact_limits): {field: batch size}
+    predicted = {size: row[size] for size, rule in (("max_batch_size", "max_rule"), ("min_oom_batch_size", "min_oom_rule"))
+                 if row.get(rule) == "prediction"}
+    if not predicted and not target.searching.exact_limit:
+        return report
+    trials = _LimitTrials(report, target, study, events, variant)
+    side: dict[str, Any] = {"precision": rec.precision, "segments": str(rec.config.plan),
+                            "batch_multiple": target.searching.batch_multiple}
+    if predicted:
+        for b in predicted.values():  # the largest size predicted to fit, and the next
+            trials.run(b)
+        report = trials.joined(report)
+        row = _row(report, variant)
+        confirmed = (all(row[size] == b for size, b in predicted.items())
+                     and not any(row.get(k) == "prediction" for k in ("max_rule", "min_oom_rule")))
+        side.update({f"predicted_{size}": b for size, b in predicted.items()}, confirmed=confirmed)
+        if not confirmed:
+            report = dataclasses.replace(report, notices=report.notices + (
+                f"the search's predicted limit of {variant} was not confirmed by its trials at "
+                f"{' and '.join(map(str, predicted.values()))}: every variant's limit stands on its own trials, and "
+                f"this one was bisected by real trials",))
+            logger.warning(report.notices[-1])
+    if not (predicted and side["confirmed"] and not target.searching.exact_limit):
+        side.update(_bisected(trials, row, target))
+    side.update(max_batch_size=side.get("max_batch_size", row["max_batch_size"]),
+                min_oom_batch_size=side.get("min_oom_batch_size", row["min_oom_batch_size"]), trials=len(trials.added))
+    if not trials.added:
         return report  # the space's top fits, or the limit is exact and measured already
-    added: list[Measurement] = []
+    return dataclasses.replace(trials.joined(report), search={**report.search, "exact_limit": side})
 
-    def run(b: int, timed: bool = False, metered: bool = True) -> Measurement:
-        config = rec.config.variant.at(b)
-        if config in measured and not timed:
-            return measured[config]
-        events.trial_started(config)
-        m = target.venue.run(study.workload, TrialWork(config, target.trial_settings, target.budget.enforced,
-                                                       timed=timed, metered=metered))
+
+class _LimitTrials:
+    """The real trials of one variant that stage 5b runs: each a memory trial (or a timing of one), reported as it
+    ends; ``added`` holds them, ``measured`` the report's trials with them."""
+
+    def __init__(self, report: Report, target: Target, study: Study, events: Any, variant: Variant) -> None:
+        self.target, self.study, self.events, self.variant = target, study, events, variant
+        self.measured = {m.config: m for m in report.trials}
+        self.added: list[Measurement] = []
+
+    def run(self, b: int, timed: bool = False, metered: bool = True) -> Measurement:
+        config, target = self.variant.at(b), self.target
+        if config in self.measured and not timed:
+            return self.measured[config]
+        self.events.trial_started(config)
+        m = target.venue.run(self.study.workload, TrialWork(config, target.trial_settings, target.budget.enforced,
+                                                            timed=timed, metered=metered))
         if timed and target.venue.slows_steps:
-            m = completed(measured[config], m, None)  # the memory trial's peaks, this run's steps
-        measured[config] = m
-        added.append(m)
-        events.trial_done(m, False)
+            m = completed(self.measured[config], m, None)  # the memory trial's peaks, this run's steps
+        self.measured[config] = m
+        self.added.append(m)
+        self.events.trial_done(m, False)
         return m
 
-    limit, above = bisect_limit(lambda b: run(b).fits(target.budget.bytes), lo, hi, step)
-    run(above)  # measured failing, not implied
+    def joined(self, report: Report) -> Report:
+        """``report`` with the trials run so far (a timing replaces its memory trial)."""
+        kept = {m.config: m for m in report.trials} | {m.config: m for m in self.added}
+        return dataclasses.replace(report, trials=tuple(kept.values()))
+
+
+def _bisected(trials: _LimitTrials, row: dict, target: Target) -> dict[str, Any]:
+    """The limit of ``row``'s variant bisected by real memory trials between its sides, the size above measured
+    failing; with ``--exact-limit``, the largest size within the headroom bisected and timed too. What the report's
+    ``search.exact_limit`` says of them (nothing where the limit is exact and measured already, or the top fits)."""
+    lo, hi, step = row["max_batch_size"], row["min_oom_batch_size"], target.searching.batch_multiple
+    if lo is None or hi is None or (hi - lo <= step and trials.variant.at(hi) in trials.measured):
+        return {}
+    limit, above = bisect_limit(lambda b: trials.run(b).fits(target.budget.bytes), lo, hi, step)
+    trials.run(above)  # measured failing, not implied
+    if not target.searching.exact_limit:
+        return {"max_batch_size": limit, "min_oom_batch_size": above}
     # The recommendation leaves headroom: the largest size within it, bisected from the trials so far, is timed
     usable = usable_bytes(target.budget.bytes, target.budget.headroom)
-    sizes = {c.batch_size: m for c, m in measured.items() if c.variant == rec.config.variant}
+    sizes = {c.batch_size: m for c, m in trials.measured.items() if c.variant == trials.variant}
     lo_usable = max(b for b, m in sizes.items() if m.fits(usable))  # the recommendation's own size at least
     hi_usable = min(b for b, m in sizes.items() if b > lo_usable and not m.fits(usable))  # the limit's next at most
-    best, _ = bisect_limit(lambda b: run(b).fits(usable), lo_usable, hi_usable, step)
-    if measured[rec.config.variant.at(best)].memory_only:
-        run(best, timed=True, metered=not target.venue.slows_steps)
-    kept = {m.config: m for m in report.trials} | {m.config: m for m in added}  # a timing replaces its memory trial
-    return dataclasses.replace(report, trials=tuple(kept.values()), search={
-        **report.search, "exact_limit": {"precision": rec.precision, "segments": str(rec.config.plan), "max_batch_size": limit,
-                                         "min_oom_batch_size": above, "max_batch_size_within_headroom": best,
-                                         "batch_multiple": step, "trials": len(added)}})
+    best, _ = bisect_limit(lambda b: trials.run(b).fits(usable), lo_usable, hi_usable, step)
+    if trials.measured[trials.variant.at(best)].memory_only:
+        trials.run(best, timed=True, metered=not target.venue.slows_steps)
+    return {"max_batch_size": limit, "min_oom_batch_size": above, "max_batch_size_within_headroom": best}
+
+
+def _row(report: Report, variant: Variant) -> dict:
+    """The report's limit row of ``variant``."""
+    return next(r for r in report.limits if Variant(r["precision"], r["segments"], r.get("compile", EAGER)) == variant)
 
 
 # -- stage 5c: a compiled recommendation, timed static ---------------------------------------------------------------

@@ -7,7 +7,8 @@
             -> plan_study -> Study        the plans checked on the model, the space, the study's identity
             -> search -> SearchResult     trials in the Optuna study (autotune.search.loop)
             -> analyse -> Report          front, limits and recommendation derive from the trials
-            -> exact_limit -> Report      --exact-limit: the recommended variant's limit made exact by real trials
+            -> exact_limit -> Report      the recommended variant's limit: its predicted exact limit confirmed by
+                                          trials, or (--exact-limit) bisected by real trials
             -> static_compile -> Report   a compiled recommendation timed again compiled for its batch size alone
             -> probe -> Report            the best candidates train an epoch over a slice of the data
             -> eval_limits -> Report      the largest evaluation batch per precision and plan (autotune.eval_limits)
@@ -157,7 +158,8 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
                              line_rule=LineRule.of(facts.fixed_bytes, facts.optimizer_state_bytes is not None,
                                                    (target.data_profile or {}).get("shapes_vary", False),
                                                    _held_fixed_bytes(facts)),
-                             **({"predictions": seeding.predictions} if seeding else {}),
+                             **({"predictions": seeding.in_space(study.space), "time_error": _time_error(seeding)}
+                                if seeding else {}),
                              probed=_probed(target, study))
     space = study.space
     planned = {"grid": len(space), "optuna": min(len(space), searching.n_trials or max(1, len(space) // 4))}.get(strategy.name)
@@ -176,8 +178,22 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
         return result
     order = {variant: i for i, variant in enumerate(space.variants())}
     predictions = tuple(sorted(seeding.predictions.values(), key=lambda m: (order[m.config.variant], m.batch_size)))
-    return dataclasses.replace(result, predictions=predictions, seeding=seeding.describe(),
+    described = seeding.describe()
+    untimed = getattr(strategy, "outpaced_configs", None)  # a strategy that leaves configurations to the time model
+    if untimed is not None and strategy.time_error is not None:
+        described.update(time_error=strategy.time_error, not_timed_predicted_slower=len(untimed(
+            space, {m.config: m for m in result.measurements}, target.budget.enforced)))
+    return dataclasses.replace(result, predictions=predictions, seeding=described,
                                wall_s=result.wall_s + seeding.seconds, notices=seeding.notices)
+
+
+def _time_error(seeding: Seeding) -> float | None:
+    """The median error of the time model that priced ``seeding``'s predictions, as checked against measured steps
+    (``autotune/timing/checked.json``), or None (no time predicted, or a model never checked)."""
+    from autotune.timing.model import checked_error
+
+    checked = checked_error(seeding.time_model) if seeding.time_model else None
+    return None if checked is None else float(checked["median_abs_error"])
 
 
 def _held_fixed_bytes(facts: ModelFacts) -> dict[str, int]:
@@ -200,8 +216,23 @@ def _seeding(target: Target, study: Study, facts: ModelFacts) -> Seeding | None:
         return None
     budget = target.budget
     return seed(study.workload, study.space, device=target.device, budget_bytes=budget.enforced,
-                limits=(budget.bytes,),
-                settings=target.trial_settings, fixed_bytes=facts.fixed_bytes)
+                limits=(budget.bytes,), settings=target.trial_settings, fixed_bytes=facts.fixed_bytes,
+                multiple=target.searching.batch_multiple, time_model=_time_model(target))
+
+
+def _time_model(target: Target) -> Any:
+    """What prices the predictions' steps for ``auto`` (:mod:`autotune.timing`): this CPU, calibrated once and cached;
+    None on another device (a GPU here is not calibrated) or where the calibration fails (the search then times what
+    its own measurements cannot separate, as before a time model)."""
+    if target.device.type != "cpu":
+        return None
+    from autotune.timing.calibration import this_cpu
+
+    try:
+        return this_cpu()
+    except Exception as exc:  # noqa: BLE001 - a time model only saves trials
+        logger.warning("no time model for the search (this CPU's calibration failed: %s)", first_line(exc))
+        return None
 
 
 # -- stage 5: the report -----------------------------------------------------------------------------------------
@@ -209,31 +240,10 @@ def _seeding(target: Target, study: Study, facts: ModelFacts) -> Seeding | None:
 
 def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResult) -> Report:
     """Stage 5: the report of the trials; its front, limits and recommendation derive from them."""
-    key, searching, settings = target.key, target.searching, target.trial_settings
+    searching, settings = target.searching, target.trial_settings
     return Report(
         environment=target.backend.environment(),
-        workload={
-            "model": study.workload.name,
-            "model_class": facts.model_class,
-            "model_kwargs": key.model_kwargs,
-            "data": key.data,
-            "loss": key.loss,
-            "step": key.step,
-            # its name and kwargs (the study's), then the optimizer the preflight made: class, settings, source
-            "optimizer": {**study.workload.optimizer.to_dict(), **(facts.optimizer or {}),
-                          "state_bytes": facts.optimizer_state_bytes},
-            "fixed_bytes": facts.fixed_bytes, **({"state_by_precision": facts.held} if facts.held else {}),  # bf16-true's
-            "parameter_count": facts.parameter_count,
-            "parameter_bytes": facts.parameter_bytes,
-            # the parameters that train: the gradients and the optimizer's state are theirs (an adapter's, over frozen
-            # weights)
-            "trainable_parameter_count": (facts.parameter_count if facts.trainable_parameter_count is None
-                                          else facts.trainable_parameter_count),
-            "trainable_parameter_bytes": facts.state()["gradients"],
-            "chain": None if facts.chain is None else facts.chain.to_dict(),
-            "library_checkpointing": facts.library_checkpointing,
-            "training_cache": list(facts.training_cache),
-        },
+        workload=_workload_section(target, facts, study),
         budget_bytes=target.budget.bytes,
         headroom=target.budget.headroom,
         search={
@@ -242,6 +252,7 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "study": result.study_name, "storage": result.storage, "space": study.space.to_dict(),
             "warmup_steps": settings.warmup_steps, "measure_steps": settings.measure_steps,
             "settle_steps": settings.settle_steps, "predictions": result.seeding,
+            "batch_multiple": searching.batch_multiple,  # the step of the limits made exact (predicted, confirmed)
             "trial_timeout_s": settings.timeout_s, "memory_meter": _meters(target, study.space),
             "isolation": target.isolation, **target.venue.describe(), "partial": result.partial,
             # configurations by what their trials measured; those timed after a memory trial of their own
@@ -267,6 +278,33 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
             "isolation": "each rank's trial in its own process (--isolation none)",
             "batch_size": "per rank (micro-batch); samples/s count every rank's"},
     )
+
+
+def _workload_section(target: Target, facts: ModelFacts, study: Study) -> dict[str, Any]:
+    """The report's ``workload``: what was trained, as the study names it and the preflight measured it."""
+    key = target.key
+    return {
+        "model": study.workload.name,
+        "model_class": facts.model_class,
+        "model_kwargs": key.model_kwargs,
+        "data": key.data,
+        "loss": key.loss,
+        "step": key.step,
+        # its name and kwargs (the study's), then the optimizer the preflight made: class, settings, source
+        "optimizer": {**study.workload.optimizer.to_dict(), **(facts.optimizer or {}),
+                      "state_bytes": facts.optimizer_state_bytes},
+        "fixed_bytes": facts.fixed_bytes, **({"state_by_precision": facts.held} if facts.held else {}),  # bf16-true's
+        "parameter_count": facts.parameter_count,
+        "parameter_bytes": facts.parameter_bytes,
+        # the parameters that train: the gradients and the optimizer's state are theirs (an adapter's, over frozen
+        # weights)
+        "trainable_parameter_count": (facts.parameter_count if facts.trainable_parameter_count is None
+                                      else facts.trainable_parameter_count),
+        "trainable_parameter_bytes": facts.state()["gradients"],
+        "chain": None if facts.chain is None else facts.chain.to_dict(),
+        "library_checkpointing": facts.library_checkpointing,
+        "training_cache": list(facts.training_cache),
+    }
 
 
 # -- stage 6: the probe ------------------------------------------------------------------------------------------

@@ -11,11 +11,11 @@ import dataclasses
 import pytest
 
 import autotune
-from autotune.analysis.pareto import (PREDICTION_TOLERANCE, batch_limits, confirmed, prediction_failures,
+from autotune.analysis.pareto import (PREDICTION_TOLERANCE, batch_limits, confirmed, prediction_failures, recommend,
                                       prediction_fits)
 from autotune.records import PREDICTED, Config, Measurement
 from autotune.search.predicted import predict_space
-from autotune.search.strategies import AutoStrategy
+from autotune.search.strategies import AutoStrategy, GridStrategy
 
 from tests.optional import needs
 from tests.test_strategies import BUDGET, MiB, SPACE, grid_limits, limits, linear, measure, noisy, run
@@ -119,7 +119,7 @@ def test_auto_seeded_by_exact_predictions_finds_the_grids_limits_in_fewer_trials
 
 
 def _limits_measured_or_confirmed(rows, measured):
-    """Every largest fit measured, or implied by a prediction its plan's measured trial confirmed; every failing side
+    """Every largest fit measured, or implied by a prediction a measured trial confirmed; every failing side
     implied by a prediction has no trial of its own."""
     for r in rows:
         largest = Config(r["precision"], r["segments"], r["max_batch_size"])
@@ -149,12 +149,23 @@ def test_a_real_search_starts_from_predictions_that_its_trials_confirm_to_the_by
     seeding = report.search["predictions"]
     assert seeding["configurations"] == len(report.predictions) > 0 and seeding["unavailable"] is None
     predictions = {m.config: m for m in report.predictions}
-    assert all(m.predicted and m.step_s is None for m in report.predictions)
+    # each step's time predicted too (this CPU calibrated): what the search times is what the model cannot separate
+    assert all(m.predicted for m in report.predictions) and seeding["time_model"] == "cpu"
+    assert all(m.time_source == "predicted" and m.step_s > 0 for m in report.predictions if m.status == "ok")
     both = [m for m in report.trials if m.config in predictions]
     assert both and all(m.peak_bytes == predictions[m.config].peak_bytes for m in both if m.status == "ok")
     rows = report.limits
     assert any(r.get("min_oom_rule") == "prediction" for r in rows)
     _limits_measured_or_confirmed(rows, {m.config: m for m in report.trials})
+    # Every limit exact (the space's sizes are 4..64 in powers of two; the limits lie between them), and the
+    # recommended variant's confirmed by a trial at each side
+    assert all(r["exact"] and r["min_oom_batch_size"] == r["max_batch_size"] + 1 for r in rows)
+    assert any(r["max_batch_size"] not in (4, 8, 16, 32, 64) for r in rows)
+    rec, confirmed = report.recommendation, report.search["exact_limit"]
+    assert confirmed["confirmed"] and (confirmed["precision"], confirmed["segments"]) == (rec.precision, str(rec.config.plan))
+    measured = {m.config: m for m in report.trials}
+    assert measured[rec.config.variant.at(confirmed["max_batch_size"])].fits(report.budget_bytes)
+    assert measured[rec.config.variant.at(confirmed["min_oom_batch_size"])].status == "oom"
     again = autotune.Report.from_dict(report.to_dict())  # the predictions travel with the report, and so do its limits
     assert again.predictions == report.predictions and again.limits == rows
 
@@ -192,3 +203,97 @@ def test_with_data_whose_items_are_views_the_predictions_count_what_the_trials_c
     assert {m.config.plan for m in both} == {"0", "all"}
     assert all(m.peak_bytes == predictions[m.config].peak_bytes for m in both)
     assert {(r["segments"], r.get("max_rule")) for r in report.limits} >= {("all", "prediction")}
+
+
+# -- every limit exact, and step times predicted (issue 47: items 5 and 6) ------------------------------------------
+
+
+def timed_predictions(curve=linear, budget=BUDGET, error=0.0):
+    """A predictor that answers as ``measure(curve)`` does, its step times predicted (``time_source`` predicted) off
+    by ``error`` (a share, the same sign for every configuration of a precision: bf16 slower, fp32 faster)."""
+    trial = measure(curve, budget)
+
+    def predict(config):
+        m = trial(config)
+        if m.status != "ok":
+            return dataclasses.replace(m, memory_source=PREDICTED)
+        off = 1 + (error if config.precision == "bf16" else -error)
+        return dataclasses.replace(m, step_s=m.step_s * off, samples_per_s=m.samples_per_s / off, timed=False,
+                                   memory_source=PREDICTED, time_source=PREDICTED)
+
+    return predict
+
+
+def test_predict_space_goes_on_to_every_variants_exact_limit_between_and_above_the_spaces_sizes():
+    predict = predicted(linear)
+    predictions = predict_space(SPACE, predict, (BUDGET,), fixed_bytes=8 * MiB, multiple=1)
+    for variant in SPACE.variants():
+        exact = max(b for b in range(1, 32 * 256 + 1) if linear(variant.at(b)) <= BUDGET)
+        assert predictions[variant.at(exact)].status == "ok"
+        if exact < 32 * 256:
+            assert predictions[variant.at(exact + 1)].status == "oom"
+    assert predict.calls <= 6 * len(SPACE.variants())  # a line through the space's predictions: a few more each
+    coarse = predict_space(SPACE, predicted(linear), (BUDGET,), fixed_bytes=8 * MiB, multiple=8)
+    assert all(c.batch_size % 8 == 0 or c.batch_size in SPACE.batch_sizes for c in coarse)
+
+
+def test_predictions_stand_for_every_plan_of_a_precision_once_one_trial_agrees_and_none_contradicts():
+    predictions = {c: predicted(linear)(c) for c in SPACE.configs()}
+    one = measure(linear)(Config("fp32", "all", 16))
+    standing = confirmed([one], predictions)
+    assert {v for v in standing} == {v for v in SPACE.variants() if v.precision == "fp32"}  # not bf16: none of its own
+    assert set(standing.values()) == {one.config}
+    wrong = dataclasses.replace(measure(linear)(Config("bf16", "2", 8)), peak_bytes=2 * int(linear(Config("bf16", "2", 8))))
+    assert confirmed([one, wrong], predictions) == {one.config.variant: one.config}  # a contradiction anywhere: own only
+
+
+def test_exact_limits_label_each_predicted_side_and_give_way_to_measurement():
+    from autotune.analysis.exact import exact_limits
+
+    predictions = predict_space(SPACE, predicted(linear), (BUDGET,), fixed_bytes=8 * MiB, multiple=1)
+    one = measure(linear)(Config("fp32", "all", 16))
+    rows = exact_limits(batch_limits([one], BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.plans,
+                                     blocks=SPACE.blocks, predictions=predictions), [one], predictions, BUDGET, 1)
+    by = {(r["precision"], r["segments"]): r for r in rows}
+    row = by[("fp32", "0")]
+    exact = max(b for b in range(1, 300) if linear(Config("fp32", "0", b)) <= BUDGET)
+    assert (row["max_batch_size"], row["min_oom_batch_size"], row["exact"]) == (exact, exact + 1, True)
+    assert row["max_rule"] == row["min_oom_rule"] == "prediction" and row["max_implied_by"] == str(one.config)
+    assert row["max_predicted_bytes"] == int(linear(Config("fp32", "0", exact)))
+    assert not any(r.get("exact") for (p, _), r in by.items() if p == "bf16")  # no bf16 trial: nothing stands
+    # the side a trial measured is the trial's, unlabelled
+    at = measure(linear)(Config("fp32", "0", exact))
+    row = next(r for r in exact_limits(batch_limits([one, at], BUDGET, batch_sizes=SPACE.batch_sizes, plans=SPACE.plans,
+                                                    blocks=SPACE.blocks, predictions=predictions),
+                                       [one, at], predictions, BUDGET, 1) if (r["precision"], r["segments"]) == ("fp32", "0"))
+    assert row["max_batch_size"] == exact and "max_rule" not in row and row["min_oom_rule"] == "prediction"
+
+
+def test_a_precision_predicted_slower_everywhere_is_not_timed_and_the_climb_starts_where_predicted_fastest():
+    predict = timed_predictions()
+    predictions = predict_space(SPACE, predict, (BUDGET,), fixed_bytes=8 * MiB, multiple=1)
+    space_only = {c: m for c, m in predictions.items() if c.batch_size in SPACE.batch_sizes}
+    slow_fp32 = lambda c: dataclasses.replace(predict(c), samples_per_s=predict(c).samples_per_s / 2,  # noqa: E731
+                                              step_s=2 * predict(c).step_s) if c.precision == "fp32" and \
+        predict(c).status == "ok" else predict(c)
+    slower = {c: slow_fp32(c) for c in space_only}
+    measured = run(AutoStrategy(fixed_bytes_hint=8 * MiB, predictions=slower, time_error=0.1), measure(linear))
+    timed = [c for c, m in measured.items() if m.samples_per_s is not None]
+    assert timed and all(c.precision == "bf16" for c in timed)
+    assert timed[0] == max((c for c in slower if c.precision == "bf16" and slower[c].status == "ok"
+                            and slower[c].peak_bytes <= 0.9 * BUDGET), key=lambda c: (slower[c].samples_per_s, c.batch_size))
+    grid = recommend(run(GridStrategy(), measure(linear)).values(), BUDGET)
+    assert recommend(measured.values(), BUDGET).config == grid.config  # speed() peaks at 16: the climb finds it
+    # and without step times the search times fp32 as before
+    plain = run(AutoStrategy(fixed_bytes_hint=8 * MiB, predictions={c: predicted(linear)(c) for c in space_only}),
+                measure(linear))
+    assert any(c.precision == "fp32" and m.samples_per_s for c, m in plain.items())
+
+
+def test_predicted_step_times_off_by_their_error_still_find_the_grids_recommendation():
+    # bf16 predicted 10% slower and fp32 10% faster than they run: the ratio off by 22%, within twice a 12% error
+    predictions = predict_space(SPACE, timed_predictions(error=0.1), (BUDGET,), fixed_bytes=8 * MiB, multiple=1)
+    space_only = {c: m for c, m in predictions.items() if c.batch_size in SPACE.batch_sizes}
+    measured = run(AutoStrategy(fixed_bytes_hint=8 * MiB, predictions=space_only, time_error=0.12), measure(linear))
+    grid = recommend(run(GridStrategy(), measure(linear)).values(), BUDGET)
+    assert recommend(measured.values(), BUDGET).config == grid.config

@@ -195,8 +195,11 @@ def confirmed(measurements: Iterable[Measurement], predictions: Mapping[Config, 
     """The variants whose predictions stand: {variant: the measured trial that confirms them}.
 
     A variant's predictions stand where it has a measured trial that ran to the end and whose peak lies within
-    ``tolerance`` of its own prediction, and none that :func:`refuted` counts against it. The search and the report
-    both read this one rule."""
+    ``tolerance`` of its own prediction, and none that :func:`refuted` counts against it. Where no measured trial
+    contradicts any prediction, a variant with none of its own stands on the first confirming trial of its mode
+    (precision and compile mode): the fake tensors run the same step code for every plan, and a model they count
+    wrongly shows it in the first trial compared (a contradiction anywhere puts every variant back on trials of its
+    own). The search and the report both read this one rule."""
     measurements = list(measurements)
     against = refuted(measurements, predictions, tolerance)
     agree: dict[Variant, Config] = {}
@@ -205,7 +208,16 @@ def confirmed(measurements: Iterable[Measurement], predictions: Mapping[Config, 
         if (m.status == Status.OK and m.peak_bytes and p is not None and p.status == Status.OK and p.peak_bytes
                 and abs(m.peak_bytes - p.peak_bytes) <= tolerance * p.peak_bytes):
             agree.setdefault(m.config.variant, m.config)
-    return {v: c for v, c in agree.items() if v not in against}
+    own = {v: c for v, c in agree.items() if v not in against}
+    if against:
+        return own
+    by_mode: dict[object, Config] = {}
+    for variant, config in own.items():
+        by_mode.setdefault(variant.mode, config)
+    for config in predictions:
+        if config.variant not in own and config.variant.mode in by_mode:
+            own[config.variant] = by_mode[config.variant.mode]
+    return own
 
 
 def refuted(measurements: Iterable[Measurement], predictions: Mapping[Config, Measurement],
@@ -288,6 +300,7 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
     fits_implied: dict[Variant, dict[int, tuple[int, Config]]] = {}
     for config, implied in prediction_fits(measurements, budget_bytes, predictions).items():
         fits_implied.setdefault(config.variant, {})[config.batch_size] = implied
+        variants.setdefault(config.variant, [])  # a variant no trial ran whose predictions stand: its fits implied
     rows = []
     for variant, trials in variants.items():  # in the order the trials came
         own_fits = fits_implied.get(variant, {})

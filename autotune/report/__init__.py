@@ -14,6 +14,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from autotune.analysis.exact import exact_limits
 from autotune.analysis.memory_model import MemoryModel
 from autotune.analysis.pareto import LineRule, batch_limits, choose, pareto_front, recommend
 from autotune.vocabulary import EAGER, Plan, Variant
@@ -170,6 +171,9 @@ class Report:
             for row in rows:
                 row.update(predicted=True, exact=row["min_oom_batch_size"] is not None
                            and (row["max_batch_size"] or 0) + step >= row["min_oom_batch_size"])
+        elif self.predictions and "batch_multiple" in self.search:  # the search's predictions make each limit exact
+            rows = exact_limits(rows, self.trials, {m.config: m for m in self.predictions}, budget_bytes,
+                                self.search["batch_multiple"])
         return rows
 
     def to_dict(self) -> dict[str, Any]:

@@ -79,6 +79,19 @@ def _search_lines(report: Any) -> list[str]:
     share = f"{setup / (setup + steps):.0%}, " if setup + steps > 0 else ""
     lines = [f"search: {search['n_trials']} configurations in {search['wall_s']:.1f} s; the trials spent {setup:.1f} s "
              f"setting up ({share}a worker's start, imports, the model's build) and {steps:.1f} s in steps"]
+    seeding = search.get("predictions") or {}
+    if seeding.get("not_timed_predicted_slower"):
+        lines.append(f"time model ({seeding['time_model']}, median error {seeding['time_error']:.0%} against measured "
+                     f"steps): {seeding['not_timed_predicted_slower']} configurations within the budget were not timed, "
+                     f"their predicted steps losing to the fastest predicted by more than "
+                     f"{2 * seeding['time_error']:.0%} (twice the error)")
+    confirmed = search.get("exact_limit") or {}
+    if "confirmed" in confirmed:
+        lines.append(f"the recommended variant's limit, {confirmed['precision']}/{confirmed['segments']}: "
+                     + (f"{confirmed['max_batch_size']} fits and {confirmed['min_oom_batch_size']} does not, the "
+                        f"predictions confirmed by a trial at each" if confirmed["confirmed"] else
+                        f"the predictions were not confirmed by trials; bisected by trials: "
+                        f"{confirmed['max_batch_size']} fits, {confirmed['min_oom_batch_size']} does not"))
     if "host_budget_source" in search:  # offloaded plans were searched
         held = max((m.host_peak_bytes for m in report.trials if m.host_peak_bytes is not None), default=None)
         budget = search.get("host_budget_bytes")
@@ -117,10 +130,12 @@ def _limit_lines(report: Any) -> list[str]:
                      f"distributed: {d['wrapper']}, world size {d['world_size']} ({d['backend']}); batch sizes and "
                      f"peaks are per rank (the largest rank's), samples/s are the whole job's")
     limits = report.limits
-    exact = " (predicted; the next size, in brackets, does not fit)" if report.dry_run else ""
+    exact = (" (predicted; the next size, in brackets, does not fit)" if report.dry_run else
+             " (exact where the next size, in brackets, does not fit)" if any(r.get("exact") for r in limits) else "")
     lines.append(f"largest batch that fits{exact}, per precision and segments: " + ", ".join(
         f"{_named(row)}: {row['max_batch_size'] if row['max_batch_size'] is not None else 'none'}"
-        + (f" ({row['min_oom_batch_size']})" if exact and row["min_oom_batch_size"] is not None else "")
+        + (f" ({row['min_oom_batch_size']})" if exact and row.get("exact", report.dry_run)
+           and row["min_oom_batch_size"] is not None else "")
         for row in limits
     ))
     _implied(lines, [r for r in limits if r.get("min_oom_rule", "nested-plan") == "nested-plan" and "min_oom_implied_by" in r],
@@ -130,14 +145,14 @@ def _limit_lines(report: Any) -> list[str]:
              f"end where the plan's own memory line (the measured state plus its trials' bytes per sample) predicts "
              f"{report.line_rule.margin:g}x the budget or more at the next size (no trial of its own)" if report.line_rule
              else "", lambda row: f"at {row['min_oom_batch_size']} ({format_bytes(row['min_oom_predicted_bytes'])})")
+    standing = ("standing on a trial equal to its prediction within 1% (of the plan, or of another plan of its "
+                "precision where no trial contradicted a prediction)")
     _implied(lines, [r for r in limits if r.get("max_rule") == "prediction"],
-             "largest fits are the search's predictions (under fake tensors), clear of the budget by 1% or more and "
-             "confirmed by a trial of the plan equal to its prediction within 1% (no trial of their own)",
+             f"largest fits are the search's predictions (under fake tensors; no trial of their own), {standing}",
              lambda row: f"at {row['max_batch_size']} ({format_bytes(row['max_predicted_bytes'])} predicted, by "
                          f"{row['max_implied_by']})")
     _implied(lines, [r for r in limits if r.get("min_oom_rule") == "prediction"],
-             "end where the search's prediction (under fake tensors, before it measured) says the next size does not "
-             "fit, confirmed by a trial of the plan equal to its prediction within 1% (no trial of its own)",
+             f"end where the search's prediction says the next size does not fit (no trial of its own), {standing}",
              lambda row: f"at {row['min_oom_batch_size']} ({format_bytes(row['min_oom_predicted_bytes'])} predicted)")
     if report.data:
         d = report.data

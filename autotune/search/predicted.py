@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 from autotune._log import logger
 from autotune.analysis.memory_model import fit_line
-from autotune.analysis.pareto import bracket
+from autotune.analysis.pareto import GALLOP, bracket, largest_within
 from autotune.errors import first_line
 from autotune.records import Config, Measurement, TrialSettings
 from autotune.search.space import SearchSpace
@@ -29,6 +29,7 @@ from autotune.vocabulary import EAGER, Status, Variant
 if TYPE_CHECKING:
     import torch
 
+    from autotune.timing.model import Machine
     from autotune.training.workload import Workload
 
 __all__ = ["predict_space", "seed", "Seeding", "SEED_SECONDS", "let_go"]
@@ -38,10 +39,12 @@ SEED_SECONDS = 60.0
 
 
 def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], limits: tuple[float, ...],
-                  deadline: float | None = None, fixed_bytes: float | None = None) -> dict[Config, Measurement]:
+                  deadline: float | None = None, fixed_bytes: float | None = None,
+                  multiple: int | None = None) -> dict[Config, Measurement]:
     """Each variant's boundary under every one of ``limits``, found over the space's sizes with ``predict`` (memory
-    grows with the batch: above a size that does not fit, none does). Stops early, with what it has, past
-    ``deadline`` (``time.monotonic()``); the variants with the most recompute come first.
+    grows with the batch: above a size that does not fit, none does); then, with ``multiple``, each variant's exact
+    limit under the first of ``limits`` (:func:`_exact_limit`: sizes between the space's, or above its top). Stops
+    early, with what it has, past ``deadline`` (``time.monotonic()``); the variants with the most recompute come first.
 
     A boundary costs two or three predictions where the variant's peaks lie on a line (:func:`_next_size`):
     the middle size, then the largest size its line says fits, then the size above; where the line misleads, the
@@ -73,7 +76,64 @@ def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], 
                 if deadline is not None and time.monotonic() > deadline:
                     return predictions
                 predictions[variant.at(b)] = predict(variant.at(b))
+    if multiple is None or not limits:
+        return predictions
+    for variant in variants:  # a second pass: every variant's space bracket comes first, should the deadline stop it
+        if deadline is not None and time.monotonic() > deadline:
+            return predictions
+        _exact_limit(variant, predictions, predict, limits[0], multiple, max(sizes), fixed_bytes, deadline)
     return predictions
+
+
+# The exact limit of a variant whose space's top fits is looked for up to this many times the top (a line carried
+# that far past the largest size the user asked for says more of the line than of the model)
+ABOVE_TOP = GALLOP
+
+
+def _exact_limit(variant: Variant, predictions: dict[Config, Measurement], predict: Callable[[Config], Measurement],
+                 limit: float, multiple: int, top: int, fixed_bytes: float | None, deadline: float | None) -> None:
+    """Predict ``variant`` between the space's largest size that fits ``limit`` and the next (above the space's top
+    where that fits, up to :data:`ABOVE_TOP` times it) until the largest multiple of ``multiple`` that fits and the
+    next one are both predicted: :func:`~autotune.analysis.pareto.largest_within`'s secant, from the variant's line.
+    The predictions made join ``predictions``; nothing where a prediction of the variant failed (the model's own
+    error says nothing of memory)."""
+    own = {c.batch_size: m for c, m in predictions.items() if c.variant == variant}
+    if not own or any(not m.status.measured_memory for m in own.values()):
+        return
+    fitting = [b for b, m in own.items() if m.fits(limit)]
+    lo = max(fitting, default=0)
+    above = [b for b, m in own.items() if b > lo and not m.fits(limit)]
+    hi = min(above) if above else None
+    if hi is not None and hi - lo <= multiple:
+        return  # exact already
+    points = {b: float(m.peak_bytes) for b, m in own.items() if m.status == Status.OK and m.peak_bytes}
+    slope = None
+    if len(points) >= 2:
+        slope = fit_line(points)[1]
+    elif len(points) == 1 and fixed_bytes is not None:
+        (b0, y0), = points.items()
+        slope = (y0 - fixed_bytes) / b0 if y0 > fixed_bytes else None
+    first = lo + multiple
+    if slope and slope > 0 and lo in points:
+        first = max(first, int(lo + (limit - points[lo]) / slope))
+
+    def measure(b: int) -> Measurement:
+        config = variant.at(b)
+        if config not in predictions:
+            if deadline is not None and time.monotonic() > deadline:
+                raise _OutOfTime
+            predictions[config] = predict(config)
+        return predictions[config]
+
+    try:
+        largest_within(measure, limit, multiple, hi if hi is not None else ABOVE_TOP * top, first,
+                       slope if slope and slope > 0 else None)
+    except _OutOfTime:
+        pass
+
+
+class _OutOfTime(Exception):
+    """The search's time for predictions ran out inside one variant's exact limit."""
 
 
 def _next_size(sizes: list[int], own: dict[int, Measurement], limit: float, fixed_bytes: float | None) -> int | None:
@@ -104,13 +164,19 @@ class Seeding:
     in how many seconds, and why there are none (``why``) or fewer than asked (``stopped``)."""
 
     def __init__(self, predictions: dict[Config, Measurement], seconds: float, why: str | None = None,
-                 stopped: bool = False) -> None:
+                 stopped: bool = False, time_model: str | None = None) -> None:
         self.predictions, self.seconds, self.why, self.stopped = predictions, seconds, why, stopped
+        self.time_model = time_model  # the machine that priced the predictions' steps (None: no time predicted)
+
+    def in_space(self, space: SearchSpace) -> dict[Config, Measurement]:
+        """The predictions of the space's own configurations: what the search's strategy reads (the others are the
+        exact limits' sizes between the space's, which only the report's limits read)."""
+        return {c: m for c, m in self.predictions.items() if c.batch_size in space.batch_sizes}
 
     def describe(self) -> dict:
         """The report's ``search.predictions``."""
         return {"configurations": len(self.predictions), "wall_s": round(self.seconds, 3), "unavailable": self.why,
-                "stopped_at_time_limit": self.stopped}
+                "stopped_at_time_limit": self.stopped, "time_model": self.time_model}
 
     @property
     def notices(self) -> tuple[str, ...]:
@@ -122,8 +188,9 @@ class Seeding:
 
 def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", budget_bytes: int | None,
          limits: tuple[float, ...], settings: TrialSettings, fixed_bytes: float | None = None,
-         seconds: float = SEED_SECONDS) -> Seeding:
-    """Predict each variant's boundaries (:func:`predict_space`) under fake tensors; nothing where the model cannot
+         seconds: float = SEED_SECONDS, multiple: int | None = None, time_model: "Machine | None" = None) -> Seeding:
+    """Predict each variant's boundaries (:func:`predict_space`; with ``multiple``, each variant's exact limit too)
+    under fake tensors, each step's time priced by ``time_model`` where one is given; nothing where the model cannot
     run under them (said in :attr:`Seeding.why`), and whatever was predicted within ``seconds``."""
     from autotune.execution.predict import Unpredictable, fake_buildable, fake_tensors, predict_trial, quiet_fake_kernels
 
@@ -131,12 +198,14 @@ def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", bu
     mode = fake_tensors()
 
     def predict(config: Config) -> Measurement:
-        return predict_trial(fake, config, device=device, budget_bytes=budget_bytes, settings=settings, mode=mode)
+        return predict_trial(fake, config, device=device, budget_bytes=budget_bytes, settings=settings, mode=mode,
+                             time_model=time_model)
 
     try:
         with quiet_fake_kernels():
             fake, _ = fake_buildable(workload, mode)
-            predictions = predict_space(space, predict, limits, deadline=started + seconds, fixed_bytes=fixed_bytes)
+            predictions = predict_space(space, predict, limits, deadline=started + seconds, fixed_bytes=fixed_bytes,
+                                        multiple=multiple)
     except Unpredictable as exc:
         return Seeding({}, time.monotonic() - started, f"the model cannot run under fake tensors: {exc}")
     except Exception as exc:  # noqa: BLE001 - a prediction only saves trials: the search goes on without it
@@ -150,7 +219,7 @@ def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", bu
     stopped = took > seconds
     logger.info("predicted %d configurations in %.1f s%s", len(predictions), took,
                 " (stopped at the time limit)" if stopped else "")
-    return Seeding(predictions, took, stopped=stopped)
+    return Seeding(predictions, took, stopped=stopped, time_model=None if time_model is None else time_model.name)
 
 
 def let_go() -> None:

@@ -33,7 +33,7 @@ STRATEGIES = {"auto": AutoStrategy, "grid": GridStrategy, "optuna": OptunaStrate
 def make_strategy(name: str, *, headroom: float = HEADROOM, budgets: tuple[int, ...] = (),
                   fixed_bytes_hint: float | None = None, n_trials: int | None = None,
                   line_rule: "LineRule | None" = None, predictions: "Mapping[Config, Measurement] | None" = None,
-                  probed: int = 0) -> Strategy:
+                  probed: int = 0, time_error: float | None = None) -> Strategy:
     """Return a new strategy called ``name`` (see ``STRATEGIES``) with the options it takes."""
     if name not in STRATEGIES:
         raise UsageError(f"unknown --strategy {name!r}: choose from {', '.join(STRATEGIES)}")
@@ -42,7 +42,7 @@ def make_strategy(name: str, *, headroom: float = HEADROOM, budgets: tuple[int, 
     options: dict[str, Any] = {}
     if name == "auto":
         options = {"headroom": headroom, "budgets": budgets, "fixed_bytes_hint": fixed_bytes_hint, "line_rule": line_rule,
-                   "predictions": predictions, "probed": probed}
+                   "predictions": predictions, "probed": probed, "time_error": time_error}
     elif name == "optuna":
         if n_trials is not None and n_trials < 1:
             raise UsageError(f"--n-trials {n_trials} must be at least 1")

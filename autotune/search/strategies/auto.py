@@ -123,7 +123,7 @@ class AutoStrategy(Strategy):
 
     def __init__(self, *, headroom: float = HEADROOM, budgets: Iterable[int] = (), fixed_bytes_hint: float | None = None,
                  line_rule: LineRule | None = None, predictions: Mapping[Config, Measurement] | None = None,
-                 probed: int = 0) -> None:
+                 probed: int = 0, time_error: float | None = None) -> None:
         self.headroom = headroom
         self.budgets = tuple(sorted(set(budgets)))
         self.fixed_bytes_hint = fixed_bytes_hint
@@ -132,6 +132,9 @@ class AutoStrategy(Strategy):
         # How many of the front's fastest trials under the budget less headroom the probe trains after the search, on
         # the data, and chooses the recommendation from (0: no probe)
         self.probed = probed
+        # The median error of the time model that priced the predictions' steps (None: none did): a configuration
+        # predicted to lose by more than twice it, the error of a comparison of two predictions, is not timed
+        self.time_error = time_error
 
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], enforced_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
@@ -206,14 +209,39 @@ class AutoStrategy(Strategy):
             fastest = {p: max((m.samples_per_s for c, m in view.measured.items() if c.variant.mode == p
                                and m.samples_per_s is not None and m.fits(limit)), default=0.0)
                        for p in view.modes}
-            for mode in sorted(view.modes, key=lambda p: -fastest[p]):
-                if any(_dominates(other, mode, view, limit) for other in view.modes if other != mode):
-                    continue
-                for envelope in view.envelopes(mode, limit):
-                    config = self._climb(envelope, view, view.best(limit))
-                    if config is not None and config not in view.pending:
-                        return Proposal(config)  # a memory trial of it is completed by this timing
+            # Every precision's climb starts before any goes on (a precision timed nowhere cannot be found slower:
+            # where predictions closed every bracket, no memory trial of the search timed its start on the way)
+            for starting in (True, False):
+                for mode in sorted(view.modes, key=lambda p: -fastest[p]):
+                    if (starting and fastest[mode]) or any(_dominates(other, mode, view, limit)
+                                                           for other in view.modes if other != mode):
+                        continue
+                    for envelope in view.envelopes(mode, limit):
+                        outpaced = {c for c in envelope if not view.timed(c) and self._outpaced(view, c, limit)}
+                        config = self._climb(envelope, view, view.best(limit), outpaced)
+                        if config is not None and config not in view.pending:
+                            return Proposal(config)  # a memory trial of it is completed by this timing
         return None
+
+    def outpaced_configs(self, space: SearchSpace, measured: Mapping[Config, Measurement],
+                         enforced_bytes: int | None) -> list[Config]:
+        """The configurations under the budget less headroom that the time model's predictions left untimed
+        (:meth:`_outpaced`), as the measurements stand: what the report counts."""
+        view = View(space, measured, self.fixed_bytes_hint, frozenset(), self.line_rule, self.predictions)
+        limit = self._limits(enforced_bytes)[0]
+        return [c for c in space.configs() if not view.timed(c) and view.by_prediction(c.variant)
+                and view.fits(c.variant, c.batch_size, limit, view.outcomes(c.variant, limit))
+                and self._outpaced(view, c, limit)]
+
+    def _outpaced(self, view: View, config: Config, limit: float | None) -> bool:
+        """Whether the time model's predictions say ``config`` loses to another configuration that fits ``limit`` (the
+        memory the recommendation under it may take) by more than the model can be wrong in a comparison of two
+        predictions (twice its median error, :attr:`time_error`): such a configuration is not timed under ``limit``;
+        a smaller budget (``--budgets``) weighs it again under its own limit."""
+        if self.time_error is None:
+            return False
+        own, fastest = view.predicted_speed(config), view.fastest_predicted(limit)
+        return own is not None and fastest is not None and fastest > own * (1 + 2 * self.time_error)
 
     def _near_ties(self, view: View, enforced_bytes: int | None) -> Proposal | None:
         """4. Where the fastest trial under a budget and another lie within their spreads of each other, time
@@ -255,15 +283,21 @@ class AutoStrategy(Strategy):
         return None
 
     @staticmethod
-    def _climb(envelope: list[Config], view: View, best: Measurement | None = None) -> Config | None:
+    def _climb(envelope: list[Config], view: View, best: Measurement | None = None,
+               outpaced: frozenset[Config] | set[Config] = frozenset()) -> Config | None:
         """The next point of a throughput climb along ``envelope``, or None at a local maximum.
 
         A point the time model says cannot beat ``best`` (the fastest timed trial under the limit) by more
-        than the timing noise is not timed (:func:`step_time_bound`)."""
+        than the timing noise is not timed (:func:`step_time_bound`), nor one the predicted step times say loses by
+        more than their error (``outpaced``): both count as timed and slower."""
         speeds = {i: view.measured[c].samples_per_s for i, c in enumerate(envelope) if view.timed(c)}
-        if not envelope:
+        if not envelope or (not speeds and all(c in outpaced for c in envelope)):
             return None
-        if not speeds:  # start at the largest batch of the plan with the least recompute, where training usually starts
+        if not speeds:  # start where the predicted step times say is fastest, else at the largest batch of the plan
+            # with the least recompute, where training usually starts
+            predicted = {c: view.predicted_speed(c) for c in envelope if c not in outpaced}
+            if all(v is not None for v in predicted.values()):
+                return max(predicted, key=lambda c: (predicted[c], c.batch_size))
             first = view.ordered[0]
             return next((c for c in reversed(envelope) if c.plan == first), envelope[-1])
         # Hill climbing: measure the neighbours of the fastest point until both are measured and slower.
@@ -275,7 +309,8 @@ class AutoStrategy(Strategy):
         # A checkpointed step the time model cannot bound yet waits for a step without recompute, which may give it one.
         steps.sort(key=lambda i: best is not None and not Plan(envelope[i].plan).off and bounds[i] is None)
         for i in steps:
-            if bounds[i] is not None and bounds[i] <= best.samples_per_s * (1 + max(_NOISE, best.step_s_spread or 0.0)):
+            if envelope[i] in outpaced or (
+                    bounds[i] is not None and bounds[i] <= best.samples_per_s * (1 + max(_NOISE, best.step_s_spread or 0.0))):
                 continue  # it cannot win: as if timed and slower
             return envelope[i]
         return None

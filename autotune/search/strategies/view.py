@@ -13,7 +13,7 @@ from typing import Mapping
 from autotune.analysis.memory_model import MemoryModel, fit_line
 from autotune.analysis.pareto import (LineRule, confirmed, implied_failures, line_failures, prediction_failures,
                                       prediction_fits, refuted)
-from autotune.records import Config, Measurement
+from autotune.records import PREDICTED, Config, Measurement
 from autotune.search.space import SearchSpace
 from autotune.vocabulary import EAGER, Plan, Status, Variant
 
@@ -84,6 +84,7 @@ class View:
         self.standing = confirmed(measured.values(), self.predictions)  # variants whose predictions a trial confirmed
         # Variants whose predictions a measured trial contradicted: searched on measurements alone
         self.refuted = refuted(measured.values(), self.predictions)
+        self._steps: dict[Variant, dict[int, float]] = {}  # each variant's predicted step times, by batch size
 
     def outcomes(self, variant: Variant, limit: float | None) -> dict[int, bool]:
         """Batch size -> fits ``limit``: measured, or implied not to by a plan that needs no more memory, by the
@@ -145,6 +146,41 @@ class View:
             a = self.fixed_bytes_hint if self.fixed_bytes_hint is not None and self.fixed_bytes_hint < y0 else 0.0
             return a + (y0 - a) * b / b0
         return self.model.predict(variant, b)
+
+    def predicted_speed(self, config: Config) -> float | None:
+        """The samples/s the time model predicts for ``config``: its own prediction's (``time_source`` predicted),
+        else read between its variant's predicted step times (a step's time drawn straight between the two predicted
+        sizes around it; beyond them, the nearest one's samples/s: more than a smaller batch reaches, as the step's
+        fixed costs weigh more there, and as much as a larger one can, were it to fit), or None: no step time
+        predicted for the variant, or a variant whose predicted peaks a measured trial contradicted."""
+        if config.variant in self.refuted:
+            return None
+        p = self.predictions.get(config)
+        if p is not None:
+            return p.samples_per_s if p.status == Status.OK and p.time_source == PREDICTED else None
+        steps = self._predicted_steps(config.variant)
+        b = config.batch_size
+        below, above = [s for s in steps if s < b], [s for s in steps if s > b]
+        if not below or not above:
+            nearest = below[-1] if below else above[0] if above else None
+            return None if nearest is None else nearest / steps[nearest]
+        lo, hi = below[-1], above[0]
+        step = steps[lo] + (steps[hi] - steps[lo]) * (b - lo) / (hi - lo)
+        return b / step if step > 0 else None
+
+    def _predicted_steps(self, variant: Variant) -> dict[int, float]:
+        """{batch size: predicted step seconds} of ``variant``'s predictions with a step time, by size."""
+        if variant not in self._steps:
+            self._steps[variant] = dict(sorted(
+                (c.batch_size, m.step_s) for c, m in self.predictions.items()
+                if c.variant == variant and m.status == Status.OK and m.time_source == PREDICTED and m.step_s))
+        return self._steps[variant]
+
+    def fastest_predicted(self, limit: float | None) -> float | None:
+        """The most samples/s a prediction of its own (not read between others) gives a configuration whose predicted
+        peak fits ``limit``, or None."""
+        speeds = [self.predicted_speed(c) for c, p in self.predictions.items() if p.fits(limit)]
+        return max((s for s in speeds if s is not None), default=None)
 
     def speed_bound(self, config: Config) -> float | None:
         """The most samples/s ``config`` can reach, by the time model (:func:`step_time_bound`), or None."""
