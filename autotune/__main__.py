@@ -32,6 +32,7 @@ from autotune.cli.parser import (
 from autotune._log import log_to_stderr
 from autotune.errors import AutotuneError, UsageError, first_line
 from autotune.cli.advice import nothing_fits
+from autotune.vocabulary import Parallel
 
 __all__ = ["main", "build_parser", "options_from"]
 
@@ -107,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Under torchrun with --parallel, rank 0 speaks for the job (the table, the JSON, one line of bad input); the
     # other ranks train its trials and exit with its code, saying only an unexpected error of their own.
-    speaks = args.parallel == "none" or not follower()
+    speaks = args.parallel == Parallel.NONE or not follower()
     level = logging.WARNING if args.quiet else (logging.DEBUG if args.verbose else logging.INFO)
     log_to_stderr()
     logging.getLogger("autotune").setLevel(level if speaks else logging.ERROR)  # only ours: libraries keep theirs
@@ -119,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress = _StopsAtTheNextTrial(Progress(quiet=args.quiet or not speaks), stopped)
             return _main(args, progress, stopped, speaks)
     finally:
-        if args.parallel != "none":
+        if args.parallel != Parallel.NONE:
             from autotune.execution.job import leave
 
             leave()

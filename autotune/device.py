@@ -24,7 +24,7 @@ import torch
 from autotune._log import logger, notice_once
 from autotune.errors import UsageError, first_line
 from autotune.meters import Meter
-from autotune.vocabulary import HALF, PRECISIONS
+from autotune.vocabulary import HALF, PRECISIONS, Isolation
 
 __all__ = ["Backend", "CudaBackend", "backend_for", "make_meter", "resolve_device", "ram_bytes", "available_ram_bytes",
            "slowdown_vs_fp32", "SLOW_FACTOR", "autocast_type", "on_host", "host_memory_apart", "rank_device",
@@ -168,7 +168,7 @@ def predictable(device: torch.device) -> bool:
 class Backend:
     """The CPU (and any non-CUDA device): tensor meter, no synchronisation, trials in this process."""
 
-    default_isolation = "none"  # a trial cannot poison the process: no worker start-up to pay
+    default_isolation = Isolation.NONE  # a trial cannot poison the process: no worker start-up to pay
     held_by_scan = True  # held_bytes walks Python's objects (what gc.freeze hides it no longer sees), not an allocator
 
     def __init__(self, device: torch.device) -> None:
@@ -303,7 +303,7 @@ class Backend:
 class CudaBackend(Backend):
     """A CUDA GPU: caching-allocator and NVML meter, asynchronous kernels, one worker process per trial."""
 
-    default_isolation = "process"  # a sticky CUDA error or a fragmented cache stays in the worker
+    default_isolation = Isolation.PROCESS  # a sticky CUDA error or a fragmented cache stays in the worker
     held_by_scan = False  # the allocator counts every block, frozen objects' too
 
     def __init__(self, device: torch.device) -> None:

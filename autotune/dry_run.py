@@ -82,9 +82,9 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
     if ranks is not None:  # the report's distributed, not its search (with_dry_run)
         search["distributed"] = ranks.describe(target.precisions)
     if cuda is not None:
-        search["cuda"] = cuda.describe()
+        search["cuda"] = cuda.describe(predictor.cuda_findings)
     search["time_model"] = None if machine is None else {**machine.describe(), "checked": checked_error(machine.name)}
-    return result, search, (_notice(machine), *_rank_notice(ranks), *(cuda.notices() if cuda else ()),
+    return result, search, (_notice(machine), *_rank_notice(ranks), *(cuda.notices(predictor.cuda_findings) if cuda else ()),
                             *predictor.notices)
 
 

@@ -14,7 +14,8 @@ import math
 from typing import Any, Callable, Sequence
 
 from autotune.errors import UsageError
-from autotune.vocabulary import FSDP_ONLY, HEADROOM, PRECISIONS, TRUE, Offload, parse_compile, parse_offload, parse_plans
+from autotune.vocabulary import (FSDP_ONLY, HEADROOM, PRECISIONS, TRUE, Isolation, Offload, Parallel, parse_compile,
+                                 parse_offload, parse_plans)
 from autotune.records import Budget, GuardRails, ProbeSettings, TrialSettings
 from autotune.search.space import parse_batch_sizes, parse_precisions
 from autotune.search.strategies import make_strategy
@@ -23,8 +24,8 @@ from autotune.units import parse_size
 
 __all__ = ["Options", "Flag", "option", "ISOLATION_MODES", "PARALLEL_MODES"]
 
-ISOLATION_MODES = ("auto", "process", "none")
-PARALLEL_MODES = ("none", "ddp", "fsdp")  # autotune.execution.ranks
+ISOLATION_MODES = tuple(m.value for m in Isolation)
+PARALLEL_MODES = tuple(m.value for m in Parallel)  # autotune.execution.ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +187,10 @@ class Options:
         group=TRIALS, metavar="NAME", default_text="none: no step time predicted for CUDA")
     exact_limit: bool = option(
         False, "after the search, make the recommended variant's limit exact with real trials (bisecting between the "
-        "space's sizes in steps of --batch-multiple) and time the largest size within the headroom; these trials are "
-        "the report's, not the study's: workers sharing a study each run them, a resumed search runs them again",
+        "space's sizes in steps of --batch-multiple) and time the largest size within the headroom, also where the "
+        "search's predictions made every limit exact already (on the CPU; two trials then confirm the recommended "
+        "one's without it); these trials are the report's, not the study's: workers sharing a study each run them, a "
+        "resumed search runs them again",
         group=TRIALS, switch=True)
     eval_limits: bool = option(
         True, "skip finding the largest evaluation batch per precision and plan (while training, the training state "
@@ -222,7 +225,7 @@ class Options:
             raise UsageError(f"unknown --isolation {self.isolation!r}: choose {_one_of(ISOLATION_MODES)}")
         if self.parallel not in PARALLEL_MODES:
             raise UsageError(f"unknown --parallel {self.parallel!r}: choose {_one_of(PARALLEL_MODES)}")
-        if self.parallel != "none" and self.isolation == "process":
+        if self.parallel != Parallel.NONE and self.isolation == Isolation.PROCESS:
             raise UsageError(f"--parallel {self.parallel} runs each trial in every rank's own process (a worker per "
                              f"trial would have to join the job's process group): leave --isolation at auto or none")
         modules = self.fp32_modules
@@ -279,13 +282,13 @@ class Options:
         n = self.world_size
         if n is not None and n < 1:
             raise UsageError(f"--world-size {n} must be at least 1: the number of ranks of the job to predict")
-        if n is not None and self.parallel == "none":
+        if n is not None and self.parallel == Parallel.NONE:
             raise UsageError(f"--world-size {n} predicts one rank of a distributed job: add --parallel fsdp (or ddp) "
                              f"and --dry-run")
         if n is not None and not self.dry_run:
             raise UsageError(f"--world-size {n} is for --dry-run: a job that trains has torchrun's world size "
                              f"(torchrun --nproc-per-node {n} ... --parallel {self.parallel})")
-        if self.dry_run and self.parallel != "none" and n is None:
+        if self.dry_run and self.parallel != Parallel.NONE and n is None:
             raise UsageError(f"--dry-run --parallel {self.parallel} predicts one rank of a job: say how many ranks "
                              f"with --world-size N (and run it without torchrun)")
 
@@ -370,7 +373,7 @@ def _check_state_offload(options: "Options") -> None:
     """The state in host memory (``--offload state``, a plan ``+state``) is FSDP2's ``CPUOffloadPolicy``: it needs
     ``--parallel fsdp``."""
     asked = [m for m in options.offload or () if Offload.STATE in m] + [p for p in options.segments or () if p.state]
-    if asked and options.parallel != "fsdp":
+    if asked and options.parallel != Parallel.FSDP:
         raise UsageError(f"--offload state (and plans +state) keep the training state in host memory with FSDP2's "
                          f"CPUOffloadPolicy: run under torchrun with --parallel fsdp (one rank is enough: torchrun "
                          f"--nproc-per-node 1), not --parallel {options.parallel}")
@@ -383,7 +386,7 @@ def _check_fsdp_precision(options: "Options") -> None:
     if not asked:
         return
     policy = PRECISIONS[asked[0]].policy
-    if options.parallel != "fsdp":
+    if options.parallel != Parallel.FSDP:
         raise UsageError(f"--precisions {asked[0]} is FSDP2's {policy}: it trains under --parallel fsdp (torchrun "
                          f"--nproc-per-node N ... --parallel fsdp, or --dry-run --parallel fsdp --world-size N), not "
                          f"--parallel {options.parallel}; search bf16 (autocast) without it")

@@ -40,7 +40,7 @@ from autotune.analysis.pareto import LineRule, probe_candidates
 from autotune.dry_run import predict, preflight_under, with_dry_run
 from autotune.eval_limits import eval_limits
 from autotune.refine import exact_limit, static_compile
-from autotune.vocabulary import ALL, Plan
+from autotune.vocabulary import ALL, Parallel, Plan
 from autotune.execution.predict import fake_buildable, fake_tensors, quiet_fake_kernels
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
@@ -49,7 +49,7 @@ from autotune.report import Report
 from autotune.search.space import SearchSpace
 from autotune.search.loop import SearchInterrupted, SearchResult, run_search
 from autotune.search.predicted import Seeding, seed
-from autotune.search.strategies import make_strategy
+from autotune.search.strategies import STRATEGIES, make_strategy
 from autotune.training.workload import Workload
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def run(options: Options, *, progress: Any = None, on_trial: Callable[[Measureme
     raises what rank 0 raised. ``before()`` runs first where the stages run (rank 0): a check of the caller's
     own input (the CLI's --out) whose :class:`~autotune.errors.UsageError` then ends every rank alike.
     """
-    if options.parallel != "none" and not options.dry_run:  # a dry run predicts one rank here (--world-size)
+    if options.parallel != Parallel.NONE and not options.dry_run:  # a dry run predicts one rank here (--world-size)
         from autotune.execution.job import join
         from autotune.execution.ranks import follow, lead, own_spec
 
@@ -162,7 +162,7 @@ def search(target: Target, facts: ModelFacts, study: Study, events: "_Events") -
                                 if seeding else {}),
                              probed=_probed(target, study))
     space = study.space
-    planned = {"grid": len(space), "optuna": min(len(space), searching.n_trials or max(1, len(space) // 4))}.get(strategy.name)
+    planned = strategy.planned(space)
     events.call("search_started", space_size=len(space), planned=planned, strategy=strategy.name,
                 budget_bytes=target.budget.bytes)
     try:
@@ -212,7 +212,8 @@ def _seeding(target: Target, study: Study, facts: ModelFacts) -> Seeding | None:
     """The space predicted for ``auto`` where a measured trial can confirm a prediction to the byte: on the tensor
     meter, in one process's training (not under --parallel); None elsewhere. On CUDA the caching allocator adds what
     a prediction of the tensors does not know exactly, so a search there measures each side itself."""
-    if target.searching.strategy != "auto" or target.backend.meter_name != "TensorMeter" or target.job is not None:
+    if (not STRATEGIES[target.searching.strategy].starts_from_predictions
+            or not target.backend.meter_class.predicted_exactly or target.job is not None):
         return None
     budget = target.budget
     return seed(study.workload, study.space, device=target.device, budget_bytes=budget.enforced,
@@ -376,10 +377,11 @@ def compare_library(report: Report, target: Target, facts: ModelFacts, study: St
 
 def _meters(target: Target, space: SearchSpace) -> str:
     """The meters the trials measured with: the device's, and for compiled trials on the CPU the allocator's."""
-    name = target.backend.meter_name
-    if space.compiled and name == "TensorMeter":
-        return f"{name}; compiled trials: AllocatorMeter (the CPU allocator's events, the budget judged after each step)"
-    return name
+    meter = target.backend.meter_class
+    if space.compiled and not meter.sees_compiled:  # the CPU's: compiled trials on its allocator's events
+        return (f"{meter.__name__}; compiled trials: AllocatorMeter (the CPU allocator's events, the budget judged "
+                f"after each step)")
+    return meter.__name__
 
 
 def compare_library_trial(target: Target, workload: Workload, config: Config) -> Measurement:

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dry_run import LLAMA, MODELS, ROOT, _cli, _workload  # noqa: E402 - the dry run's benchmark: its models, its CLI runner
 
-from autotune.execution.cuda_rules import CudaRules  # noqa: E402
+from autotune.execution.cuda_rules import CudaFindings, CudaRules  # noqa: E402
 from autotune.execution.predict import predict_trial  # noqa: E402
 from autotune.records import Config  # noqa: E402
 from autotune.units import format_bytes, parse_size  # noqa: E402
@@ -34,7 +34,7 @@ BUDGET = parse_size("24GiB")
 def bundled() -> list[dict]:
     rows = []
     rules = CudaRules(torch.device("cpu"))
-    workspaces = 2 * rules.describe()["cublas_workspace_bytes"]
+    workspaces = 2 * rules.describe(CudaFindings())["cublas_workspace_bytes"]
     for name, spec in MODELS.items():
         workload = _workload(spec)
         for precision in PRECISIONS:

@@ -2,7 +2,7 @@
 
 Run with ``bash benchmarks/gpu_check.sh`` on a machine with a CUDA build of torch (a few
 minutes). It prints allocated vs reserved vs NVML figures and exits non-zero if a check fails.
-What the CPU tests check against a faked ``torch.cuda`` and NVML (tests/test_meters_cuda.py,
+What the CPU tests check against a faked ``torch.cuda`` and NVML (tests/meters/test_meters_cuda.py,
 tests/test_device.py) is checked here on the real thing: the budget set only inside a measured
 region, per-step allocated peaks, an OOM's held and needed bytes, the NVML device found by UUID,
 bf16 offered only with hardware support, a device-side assert recorded as ``crashed``, activation
@@ -34,7 +34,7 @@ import torch
 
 import autotune
 from autotune.device import backend_for
-from autotune.execution.cuda_rules import CudaRules
+from autotune.execution.cuda_rules import CudaFindings, CudaRules
 from autotune.execution.spawn import Spawned
 from autotune.meters import TensorMeter
 from autotune.meters.caching_allocator import (CUDA_CONTEXT_BYTES, AllocatorSettings, cublas_workspace_bytes,
@@ -396,7 +396,7 @@ def predict_traced(workload: Workload, config: Config, device: torch.device, set
     run = predict._Predicted(workload.unwarmed(), config, device, settings)
     meter = TensorMeter(device, trace=True)
     try:
-        with predict.fake_tensors(), predict._AsTheKernelsDo(cuda=True), rules.applied(), meter.measure():
+        with predict.fake_tensors(), predict._AsTheKernelsDo(cuda=True), rules.applied(CudaFindings()), meter.measure():
             run.build()
             for _ in range(steps):
                 run.step(run.batch)

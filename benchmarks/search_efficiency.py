@@ -387,15 +387,24 @@ def run_model(name, args, folder):
         })
 
     row("grid", grid.search["n_run"], round(grid.search["wall_s"], 1), grid_limits, best, "wall")
-    # auto's limit counts only where it is exact: the largest fit measured, the next size measured or implied
-    auto_limits = {(r["precision"], r["segments"]): r["max_batch_size"] if r.get("bracketed") else None for r in auto.limits}
-    row("auto", auto.search["n_run"], round(auto.search["wall_s"], 1), auto_limits, auto.recommendation, "wall",
-        memory_trials=sum(m.memory_only for m in auto.trials) + sum(
+    # auto's limit counts only where it is exact at the space's sizes: the largest fit measured or standing on a
+    # confirmed prediction, the next size measured or implied; an exact limit between the space's sizes (or above
+    # its top) is compared at the largest size of the space it allows
+    sizes = sorted(grid.search["space"]["batch_sizes"])
+    auto_limits = {(r["precision"], r["segments"]):
+                   max((b for b in sizes if b <= (r["max_batch_size"] or 0)), default=None) if r.get("bracketed") else None
+                   for r in auto.limits}
+    confirming = (auto.search.get("exact_limit") or {}).get("trials", 0)  # the recommended limit's, after the search
+    seeding = auto.search.get("predictions") or {}
+    row("auto", auto.search["n_run"] + confirming, round(auto.search["wall_s"], 1), auto_limits, auto.recommendation,
+        "wall", memory_trials=sum(m.memory_only for m in auto.trials) + sum(
             m.memory_from is not None for m in auto.trials),
         timed_after_memory_trial=sum(m.memory_from is not None for m in auto.trials),
         timed_again=sum(m.timings > 1 for m in auto.trials),
         failures_implied=sum(r.get("min_oom_rule") == "nested-plan" for r in auto.limits),
-        failures_implied_by_line=sum(r.get("min_oom_rule") == "memory-line" for r in auto.limits))
+        failures_implied_by_line=sum(r.get("min_oom_rule") == "memory-line" for r in auto.limits),
+        confirming_trials=confirming, exact_limits=sum(bool(r.get("exact")) for r in auto.limits),
+        not_timed_predicted_slower=seeding.get("not_timed_predicted_slower"), time_error=seeding.get("time_error"))
     floor = oracle(grid)
     row("oracle", floor["trials"], None, {(r["precision"], r["segments"]): r["max_batch_size"] for r in grid.limits}
         if floor["limits_equal_grid"] else {}, best, "none", **{k: v for k, v in floor.items() if k != "trials"})
@@ -471,14 +480,24 @@ def markdown(data) -> str:
         auto = next((r for r in model["methods"] if r["method"] == "auto"), None)
         if auto and "memory_trials" in auto:
             grid = model["methods"][0]
+            confirming = auto.get("confirming_trials", 0)
             lines += ["", f"auto: {auto['memory_trials']} of its {auto['trials']} trials were memory trials (metered, not "
-                      f"timed), {auto['timed_after_memory_trial']} of them timed later; {auto['timed_again']} near ties "
+                      f"timed), {auto['timed_after_memory_trial']} of them timed later"
+                      + (f", {confirming} of them after the search, confirming the recommended variant's predicted "
+                         f"exact limit" if confirming else "")
+                      + f"; {auto['timed_again']} near ties "
                       f"timed again; {auto['failures_implied']} limits' failing side implied by a plan that needs no "
                       f"more memory, {auto.get('failures_implied_by_line', 0)} by the plan's own memory line and "
                       f"{_by_prediction(model, 'min_oom_rule')} by its prediction; "
-                      f"{_by_prediction(model, 'max_rule')} largest fits implied by the plan's prediction (each "
-                      f"plan's predictions confirmed by a trial of it within 1%). Wall time "
-                      f"{auto['seconds'] / grid['seconds']:.0%} of the grid's, its predictions' seconds included."]
+                      f"{_by_prediction(model, 'max_rule')} largest fits implied by the plan's prediction (the "
+                      f"predictions of a precision standing on a trial within 1% of its own prediction)"
+                      + (f"; {auto['exact_limits']} of {auto['plans']} limits exact (the largest batch that fits and "
+                         f"the next, between the space's sizes or above its top)" if "exact_limits" in auto else "")
+                      + (f"; {auto['not_timed_predicted_slower']} configurations within the budget not timed, their "
+                         f"predicted steps losing by more than {2 * auto['time_error']:.0%}"
+                         if auto.get("not_timed_predicted_slower") is not None else "")
+                      + f". Wall time {auto['seconds'] / grid['seconds']:.0%} of the grid's, its predictions' seconds "
+                      f"included."]
         floor = next((r for r in model["methods"] if r["method"] == "oracle"), None)
         if auto and floor:
             lines += ["", f"oracle: the fewest trials that know every limit (computed from the grid's trials: each plan's "

@@ -44,7 +44,7 @@ def _workload(spec: str) -> Workload:
 
 def state_by_part(load: Workload, precision: str, batch: int = BATCH) -> dict:
     """One step of a Trainer in ``precision``: the bytes of its weights, gradients, AdamW's moments and step counts
-    (tests/test_precision.py holds bf16-true's to half of bf16's with it)."""
+    (tests/training/test_precision.py holds bf16-true's to half of bf16's with it)."""
     trainer = Trainer(load, Config(precision, "0", batch), torch.device("cpu"))
     trainer.build(prime=False)
     with trainer.run.autocast():

@@ -11,7 +11,7 @@ for all its cases, so that a case costs its studies, not the workers' start). Ea
 as a user would: every worker's exit code is 0, no configuration is measured twice as the same kind
 of trial (memory, timing, a near tie's second timing), the workers' reports agree, and the trials
 that measured nothing (claims lost, abandoned) are counted. Prints a table of those counts; ``--out``
-writes it as ``workers_under_load-cpu.{json,md}``. ``tests/test_workers_under_load.py`` runs the
+writes it as ``workers_under_load-cpu.{json,md}``. ``tests/search/test_workers_under_load.py`` runs the
 same cases.
 """
 

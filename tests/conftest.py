@@ -43,13 +43,13 @@ SLOWEST_FIRST = ("test_dry_run.py",  # 148
 # Run the full tier before changing what these cover: the dry run's predictions, the trainers, the isolation venue.
 # Node ids, or their start (a ``*`` matches anything): each with the sibling that stays in CI's tier after the arrow.
 FULL_TIER = (
-    "tests/test_predicted_search.py::test_with_data_whose_items_are_views",  # -> a real search from predictions
-    "tests/test_integrations.py::test_a_hugging_face_trainer_is_tuned_and_then_trains",  # -> HF tuned with eval data
-    "tests/test_integrations.py::test_a_lightning_trainer_is_tuned_and_then_fits",  # -> Lightning with validation
-    "tests/test_integrations.py::test_a_configure_optimizers_that_sizes_a_one_cycle",  # -> Lightning with validation
-    "tests/test_isolation.py::test_a_worker_that_holds_more_than_before_its_first_trial",  # -> warm worker tests
-    "tests/test_isolation.py::test_a_worker_killed_between_two_trials_is_replaced_and_the_next_trial_runs[found",
-    "tests/test_isolation.py::test_a_trial_in_a_worker_counts_the_workers_start_as_set_up",  # -> setup_s in-process
+    "tests/search/test_predicted_search.py::test_with_data_whose_items_are_views",  # -> a real search from predictions
+    "tests/integrations/test_integrations.py::test_a_hugging_face_trainer_is_tuned_and_then_trains",  # -> HF tuned with eval data
+    "tests/integrations/test_integrations.py::test_a_lightning_trainer_is_tuned_and_then_fits",  # -> Lightning with validation
+    "tests/integrations/test_integrations.py::test_a_configure_optimizers_that_sizes_a_one_cycle",  # -> Lightning with validation
+    "tests/execution/test_isolation.py::test_a_worker_that_holds_more_than_before_its_first_trial",  # -> warm worker tests
+    "tests/execution/test_isolation.py::test_a_worker_killed_between_two_trials_is_replaced_and_the_next_trial_runs[found",
+    "tests/execution/test_isolation.py::test_a_trial_in_a_worker_counts_the_workers_start_as_set_up",  # -> setup_s in-process
     "tests/test_end_to_end.py::test_bf16_and_checkpointing_fit_larger_batches[TinyGPT]",  # -> [ResNetish]
     "tests/test_dry_run.py::test_a_dry_run_of_a_model_whose_fake_kernel_is_stricter",  # -> measured for real
     "tests/test_dry_run.py::test_a_model_that_deep_copies_its_fake_layers_is_planned_without_a_crash"
@@ -63,44 +63,45 @@ FULL_TIER = (
     # every plan kind of the bundled models: ResNetish in every precision stays
     *(f"tests/test_dry_run.py::test_a_prediction_is_the_measurement_to_the_byte_for_every_plan_kind[autotune.examples:"
       f"TinyGPT-tiny_gpt-{precision}]" for precision in ("fp32", "fp16", "bf16")),
-    "tests/test_compile.py::test_a_compiled_recommendation_is_timed_again_static",  # -> the compiled search
-    "tests/test_probe.py::test_variable_lengths_do_not_surprise_the_probe",  # -> the probe's epoch, the data's limits
-    "tests/test_reliability.py::test_a_warm_worker_killed_between_two_trials_of_a_search",  # -> killed by SIGKILL
-    "tests/test_reliability.py::test_two_workers_share_one_study_without_overlap[journal]",  # -> [sqlite]
-    "tests/test_reliability.py::test_two_workers_with_the_auto_strategy_split_its_trials",  # -> two workers, grid
-    "tests/test_reliability.py::test_the_stopping_tests_pass_under_a_runner_that_ignores_int_and_hup",
-    "tests/test_world_size.py::test_one_rank_under_fsdp2_s_mixed_precision_is_predicted_to_the_byte[tests.zoo:llama",
-    "tests/test_world_size.py::test_the_dry_run_says_each_precisions_mixed_precision",
-    "tests/test_world_size.py::test_the_predicted_rank_is_a_real_gloo_ranks_peak_to_the_byte[fsdp",  # -> [ddp]
-    "tests/test_workers_under_load.py::test_workers_under_load_never_crash_duplicate_or_spin[grid-3-sqlite]",
-    "tests/test_workers_under_load.py::test_workers_under_load_never_crash_duplicate_or_spin[auto-3-journal]",
-    "tests/test_eval_limits.py::test_a_dry_run_predicts_the_same_limits",  # -> the search's limits, measured
+    "tests/training/test_compile.py::test_a_compiled_recommendation_is_timed_again_static",  # -> the compiled search
+    "tests/execution/test_probe.py::test_variable_lengths_do_not_surprise_the_probe",  # -> the probe's epoch, the data's limits
+    "tests/execution/test_reliability.py::test_a_warm_worker_killed_between_two_trials_of_a_search",  # -> killed by SIGKILL
+    "tests/execution/test_reliability.py::test_two_workers_share_one_study_without_overlap[journal]",  # -> [sqlite]
+    "tests/execution/test_reliability.py::test_two_workers_with_the_auto_strategy_split_its_trials",  # -> two workers, grid
+    "tests/execution/test_reliability.py::test_the_stopping_tests_pass_under_a_runner_that_ignores_int_and_hup",
+    "tests/execution/test_world_size.py::test_one_rank_under_fsdp2_s_mixed_precision_is_predicted_to_the_byte[tests.zoo:llama",
+    "tests/execution/test_world_size.py::test_the_dry_run_says_each_precisions_mixed_precision",
+    "tests/execution/test_world_size.py::test_the_predicted_rank_is_a_real_gloo_ranks_peak_to_the_byte[fsdp",  # -> [ddp]
+    "tests/search/test_workers_under_load.py::test_workers_under_load_never_crash_duplicate_or_spin[grid-3-sqlite]",
+    "tests/search/test_workers_under_load.py::test_workers_under_load_never_crash_duplicate_or_spin[auto-3-journal]",
+    "tests/test_eval_limits.py::test_a_dry_run_predicts_the_same_limits",
+    "tests/timing/test_timing.py::test_this_cpus_calibration_is_cached",  # -> the timing tests read this CPU's cache  # -> the search's limits, measured
     "tests/test_published.py::test_a_row_that_ran_out_is_predicted_out_of_memory",  # -> a row predicted and read
     "tests/test_examples.py::test_the_hf_factory_example_tunes_from_the_command_line[config-folder-by-name]",
-    "tests/test_cli.py::test_exports_and_plots_are_written_next_to_the_json",  # -> the exports in-process
+    "tests/cli/test_cli.py::test_exports_and_plots_are_written_next_to_the_json",  # -> the exports in-process
     "tests/test_dry_run.py::test_the_cli_dry_run_predicts_labels_and_stores_nothing",  # -> the CUDA plan's CLI run
     "tests/test_dry_run.py::test_a_model_that_deep_copies_its_fake_layers_is_planned_without_a_crash"
-    "[TransformerReadingItsMask",  # -> tests/test_known_values.py
-    "tests/test_predicted_search.py::test_a_real_search_starts_from_predictions",  # -> the seeded strategies' tests
-    "tests/test_world_size.py::test_the_rank_count_nothing_fits_suggests_is_checked",  # -> one rank's share of state
-    "tests/test_distributed.py::test_running_the_job_again_reuses_every_trial",  # -> a study's reuse in one process
-    "tests/test_distributed.py::test_a_stopped_job_exits_with_the_signals_code_on_every_rank_and_keeps_its_trials[15",
-    "tests/test_workers_under_load.py::test_workers_under_load_never_crash_duplicate_or_spin[auto-2-sqlite]",  # -> PG
-    "tests/test_reliability.py::test_sigterm_is_handled_as_ctrl_c_and_exits_143[process]",  # -> [none]
-    "tests/test_reliability.py::test_a_search_killed_with_sigkill_leaves_no_worker_training",  # -> killed, resumed
-    "tests/test_data.py::test_a_loader_with_its_own_batch_sampler_gets_a_notice",  # -> the loaders' other tests
-    "tests/test_isolation.py::test_a_warm_worker_that_hangs_is_killed_after_the_limit",  # -> an isolated trial hangs
+    "[TransformerReadingItsMask",  # -> tests/execution/test_known_values.py
+    "tests/search/test_predicted_search.py::test_a_real_search_starts_from_predictions",  # -> the seeded strategies' tests
+    "tests/execution/test_world_size.py::test_the_rank_count_nothing_fits_suggests_is_checked",  # -> one rank's share of state
+    "tests/execution/test_distributed.py::test_running_the_job_again_reuses_every_trial",  # -> a study's reuse in one process
+    "tests/execution/test_distributed.py::test_a_stopped_job_exits_with_the_signals_code_on_every_rank_and_keeps_its_trials[15",
+    "tests/search/test_workers_under_load.py::test_workers_under_load_never_crash_duplicate_or_spin[auto-2-sqlite]",  # -> PG
+    "tests/execution/test_reliability.py::test_sigterm_is_handled_as_ctrl_c_and_exits_143[process]",  # -> [none]
+    "tests/execution/test_reliability.py::test_a_search_killed_with_sigkill_leaves_no_worker_training",  # -> killed, resumed
+    "tests/training/test_data.py::test_a_loader_with_its_own_batch_sampler_gets_a_notice",  # -> the loaders' other tests
+    "tests/execution/test_isolation.py::test_a_warm_worker_that_hangs_is_killed_after_the_limit",  # -> an isolated trial hangs
     "tests/test_dry_run.py::test_a_prediction_is_the_measurement_to_the_byte_for_every_plan_kind[autotune.examples:"
     "ResNetish-kwargs1-fp16]",  # -> ResNetish in fp32 and bf16
-    "tests/test_world_size.py::test_the_report_says_it_predicted_one_rank_and_the_group_is_gone",  # -> one rank's peak
-    "tests/test_reliability.py::test_two_workers_share_one_study_without_overlap[sqlite]",  # -> [postgres]
+    "tests/execution/test_world_size.py::test_the_report_says_it_predicted_one_rank_and_the_group_is_gone",  # -> one rank's peak
+    "tests/execution/test_reliability.py::test_two_workers_share_one_study_without_overlap[sqlite]",  # -> [postgres]
     "tests/test_thirdparty.py::test_third_party_model_tuned_under_a_budget[gpt2]",  # -> the HF factory's CLI run
     "tests/test_dry_run.py::test_the_zoo_is_predicted_as_it_is_measured[t5]",  # -> llama, cnn_batchnorm, ...
-    "tests/test_integrations.py::test_a_hugging_face_trainer_evaluates_its_eval_dataset",  # -> Lightning's validation
-    "tests/test_distributed.py::test_a_hugging_face_trainer_is_tuned_on_every_rank",  # -> torchrun ddp and fsdp
-    # the compiled search (one module fixture): -> a compiled step metered (tests/test_allocator_meter.py) and this
+    "tests/integrations/test_integrations.py::test_a_hugging_face_trainer_evaluates_its_eval_dataset",  # -> Lightning's validation
+    "tests/execution/test_distributed.py::test_a_hugging_face_trainer_is_tuned_on_every_rank",  # -> torchrun ddp and fsdp
+    # the compiled search (one module fixture): -> a compiled step metered (tests/meters/test_allocator_meter.py) and this
     # module's compile failures, hangs and refusals
-    *(f"tests/test_compile.py::{name}" for name in (
+    *(f"tests/training/test_compile.py::{name}" for name in (
         "test_every_configuration_is_measured_eager_and_compiled", "test_a_variant_compiles_at_most_twice_in_a_search",
         "test_plans_are_checked_compiled_against_compiled", "test_the_table_and_the_recommendation_say_whether_to",
         "test_a_compiled_recommendation_is_applied_and_exported_compiled",

@@ -14,6 +14,7 @@ import json
 import pytest
 
 import autotune
+from autotune.eval_limits import EVAL_TOP_FACTOR, NOT_SIZED
 from autotune.examples import ResNetish, TinyGPT, token_dataset, variable_token_loader
 from autotune.execution.eval_pass import predict_eval, run_eval
 from autotune.export import export
@@ -62,8 +63,8 @@ def test_every_precision_and_plan_has_both_limits_and_the_recommendation_is_meas
         assert not row["during_training"]["at_top"] and row["during_training"]["error"] is None
     summary = report.search["eval_limits"]
     assert summary["data"] == "--eval-data" and summary["measured"] == [f"{rec.precision}/{rec.config.plan}"]
-    assert summary["top_batch_size"] == 512  # the evaluation data's 512 items (below 64 x 16)
-    assert "generate" in summary["not_sized"]
+    assert summary["top_batch_size"] == 512 < EVAL_TOP_FACTOR * 16  # the evaluation data's 512 items (below 64 x 16)
+    assert summary["not_sized"] == NOT_SIZED and "generate" in NOT_SIZED
 
 
 def test_each_limits_pass_fits_and_the_next_sizes_does_not_measured(report):

@@ -157,6 +157,35 @@ def test_statuses_are_compared_as_members_of_their_enum_not_as_strings():
     assert _status_literals(ast.parse("ok = m.status == 'ok' or status in ('oom', 'timeout')")) == [1, 1]
 
 
+# Names whose values are a ground-floor vocabulary (autotune.vocabulary.modes): compared as members, never as strings
+_MODE_NAMES = {"parallel", "wrapper", "isolation", "default_isolation"}
+
+
+def _mode_literals(tree: ast.Module) -> list[int]:
+    """Lines comparing a ``parallel``, ``wrapper`` or ``isolation`` (a name, an attribute, or ``.get("parallel")``)
+    with a string literal."""
+    def named(node: ast.AST) -> bool:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            return bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value in _MODE_NAMES
+        return (isinstance(node, ast.Name) and node.id in _MODE_NAMES
+                or isinstance(node, ast.Attribute) and node.attr in _MODE_NAMES)
+
+    def literal(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) or isinstance(
+            node, (ast.Tuple, ast.List, ast.Set)) and any(literal(e) for e in node.elts)
+
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and any(named(a) and literal(b) or literal(a) and named(b)
+                    for a, b in zip([node.left, *node.comparators], node.comparators))]
+
+
+def test_parallel_and_isolation_modes_are_compared_as_members_of_their_enums():
+    found = [f"{name}:{line}" for name, tree in _modules().items() if not name.startswith("autotune.vocabulary")
+             for line in _mode_literals(tree)]
+    assert not found, found
+    assert _mode_literals(ast.parse("a = job.wrapper == 'fsdp' or parallel != 'none' or d.get('wrapper') == 'ddp'")) == [1, 1, 1]
+
+
 def test_the_cycle_finder_finds_a_lazy_cycle_and_a_type_checking_one():
     a = ast.parse("def f():\n    from autotune.b import g\n")
     b = ast.parse("import autotune.a\n")
@@ -243,3 +272,48 @@ def test_the_training_names_load_on_first_use():
             "import autotune.training.applied, autotune.execution.trial\n"
             "assert autotune.apply is autotune.training.applied.apply  # the function, not a module of that name\n"
             "assert set(autotune.__all__) <= set(dir(autotune))\n", without_torch=False)
+
+
+def _imported_by_tests() -> set[str]:
+    """The autotune modules some test imports: by name, or through a package a name it imports lives in."""
+    import importlib
+    import importlib.util
+    import types
+
+    seen: set[str] = set()
+    for path in sorted((PACKAGE.parent / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                seen.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("autotune"):
+                seen.add(node.module)
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    value = getattr(module, alias.name, None)
+                    if value is None and importlib.util.find_spec(f"{node.module}.{alias.name}") is not None:
+                        value = importlib.import_module(f"{node.module}.{alias.name}")  # a submodule not yet loaded
+                    seen.add(value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", ""))
+    return seen
+
+
+def test_every_module_is_imported_by_some_test():
+    seen = _imported_by_tests()
+    modules = set(_modules())
+    # a package counts where one of its modules is imported (its __init__ holds their names)
+    missing = sorted(m for m in modules if m not in seen and not any(s.startswith(m + ".") for s in seen))
+    assert not missing, missing
+
+
+# Test modules at tests/'s top that test the whole (the house's rules, the docs, the tiers, packaging, the zoo, the
+# published rows, the optional packages), not one module of the package
+_WHOLE = {"house", "docs", "tiers", "packaging", "end_to_end", "zoo", "published", "optional"}
+
+
+def test_the_tests_are_shaped_like_the_package():
+    tests = PACKAGE.parent / "tests"
+    subpackages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders <= subpackages, folders - subpackages  # tests/search/ tests autotune/search/, and so on
+    top = {p.stem.removeprefix("test_") for p in tests.glob("test_*.py")}
+    modules = {p.stem.lstrip("_") for p in PACKAGE.glob("*.py")}
+    assert top - _WHOLE <= modules, top - _WHOLE - modules  # tests/test_tuner.py tests autotune/tuner.py

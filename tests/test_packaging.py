@@ -216,3 +216,12 @@ classifiers = ["Programming Language :: Python :: 2.7"]
                     "optional-dependencies": {"plot": ["matplotlib>=3.5"], "test": ["pytest>=7"]}}
     assert python_classifiers(read["classifiers"]) == [(3, 10), (3, 11)]
     assert [_name(r) for r in read["dependencies"]] == ["numpy", "foo-bar"]
+
+
+def test_the_package_says_the_version_its_metadata_does():
+    from autotune._version import __version__
+
+    import autotune
+
+    assert autotune.__version__ == __version__ == importlib.metadata.version("autotune")
+    assert re.fullmatch(r"0\.(\d+)\.\d+", __version__)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import sys
 import threading
 import warnings
@@ -51,6 +52,7 @@ from autotune.meters.caching_allocator import (CUDA_CONTEXT_BYTES, AllocatorSett
                                                nvml_bytes, replay, workspace_trace)
 from autotune.meters.base import MemoryReading
 from autotune.units import format_bytes
+from autotune.vocabulary import AutocastPolicy
 
 __all__ = ["CUDA_POLICIES", "CudaRules", "cuda_autocast_on_cpu", "optimizers_as_on_cuda", "dropout_as_on_cuda",
            "ASSUMED_CAPABILITY"]
@@ -87,11 +89,12 @@ _PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "
 # CUDA's autocast policy of each op (aten/src/ATen/autocast_mode.cpp, torch 2.4-2.13: AT_FORALL_LOWER_PRECISION_FP,
 # AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE, AT_FORALL_PROMOTE and the
 # banned binary_cross_entropy), by the op's name and overload as the dispatcher names them without "aten::"
-CUDA_POLICIES: dict[str, str] = {**{name: "lower" for name in _LOWER}, **{name: "fp32" for name in _FP32},
-                                 **{name: "fp32_set_opt_dtype" for name in _FP32_SET_OPT_DTYPE},
-                                 **{name: "fp32_append_dtype" for name in _FP32_APPEND_DTYPE},
-                                 **{name: "promote" for name in _PROMOTE}, "binary_cross_entropy": "banned",
-                                 "_cudnn_rnn": "lower", **{name: "lower" for name in _CUDA_BUILD_RNNS}}
+CUDA_POLICIES: dict[str, AutocastPolicy] = {
+    **{name: AutocastPolicy.LOWER for name in _LOWER}, **{name: AutocastPolicy.FP32 for name in _FP32},
+    **{name: AutocastPolicy.FP32_SET_OPT_DTYPE for name in _FP32_SET_OPT_DTYPE},
+    **{name: AutocastPolicy.FP32_APPEND_DTYPE for name in _FP32_APPEND_DTYPE},
+    **{name: AutocastPolicy.PROMOTE for name in _PROMOTE}, "binary_cross_entropy": AutocastPolicy.BANNED,
+    "_cudnn_rnn": AutocastPolicy.LOWER, **{name: AutocastPolicy.LOWER for name in _CUDA_BUILD_RNNS}}
 
 # The ops the CPU's autocast casts down as CUDA's does (its KERNEL_CPU lower_precision_fp list): their CPU kernels
 # stay, with autocast's cache of weight casts
@@ -127,36 +130,68 @@ def _widest(values: Any, lower: torch.dtype) -> torch.dtype:
     return torch.float32 if any(_eligible(v) and v.dtype == torch.float32 for v in flat) else lower
 
 
-def _policy_kernel(name: str, policy: str) -> Callable[..., Any]:
+def _policy_kernel(name: str, policy: AutocastPolicy) -> Callable[..., Any]:
     """The kernel that applies CUDA's ``policy`` to the op ``name`` on the CPU's autocast key (autocast's own
-    kernels exclude the autocast keys for what they call, and so does this)."""
+    kernels exclude the autocast keys for what they call, and so does this): :data:`_APPLY`'s function of the
+    policy, given the op (the dtype overload where the policy redispatches to it)."""
     packet, _, overload = name.partition(".")
     op = getattr(getattr(torch.ops.aten, packet), overload or "default")
     # a Python kernel is called without the trailing arguments left at their defaults: the dtype overload has none
     defaults = [a.default_value for a in op._schema.arguments if not a.kwarg_only]
-    if policy == "fp32_append_dtype":  # redispatched to the overload that takes a dtype
+    if policy is AutocastPolicy.FP32_APPEND_DTYPE:
         op = getattr(getattr(torch.ops.aten, packet), _FP32_APPEND_DTYPE[name])
-    dtype_at = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
+    apply = functools.partial(_APPLY[policy], op, defaults,
+                              next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None))
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         lower = torch.get_autocast_dtype("cpu")
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-            if policy == "banned":
-                raise RuntimeError(_BANNED)
-            if policy in ("lower", "fp32", "promote"):
-                to = {"lower": lower, "fp32": torch.float32}.get(policy) or _widest((*args, *kwargs.values()), lower)
-                return op(*_cast(args, to), **{k: _cast(v, to) for k, v in kwargs.items()})
-            if policy == "fp32_append_dtype":
-                args = (*args, *defaults[len(args):])
-                return op(*args, **kwargs, dtype=torch.float32 if _eligible(args[0]) else args[0].dtype)
-            if _eligible(args[0]):  # fp32_set_opt_dtype: a dtype the caller gave stays
-                if dtype_at is not None and len(args) > dtype_at:
-                    args = (*args[:dtype_at], args[dtype_at] or torch.float32, *args[dtype_at + 1:])
-                else:
-                    kwargs = {**kwargs, "dtype": kwargs.get("dtype") or torch.float32}
-            return op(*args, **kwargs)
+            return apply(lower, args, kwargs)
 
     return kernel
+
+
+def _cast_all(op: Any, args: tuple, kwargs: dict, to: torch.dtype) -> Any:
+    return op(*_cast(args, to), **{k: _cast(v, to) for k, v in kwargs.items()})
+
+
+def _lower(op: Any, defaults: list, dtype_at: int | None, lower: torch.dtype, args: tuple, kwargs: dict) -> Any:
+    return _cast_all(op, args, kwargs, lower)
+
+
+def _fp32(op: Any, defaults: list, dtype_at: int | None, lower: torch.dtype, args: tuple, kwargs: dict) -> Any:
+    return _cast_all(op, args, kwargs, torch.float32)
+
+
+def _promote(op: Any, defaults: list, dtype_at: int | None, lower: torch.dtype, args: tuple, kwargs: dict) -> Any:
+    return _cast_all(op, args, kwargs, _widest((*args, *kwargs.values()), lower))
+
+
+def _fp32_append_dtype(op: Any, defaults: list, dtype_at: int | None, lower: torch.dtype, args: tuple,
+                       kwargs: dict) -> Any:
+    args = (*args, *defaults[len(args):])
+    return op(*args, **kwargs, dtype=torch.float32 if _eligible(args[0]) else args[0].dtype)
+
+
+def _fp32_set_opt_dtype(op: Any, defaults: list, dtype_at: int | None, lower: torch.dtype, args: tuple,
+                        kwargs: dict) -> Any:
+    if _eligible(args[0]):  # a dtype the caller gave stays
+        if dtype_at is not None and len(args) > dtype_at:
+            args = (*args[:dtype_at], args[dtype_at] or torch.float32, *args[dtype_at + 1:])
+        else:
+            kwargs = {**kwargs, "dtype": kwargs.get("dtype") or torch.float32}
+    return op(*args, **kwargs)
+
+
+def _banned(op: Any, defaults: list, dtype_at: int | None, lower: torch.dtype, args: tuple, kwargs: dict) -> Any:
+    raise RuntimeError(_BANNED)
+
+
+# Each policy's kernel body: (op, its defaults, the index of its dtype argument, the autocast dtype, args, kwargs)
+_APPLY: dict[AutocastPolicy, Callable[..., Any]] = {
+    AutocastPolicy.LOWER: _lower, AutocastPolicy.FP32: _fp32, AutocastPolicy.PROMOTE: _promote,
+    AutocastPolicy.FP32_APPEND_DTYPE: _fp32_append_dtype, AutocastPolicy.FP32_SET_OPT_DTYPE: _fp32_set_opt_dtype,
+    AutocastPolicy.BANNED: _banned}
 
 
 def _registered(key: str) -> set[str]:
@@ -242,17 +277,25 @@ def dropout_as_on_cuda() -> Iterator[None]:
 
 
 @dataclasses.dataclass
+class CudaFindings:
+    """What predictions made under :class:`CudaRules` found to say, gathered as they run: the ops this torch casts
+    on CUDA with a policy :data:`CUDA_POLICIES` does not know, and the attention kernels the calls ran."""
+
+    unknown_ops: list[str] = dataclasses.field(default_factory=list)
+    attention: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # SDPA calls by kernel
+
+
+@dataclasses.dataclass(frozen=True)
 class CudaRules:
     """How a prediction for CUDA is made and read (:mod:`autotune.execution.predict`): where its fake tensors live,
-    the allocator's settings, the cuBLAS workspaces and CUDA context assumed; what it found to say."""
+    the allocator's settings, the cuBLAS workspaces and CUDA context assumed. What the predictions find is kept
+    apart, in a :class:`CudaFindings` they are given."""
 
     here: torch.device  # where the prediction's fake tensors live: cuda where this machine has a GPU, else the CPU
     fake_cuda: bool = False  # the fake tensors are CUDA's (a GPU is here): CUDA's own autocast applies
     allocator: AllocatorSettings = AllocatorSettings()
     capability: tuple[int, int] = ASSUMED_CAPABILITY
     context_bytes: int = CUDA_CONTEXT_BYTES
-    unknown_ops: list[str] = dataclasses.field(default_factory=list)
-    attention: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # SDPA calls by kernel
     described: tuple[bool, bool] = (False, False)  # the capability and the context given (--cuda-*), not assumed
 
     @classmethod
@@ -270,19 +313,23 @@ class CudaRules:
         return cls(torch.device("cpu"), capability=capability or ASSUMED_CAPABILITY, context_bytes=context,
                    described=(capability is not None, context_bytes is not None))
 
+    findings_class = CudaFindings  # what predictions under these rules gather
+
     @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
+    def applied(self, findings: CudaFindings | None = None) -> Iterator[None]:
         """Inside: torch.optim's default implementation CUDA's (:func:`optimizers_as_on_cuda`); where the fake tensors
-        are the CPU's, CUDA's autocast rules, dropout and attention kernels too."""
+        are the CPU's, CUDA's autocast rules, dropout and attention kernels too, what they find told to ``findings``
+        (None: forgotten)."""
+        findings = CudaFindings() if findings is None else findings
         if self.fake_cuda:
             with optimizers_as_on_cuda():
                 yield
             return
         with optimizers_as_on_cuda(), cuda_autocast_on_cpu() as unknown, dropout_as_on_cuda(), \
                 cuda_attention_on_cpu(self.capability) as calls:
-            self.unknown_ops = unknown
+            findings.unknown_ops = unknown
             yield
-        self.attention.update(calls)
+        findings.attention.update(calls)
 
     def replayed(self, trace: tuple[tuple[int, ...], ...], budget_bytes: int | None) -> Replay:
         """The allocator's statistics for a trial's allocation trace, its cuBLAS workspaces first, within the
@@ -314,17 +361,17 @@ class CudaRules:
                      f"the budget of {format_bytes(budget_bytes)})")
         return cuda, error
 
-    def describe(self) -> dict[str, Any]:
-        """What the report's ``search.cuda`` records: where the predictions ran and what they assumed."""
+    def describe(self, findings: CudaFindings) -> dict[str, Any]:
+        """What the report's ``search.cuda`` records: where the predictions ran, what they assumed and found."""
         return {"predicted_on": "fake CUDA tensors" if self.fake_cuda else "fake CPU tensors, CUDA's autocast",
                 "compute_capability": f"{self.capability[0]}.{self.capability[1]}",
                 "compute_capability_source": "given" if self.described[0] or self.fake_cuda else "assumed",
                 "context_source": "given" if self.described[1] else "assumed",
                 "cublas_workspace_bytes": cublas_workspace_bytes(*self.capability), "cublas_workspaces": 2,
                 "context_bytes": self.context_bytes, "expandable_segments": self.allocator.expandable_segments,
-                "attention": dict(sorted(self.attention.items())),
+                "attention": dict(sorted(findings.attention.items())),
                 "attention_order_assumed": None if self.fake_cuda else ORDER_ASSUMED,
-                "autocast_ops_unknown": list(self.unknown_ops)}
+                "autocast_ops_unknown": list(findings.unknown_ops)}
 
     def _source(self, which: int) -> str:
         """`` (assumed...)`` after a figure of the GPU the user did not give (``--cuda-capability``, ``--cuda-context``)."""
@@ -332,8 +379,8 @@ class CudaRules:
             return ""
         return f" (assumed: {('--cuda-capability', '--cuda-context')[which]} says the card's)"
 
-    def notices(self) -> tuple[str, ...]:
-        """What the predictions assumed where CUDA differs from the CPU, one line each."""
+    def notices(self, findings: CudaFindings) -> tuple[str, ...]:
+        """What the predictions assumed where CUDA differs from the CPU, and what they found, one line each."""
         where = ("on fake CUDA tensors (this machine's GPU)" if self.fake_cuda else
                  "on fake CPU tensors with CUDA's autocast op lists" +
                  (" (this machine has no GPU)" if not torch.cuda.is_available() else " (another GPU than this one)"))
@@ -345,13 +392,13 @@ class CudaRules:
                 f"{format_bytes(self.context_bytes)}{self._source(1)}; the optimizer's default is CUDA's (foreach), "
                 f"dropout CUDA's fused kernel (a bool mask); the budget holds the reserved prediction. "
                 f"benchmarks/gpu_check.py checks these against a GPU"]
-        if self.attention and not self.fake_cuda:
-            ran = ", ".join(f"{kernel} {n}" for kernel, n in sorted(self.attention.items()))
+        if findings.attention and not self.fake_cuda:
+            ran = ", ".join(f"{kernel} {n}" for kernel, n in sorted(findings.attention.items()))
             said.append(f"attention predicted as CUDA's scaled_dot_product_attention would run it on compute capability "
                         f"{self.capability[0]}.{self.capability[1]} (calls by kernel: {ran}), kernels tried in the "
                         f"order {ORDER_ASSUMED}; what a kernel allocates inside (flash's float32 dq accumulator in "
                         f"backward) is not counted")
-        if self.unknown_ops:
-            said.append(f"CUDA's autocast casts {', '.join(self.unknown_ops)} in this torch, with a policy this "
+        if findings.unknown_ops:
+            said.append(f"CUDA's autocast casts {', '.join(findings.unknown_ops)} in this torch, with a policy this "
                         f"autotune does not know: predicted with the CPU's")
         return tuple(said)

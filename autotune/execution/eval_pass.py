@@ -99,7 +99,7 @@ def predict_eval(workload: Workload, config: Config, kind: EvalKind, *, device: 
     status, error, handle = Status.OK, None, None
     try:
         meter = TensorMeter(device, trace=cuda is not None)
-        rules = cuda.applied() if cuda else contextlib.nullcontext()
+        rules = cuda.applied() if cuda else contextlib.nullcontext()  # what they find is the dry run's already
         with mode or fake_tensors(), _AsTheKernelsDo(cuda is not None or device.type == "cuda"), rules, \
                 meter.measure() as handle:
             run.build_for(kind)

@@ -39,7 +39,7 @@ from autotune._log import logger
 from autotune.device import measurable_here
 from autotune.errors import UsageError, first_line
 from autotune.execution.known_values import KnowingFakeTensorMode
-from autotune.execution.trial import _compiled, _measurement, _Run, run_trial
+from autotune.execution.trial import TrialRecord, TrialRun, run_trial
 from autotune.execution.work import outcome
 from autotune.meters import TensorMeter
 from autotune.plans.offload import offloader_of
@@ -48,10 +48,10 @@ from autotune.timing.counting import OpWork, StepWork, WorkCounter
 from autotune.timing.model import with_predicted_time
 from autotune.training.workload import Workload, _copy_model
 from autotune.units import format_bytes
-from autotune.vocabulary import Status
+from autotune.vocabulary import Parallel, Status
 
 if TYPE_CHECKING:
-    from autotune.execution.cuda_rules import CudaRules
+    from autotune.execution.cuda_rules import CudaFindings, CudaRules
     from autotune.execution.one_rank import OneRank
     from autotune.timing.model import Machine
     from autotune.training.wrapping import Wrapping
@@ -161,7 +161,7 @@ def _keeping_real_inputs(mode: FakeTensorMode) -> FakeTensorMode:
     ``token_dataset``, TinyGPT's predictions were 2.5 MiB (its 2048 sequences) below every measured peak, enough to
     refute the predictions of every plan whose peak at the checking size is under 252 MiB, and to bracket those plans
     by memory trials. Kept here, every prediction equals its measurement to the byte
-    (``tests/test_predicted_search.py``). A fake copy that holds its real tensor (a constant) is left to the memo.
+    (``tests/search/test_predicted_search.py``). A fake copy that holds its real tensor (a constant) is left to the memo.
 
     Only the batch's inputs are kept so (:meth:`_Predicted.memory_batch`): the real tensors a trial makes itself
     outside the meter (a ``PLAN+state`` model built on the host) are counted while the trial uses their copies, as a
@@ -274,7 +274,7 @@ class _StepsAlways:
         return float(self._scaler._init_scale)  # its fake scale has no value; a step that always steps keeps it
 
 
-class _Predicted(_Run):
+class _Predicted(TrialRun):
     """A trial under fake tensors: built and stepped as a memory trial is, its scaler stepping always."""
 
     def build(self) -> None:
@@ -293,7 +293,8 @@ class _Predicted(_Run):
 def predict_trial(workload: Workload, config: Config, *, device: torch.device | str = "cpu",
                   budget_bytes: int | None = None, settings: TrialSettings = TrialSettings(),
                   mode: FakeTensorMode | None = None, parallel: "Wrapping | None" = None,
-                  cuda: "CudaRules | None" = None, time_model: "Machine | None" = None) -> Measurement:
+                  cuda: "CudaRules | None" = None, time_model: "Machine | None" = None,
+                  findings: "CudaFindings | None" = None) -> Measurement:
     """Predict the peak memory of a memory trial of ``config`` (:func:`autotune.execution.trial.run_trial` with
     ``timed=False``) under ``budget_bytes``, without running it: status ``ok`` or ``oom`` (or ``failed``, the model's
     own error), ``memory_source`` :data:`PREDICTED`, no step time.
@@ -302,7 +303,8 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     ``mode``: the fake tensors to run under (those of a model :func:`fake_buildable` made), else new ones.
     ``parallel``: one rank's part of a distributed trial, on a fake process group (:mod:`autotune.execution.one_rank`).
     ``cuda``: predict for CUDA (:mod:`autotune.execution.cuda_rules`): run where its rules say (``device`` is then
-    ignored), and read the allocator's reserved bytes from the allocation trace; the budget holds those.
+    ignored), and read the allocator's reserved bytes from the allocation trace; the budget holds those; what the
+    rules find is told to ``findings`` (a :class:`~autotune.execution.cuda_rules.CudaFindings`, else forgotten).
     ``time_model``: also predict the step's time on this machine (:func:`autotune.timing.model.step_time`).
     """
     device = torch.device(device) if cuda is None else cuda.here
@@ -312,7 +314,7 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     counter = WorkCounter() if time_model is not None else contextlib.nullcontext()
     try:
         meter = TensorMeter(device, budget_bytes=budget_bytes, trace=cuda is not None)
-        rules = cuda.applied() if cuda else contextlib.nullcontext()
+        rules = cuda.applied(findings) if cuda else contextlib.nullcontext()
         with mode or fake_tensors(), _AsTheKernelsDo(cuda is not None or device.type == "cuda"), rules, \
                 meter.measure() as handle:
             run.build()
@@ -327,8 +329,8 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     except Exception as exc:  # noqa: BLE001 - as in a trial, the model's failures are outcomes
         status, error = outcome(exc)
     finally:
-        records = (run.plan, [], [], 0, [], [], (0.0, round(time.monotonic() - started, 4)), run.host_peak_bytes, None,
-                   _compiled(None, []))
+        record = TrialRecord(plan=run.plan, steps_s=round(time.monotonic() - started, 4),
+                             host_peak_bytes=run.host_peak_bytes)
         run.release()
         del run
     reading = None if handle is None else dataclasses.replace(handle.reading, source=PREDICTED)
@@ -336,13 +338,13 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
         reading, allocator_error = cuda.read(reading, handle.trace or (), budget_bytes)
         if allocator_error is not None and status == Status.OK:
             status, error = Status.OOM, allocator_error
-    predicted = _measurement(config, status, error, records, reading, started, timed=False)
+    predicted = record.measurement(config, status, error, reading, started, timed=False)
     if work is None:
         return predicted
     return with_predicted_time(predicted, work, time_model, world_size=parallel.job.world_size if parallel else 1)
 
 
-def _work(counter: WorkCounter, run: _Run, parallel: "Wrapping | None") -> StepWork:
+def _work(counter: WorkCounter, run: TrialRun, parallel: "Wrapping | None") -> StepWork:
     """The step's counted work, with the bytes an offloading plan copied to the host, and under DDP its gradients'
     all-reduce (on the fake process group DDP's buckets are reduced by a hook that moves nothing)."""
     offloader = offloader_of(run.module)
@@ -351,7 +353,7 @@ def _work(counter: WorkCounter, run: _Run, parallel: "Wrapping | None") -> StepW
         work = dataclasses.replace(work, offload_bytes=work.offload_bytes // run.micro_steps, ops=tuple(
             op if op.phase == "optimizer" else dataclasses.replace(op, count=max(1, op.count // run.micro_steps))
             for op in work.ops))
-    if parallel is not None and parallel.job.wrapper == "ddp":
+    if parallel is not None and parallel.job.wrapper == Parallel.DDP:
         grads = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
         work = dataclasses.replace(work, ops=(*work.ops, OpWork("backward", "collective", "fp32", 0, grads, 1,
                                                                 "allreduce_")))
@@ -392,6 +394,7 @@ class Predictor:
         self.time_model = time_model  # what prices each prediction's step time (None: no time)
         self.workload, self.device, self.budget_bytes, self.settings = workload, device, budget_bytes, settings
         self.cuda = cuda  # --device cuda: CUDA's rules
+        self.cuda_findings = cuda and type(cuda).findings_class()  # what they found over every prediction
         self.mode = mode  # the fake tensors of the workload's models (fake_buildable), if it has its own
         self.ranks = ranks
         self.model_name, self.state_bytes, self.real_limit_bytes = model_name, state_bytes, real_limit_bytes
@@ -405,7 +408,7 @@ class Predictor:
             predicted = predict_trial(self.workload, config, device=self.device, budget_bytes=self.budget_bytes,
                                       settings=self.settings, mode=self.mode,
                                       parallel=self.ranks.wrapping() if self.ranks is not None else None,
-                                      cuda=self.cuda, time_model=self.time_model)
+                                      cuda=self.cuda, time_model=self.time_model, findings=self.cuda_findings)
         except Unpredictable as exc:
             self._cannot_predict(str(exc))
             return self._measured(config)

@@ -31,13 +31,14 @@ from autotune.vocabulary import Status
 if TYPE_CHECKING:
     from autotune.training.wrapping import Wrapping
 
-__all__ = ["TrialWork", "run_trial"]
+__all__ = ["TrialWork", "TrialRun", "TrialRecord", "run_trial"]
 
 _STATE_STEPS = 8  # an optimizer that could not be primed: steps until it holds state (fp16's skipped steps make none)
 
 
-class _Run(Trainer):
-    """A trial: the trainer, its worst batch (memory) and its random batches (timed steps)."""
+class TrialRun(Trainer):
+    """A trial: the trainer, its worst batch (memory) and its random batches (timed steps); a prediction
+    (:mod:`autotune.execution.predict`) runs one under fake tensors."""
 
     def __init__(self, workload: Workload, config: Config, device: torch.device, settings: TrialSettings,
                  parallel: "Wrapping | None" = None, *, host_apart: bool | None = None) -> None:
@@ -138,7 +139,7 @@ def run_trial(
     asked_at = time.time() if asked_at is None else asked_at
     started = time.monotonic()
     deadline = started + settings.timeout_s if settings.timeout_s else None
-    run = _Run(workload, config, device, settings, parallel)
+    run = TrialRun(workload, config, device, settings, parallel)
     status, error, handle = Status.OK, None, None
     count = CompileCount(config.variant).start() if config.compiled else None
     timed_inside = timed and metered and not meter.slows_steps  # a meter that costs nothing times in its region
@@ -159,14 +160,11 @@ def run_trial(
     except Exception as exc:  # noqa: BLE001 - every failure of the user's code is an outcome
         status, error = outcome(compile_failure(exc) or exc)
     finally:
-        records = (run.plan, run.losses, list(run.scales), run.skipped, run.step_times, run.tokens,
-                   _setup_and_steps(asked_at, run.first_step_at), run.host_peak_bytes,
-                   run.host_state.step_share(run.step_times) if run.host_state is not None else None,
-                   _compiled(count, run.warmup_times))
+        record = TrialRecord.of(run, asked_at, count)
         run.release()
         del run  # model, optimizer, batch and activations go with it
         backend_for(device).release()
-    return _measurement(config, status, error, records, handle.reading if handle is not None else None, started, timed)
+    return record.measurement(config, status, error, handle.reading if handle is not None else None, started, timed)
 
 
 def _check_meter(config: Config, meter: Meter, metered: bool) -> None:
@@ -185,48 +183,77 @@ def _warmup_steps(meter: Meter, settings: TrialSettings, config: Config) -> int:
     return max(steps, 2) if config.compiled else steps
 
 
-def _measurement(config: Config, status: str, error: str | None, records: tuple, reading: Any,
-                 started: float, timed: bool) -> Measurement:
-    """The trial's :class:`Measurement` from its records and the meter's reading."""
-    plan, losses, scales, skipped, step_times, tokens, (setup_s, steps_s), host_peak, optimizer_share, compiled = records
-    if compiled["compile_s"] is not None:  # compiling is set-up: the steps are what training repeats
-        setup_s, steps_s = round(setup_s + compiled["compile_s"], 4), round(max(0.0, steps_s - compiled["compile_s"]), 4)
-    ok = status == Status.OK
-    real = sum(tokens) if tokens and None not in tokens else None
-    return Measurement(
-        config=config,
-        status=status,
-        peak_bytes=reading.peak_bytes if reading else None,
-        peak_allocated_bytes=reading.peak_allocated_bytes if reading else None,
-        peak_reserved_bytes=reading.peak_reserved_bytes if reading else None,
-        peak_nvml_bytes=reading.peak_nvml_bytes if reading else None,
-        host_peak_bytes=host_peak,
-        optimizer_step_share=optimizer_share,
-        oom_held_bytes=getattr(reading, "oom_held_bytes", None),
-        oom_needed_bytes=getattr(reading, "oom_needed_bytes", None),
-        memory_source=reading.source if reading else "",
-        **timing_fields(config.batch_size, tuple(step_times), real, ok),
-        loss_first=losses[0] if losses else None,
-        loss_final=losses[-1] if losses else None,
-        nonfinite_losses=sum(not math.isfinite(v) for v in losses),
-        loss_scale_history=tuple(scales),
-        skipped_steps=skipped,
-        plan=plan,
-        error=error,
-        wall_s=time.monotonic() - started,
-        setup_s=setup_s,
-        steps_s=steps_s,
-        timed=timed,
-        **compiled,
-    )
+@dataclasses.dataclass(frozen=True)
+class TrialRecord:
+    """What a trial's run kept, beside the meter's reading: made by a trial (:meth:`of`) and by a prediction alike
+    (which steps once, untimed: its defaults), and turned into the trial's :class:`Measurement`."""
 
+    plan: Any = None  # the checkpoint plan as applied (its blocks), or None
+    losses: tuple[float, ...] = ()  # every step's loss, the metered ones first
+    loss_scales: tuple[float, ...] = ()  # the GradScaler's scale after each step (fp16)
+    skipped_steps: int = 0  # steps the GradScaler skipped (inf/NaN gradients)
+    step_times_s: tuple[float, ...] = ()  # each timed step's wall seconds
+    tokens: tuple[int | None, ...] = ()  # the real tokens of each timed step's batch (None: not a token batch)
+    setup_s: float = 0.0  # from the ask to the first step: a worker's start, imports, the model's build
+    steps_s: float = 0.0  # from the first step to the end
+    host_peak_bytes: int | None = None  # what offloaded plans held in host memory
+    optimizer_step_share: float | None = None  # the optimizer step's share of a step, its state in host memory
+    compile_s: float | None = None  # a compiled trial's compile seconds (its first step beyond its second)
+    compiles: int | None = None  # graphs compiled
+    graph_breaks: int | None = None
 
-def _compiled(count: CompileCount | None, warmup_times: list[float]) -> dict[str, Any]:
-    """A compiled trial's compile seconds (its first step beyond its second), graphs compiled and graph breaks."""
-    if count is None:
-        return {"compile_s": None, "compiles": None, "graph_breaks": None}
-    compile_s = round(max(0.0, warmup_times[0] - warmup_times[1]), 4) if len(warmup_times) >= 2 else None
-    return {"compile_s": compile_s, "compiles": count.graphs, "graph_breaks": count.breaks}
+    @classmethod
+    def of(cls, run: TrialRun, asked_at: float, count: CompileCount | None) -> "TrialRecord":
+        """What ``run`` kept, its set-up counted from ``asked_at`` (``time.time()``), ``count`` its compiles."""
+        setup_s, steps_s = _setup_and_steps(asked_at, run.first_step_at)
+        compile_s = compiles = breaks = None
+        if count is not None:
+            warm = run.warmup_times
+            compile_s = round(max(0.0, warm[0] - warm[1]), 4) if len(warm) >= 2 else None
+            compiles, breaks = count.graphs, count.breaks
+        if compile_s is not None:  # compiling is set-up: the steps are what training repeats
+            setup_s, steps_s = round(setup_s + compile_s, 4), round(max(0.0, steps_s - compile_s), 4)
+        return cls(plan=run.plan, losses=tuple(run.losses), loss_scales=tuple(run.scales), skipped_steps=run.skipped,
+                   step_times_s=tuple(run.step_times), tokens=tuple(run.tokens), setup_s=setup_s, steps_s=steps_s,
+                   host_peak_bytes=run.host_peak_bytes,
+                   optimizer_step_share=(run.host_state.step_share(run.step_times) if run.host_state is not None
+                                         else None),
+                   compile_s=compile_s, compiles=compiles, graph_breaks=breaks)
+
+    def measurement(self, config: Config, status: str, error: str | None, reading: Any, started: float,
+                    timed: bool) -> Measurement:
+        """The trial's :class:`Measurement` from this record and the meter's ``reading`` (None: none was taken)."""
+        ok = status == Status.OK
+        real = sum(self.tokens) if self.tokens and None not in self.tokens else None
+        losses = self.losses
+        return Measurement(
+            config=config,
+            status=status,
+            peak_bytes=reading.peak_bytes if reading else None,
+            peak_allocated_bytes=reading.peak_allocated_bytes if reading else None,
+            peak_reserved_bytes=reading.peak_reserved_bytes if reading else None,
+            peak_nvml_bytes=reading.peak_nvml_bytes if reading else None,
+            host_peak_bytes=self.host_peak_bytes,
+            optimizer_step_share=self.optimizer_step_share,
+            oom_held_bytes=getattr(reading, "oom_held_bytes", None),
+            oom_needed_bytes=getattr(reading, "oom_needed_bytes", None),
+            memory_source=reading.source if reading else "",
+            **timing_fields(config.batch_size, self.step_times_s, real, ok),
+            loss_first=losses[0] if losses else None,
+            loss_final=losses[-1] if losses else None,
+            nonfinite_losses=sum(not math.isfinite(v) for v in losses),
+            loss_scale_history=self.loss_scales,
+            skipped_steps=self.skipped_steps,
+            plan=self.plan,
+            error=error,
+            wall_s=time.monotonic() - started,
+            setup_s=self.setup_s,
+            steps_s=self.steps_s,
+            timed=timed,
+            compile_s=self.compile_s,
+            compiles=self.compiles,
+            graph_breaks=self.graph_breaks,
+        )
 
 
 def _setup_and_steps(asked_at: float, first_step_at: float | None) -> tuple[float, float]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autotune.execution.work import Place, Venue, Work
+from autotune.vocabulary import Isolation
 
 if TYPE_CHECKING:
     from autotune.execution.job import Job
@@ -53,7 +54,7 @@ def venue_for(isolation: str, device: torch.device, job: "Job | None" = None, *,
         from autotune.execution.ranks import Ranks
 
         return Ranks(device, job)
-    if isolation == "process":
+    if isolation == Isolation.PROCESS:
         from autotune.execution.spawn import Spawned
 
         return Spawned(device, trials_per_worker)

@@ -21,7 +21,7 @@ from autotune.errors import UsageError
 from autotune.export.context import APPLY_HINT, HF_SWITCHES, LIGHTNING_PRECISION, MP_POLICY, Context
 from autotune.export.engines import accelerate, deepspeed
 from autotune.export.notes import common_notes, eval_notes
-from autotune.vocabulary import EAGER, compile_mode, is_static
+from autotune.vocabulary import EAGER, Parallel, compile_mode, is_static
 
 if TYPE_CHECKING:
     from autotune.report import Report
@@ -165,12 +165,12 @@ def _hf(ctx: Context, notes: list[str]) -> dict[str, Any]:
                      f"measured, but reduce the gradients in bf16 and autocast too. To train as measured, set "
                      f"bf16=False and, once the Trainer is made and before train(), "
                      f"trainer.accelerator.state.fsdp_plugin.mixed_precision_policy = {MP_POLICY}")
-    elif ctx.wrapper == "fsdp" and ctx.sixteen_bit:
+    elif ctx.wrapper == Parallel.FSDP and ctx.sixteen_bit:
         notes.append(f"measured {ctx.precision}: autocast over FSDP2's fp32 parameters; with {ctx.precision}=True "
                      f"accelerate's FSDP2 also gathers the parameters and reduces the gradients in {ctx.precision}")
     if ctx.true:
         notes.append(HF_TRUE_NOTE)
-    if ctx.wrapper == "fsdp":  # FSDP2 on each block (transformers' auto-wrap by layer class) and the root
+    if ctx.wrapper == Parallel.FSDP:  # FSDP2 on each block (transformers' auto-wrap by layer class) and the root
         args["fsdp"] = "full_shard auto_wrap" + (" offload" if ctx.plan.state else "")
         args["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
                                **({"transformer_layer_cls_to_wrap": ctx.block_types} if ctx.block_types else {})}
@@ -195,9 +195,9 @@ def _lightning(ctx: Context, notes: list[str]) -> dict[str, Any]:
                      "floating tensors, and neither autocasts nor scales the loss. It also makes bf16 the default "
                      "dtype inside the step, so a tensor the forward creates without a dtype is bf16 there and was "
                      "fp32 in the trials (autotune.apply's too)")
-    if ctx.wrapper == "ddp":
+    if ctx.wrapper == Parallel.DDP:
         trainer["strategy"] = "ddp"
-    elif ctx.wrapper == "fsdp":
+    elif ctx.wrapper == Parallel.FSDP:
         trainer["strategy"] = "fsdp"
         notes.append(
             f"strategy 'fsdp' is Lightning's FSDPStrategy, which wraps with FSDP1 (FullyShardedDataParallel); autotune "

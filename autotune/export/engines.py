@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from autotune.export.context import ACCELERATE_PRECISION, MP_POLICY, Context
-from autotune.vocabulary import GROWTH_INTERVAL, INIT_LOSS_SCALE
+from autotune.vocabulary import GROWTH_INTERVAL, INIT_LOSS_SCALE, Parallel
 
 __all__ = ["deepspeed", "accelerate"]
 
@@ -57,7 +57,7 @@ def deepspeed(ctx: Context, notes: list[str]) -> dict[str, Any]:
             f"autotune measured {ctx.wrapper.upper()} on {ctx.world_size} ranks; no zero_optimization stage is set, "
             f"because none was measured: " + (
                 "stage 0 is DeepSpeed's plain data parallelism, the nearest to DDP, with buckets of its own"
-                if ctx.wrapper == "ddp" else
+                if ctx.wrapper == Parallel.DDP else
                 "stage 3 shards parameters, gradients and optimizer state as FSDP does, with its own prefetching and "
                 "buffers, so its memory and speed differ from the measurement" + (
                     "; its offload_param and offload_optimizer (device cpu) are the nearest to the state in host "
@@ -80,7 +80,7 @@ def accelerate(ctx: Context, notes: list[str]) -> dict[str, Any]:
                      "model.to(torch.bfloat16) before accelerator.prepare, so the optimizer made over it keeps its "
                      "state in bf16, and feed it bf16 inputs; mixed_precision='bf16' would autocast over it (and under "
                      "FSDP2 upcast the parameters to fp32)")
-    if ctx.wrapper == "fsdp":  # FullyShardedDataParallelPlugin(**fsdp_plugin): FSDP2, each block and the root
+    if ctx.wrapper == Parallel.FSDP:  # FullyShardedDataParallelPlugin(**fsdp_plugin): FSDP2, each block and the root
         out["fsdp_plugin"] = {"fsdp_version": 2, "reshard_after_forward": True,
                               **({"cpu_offload": True} if ctx.plan.state else {}),
                               **({"auto_wrap_policy": "transformer_based_wrap",
@@ -88,7 +88,7 @@ def accelerate(ctx: Context, notes: list[str]) -> dict[str, Any]:
         notes.append("pass Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(**fsdp_plugin), ...) and launch "
                      f"with accelerate launch --num_processes {ctx.world_size} (or torchrun)")
         _accelerate_fsdp_precision(ctx, out, notes)
-    elif ctx.wrapper == "ddp":
+    elif ctx.wrapper == Parallel.DDP:
         notes.append(f"accelerate wraps the model in DistributedDataParallel when launched on {ctx.world_size} "
                      f"processes (accelerate launch --num_processes {ctx.world_size}, or torchrun): as measured")
     return out

@@ -13,6 +13,7 @@ from torch import nn
 from autotune._log import logger
 from autotune.errors import NothingFits, UsageError
 from autotune.report import Report
+from autotune.vocabulary import Isolation, Parallel
 
 __all__ = ["ModelCopy", "divisors", "trainer_options", "on_host", "distributed_job", "recommendation_of", "say_changes",
            "trains_plan", "eval_batch_of"]
@@ -50,7 +51,7 @@ def trainer_options(per_rank: int, world: Any, parallel: str | None = None) -> d
     global batch kept, trials in this process (the trainer's objects are not rebuilt in a worker) or, in a job of
     ``world`` ranks, on every rank under the trainer's ``parallel`` wrapper (each rank passes its own trainer)."""
     world = max(1, int(world or 1))
-    options = {"isolation": "none", "batch_sizes": ",".join(map(str, divisors(per_rank))),
+    options = {"isolation": Isolation.NONE, "batch_sizes": ",".join(map(str, divisors(per_rank))),
                "target_batch_size": per_rank * world}
     if world > 1:
         if parallel is None:
@@ -79,7 +80,7 @@ def distributed_job(options: dict[str, Any]) -> Iterator[None]:
     try:
         yield
     finally:
-        if options.get("parallel", "none") != "none":
+        if options.get("parallel", Parallel.NONE) != Parallel.NONE:
             from autotune.execution.job import leave
 
             leave()

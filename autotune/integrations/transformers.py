@@ -43,7 +43,7 @@ from torch import nn
 from autotune.errors import UsageError
 from autotune.integrations.common import (ModelCopy, distributed_job, eval_batch_of, on_host, recommendation_of,
                                           say_changes, trainer_options, trains_plan)
-from autotune.vocabulary import ALL, FSDP_ONLY, PRECISIONS, TRUE
+from autotune.vocabulary import ALL, FSDP_ONLY, PRECISIONS, TRUE, Parallel
 from autotune.report import Report
 
 __all__ = ["tune_trainer"]
@@ -105,7 +105,7 @@ def _wrapper(args: Any) -> str:
     if getattr(args, "deepspeed", None):
         raise UsageError("tune_trainer does not measure DeepSpeed's engine: tune with the same arguments less "
                          "deepspeed (--parallel fsdp measures a sharded job), or use --export deepspeed")
-    return "fsdp" if getattr(args, "fsdp", None) else "ddp"
+    return Parallel.FSDP if getattr(args, "fsdp", None) else Parallel.DDP
 
 
 def _training_data(trainer: Any) -> tuple[Any, Any]:

@@ -50,6 +50,9 @@ class Meter(abc.ABC):
     slows_steps: bool = False
     #: False for a meter that cannot measure compiled code (a dispatch mode: dynamo runs the code eager under it).
     sees_compiled: bool = True
+    #: True where a prediction under fake tensors (:mod:`autotune.execution.predict`) counts what this meter counts,
+    #: to the byte: a search may then start from predictions and let a confirmed one stand for a trial.
+    predicted_exactly: bool = False
 
     def __init__(self, *, budget_bytes: int | None = None) -> None:
         self.budget_bytes = budget_bytes

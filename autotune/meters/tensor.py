@@ -306,6 +306,7 @@ class TensorMeter(Meter):
     """
 
     slows_steps = True
+    predicted_exactly = True  # a prediction is this meter's count under fake tensors (results/dry_run-cpu.md)
     sees_compiled = False  # under a dispatch mode dynamo does not compile: a compiled step would run eager
 
     def __init__(self, device: str | torch.device = "cpu", *, budget_bytes: int | None = None,

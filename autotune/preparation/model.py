@@ -27,7 +27,7 @@ from autotune.training.optimizer import UNPRIMED_NOTICE, measure_optimizer
 from autotune.training.precision import MODES, keep_in_fp32
 from autotune.training.state import held_parts, smaller_state
 from autotune.training.workload import Workload, move_model, to_device
-from autotune.vocabulary import SIXTEEN_BIT, Offload, runs_where
+from autotune.vocabulary import SIXTEEN_BIT, Offload, Parallel, runs_where
 
 __all__ = ["ModelFacts", "preflight", "floor_facts"]
 
@@ -127,7 +127,8 @@ def _check_state_fits(facts: ModelFacts, optimizer: str, target: Target, floor: 
     they cost forward passes and twins)."""
     budget, searching = target.budget, target.searching
     # FSDP2 shards the state over its ranks: a torchrun job's, or those a dry run predicts (--world-size); DDP does not
-    shards = (target.job.world_size if target.job else searching.world_size or 1) if searching.parallel == "fsdp" else 1
+    shards = ((target.job.world_size if target.job else searching.world_size or 1)
+              if searching.parallel == Parallel.FSDP else 1)
     if budget.bytes is None:
         return
     least = min(target.precisions, key=facts.fixed_bytes_of, default=None)

@@ -25,7 +25,7 @@ from autotune.training.data import scan_items, worst_indices
 from autotune.training.lowbit import stand_in
 from autotune.training.evaluation import EvalData, eval_workload
 from autotune.training.workload import Workload, parse_model_kwargs
-from autotune.vocabulary import EAGER, PRECISIONS, TRUE, Offload, Plan, rounding_notice, runs_where
+from autotune.vocabulary import EAGER, PRECISIONS, TRUE, Isolation, Offload, Parallel, Plan, rounding_notice, runs_where
 
 if TYPE_CHECKING:
     from autotune.execution.job import Job
@@ -83,7 +83,7 @@ class Searching:
     @property
     def sharding_ranks(self) -> int | None:
         """The ranks FSDP2 shards the state over in a dry run (--world-size); None where no dry run says."""
-        return self.world_size if self.parallel == "fsdp" else None
+        return self.world_size if self.parallel == Parallel.FSDP else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Target:
     workload: Workload
     budget: Budget  # --budget (else the largest of --budgets, else the device's memory), --budgets, --headroom
     precisions: tuple[str, ...]
-    isolation: str  # "process" or "none"
+    isolation: str  # Isolation.PROCESS or Isolation.NONE
     venue: Venue  # where trials, probe candidates and plan checks run: this process, a worker, every rank
     data_profile: dict[str, Any] | None  # the item sizes and how batches were chosen (with data)
     notices: tuple[str, ...]
@@ -135,9 +135,9 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
         raise UsageError(f"--device {options.device} --dry-run on a machine without a GPU: say the card's memory with "
                          f"--budget (e.g. --budget 24GiB)")
     budget = options.memory if options.budget is not None else Budget(backend.total_bytes(), (), options.headroom)
-    isolation = backend.default_isolation if options.isolation == "auto" else options.isolation
+    isolation = backend.default_isolation if options.isolation == Isolation.AUTO else options.isolation
     if job is not None or options.dry_run:
-        isolation = "none"  # each rank runs its part of a trial in its own process (options refuse "process"); a
+        isolation = Isolation.NONE  # each rank runs its part of a trial in its own process (options refuse PROCESS); a
         # dry run's trials hold no memory: nothing to isolate
     if options.dry_run and not predictable(backend.device):
         raise UsageError(f"--dry-run predicts for the CPU and CUDA, not {backend.device.type}: run it with --device cpu "

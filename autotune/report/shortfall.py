@@ -11,7 +11,7 @@ from typing import Any
 
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
-from autotune.vocabulary import ALL, SIXTEEN_BIT, TRUE, Plan
+from autotune.vocabulary import ALL, SIXTEEN_BIT, TRUE, Parallel, Plan
 
 __all__ = ["Shortfall", "shortfall"]
 
@@ -82,7 +82,7 @@ def shortfall(report: Any) -> Shortfall:
     held = [sum(parts.values()) for name, parts in (report.workload.get("state_by_precision") or {}).items()
             if name in space["precisions"] and None not in parts.values()]
     state = min([state, *held]) if state is not None and held else state  # bf16-true's, where searched: smaller
-    sharded = (report.distributed or {}).get("wrapper") == "fsdp"
+    sharded = (report.distributed or {}).get("wrapper") == Parallel.FSDP
     usable = usable_bytes(report.budget_bytes, report.headroom)
     over_half = bool(state and usable and state > 0.5 * usable)
     untried = tuple(lever for lever, left_out in (

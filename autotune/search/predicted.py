@@ -36,15 +36,19 @@ __all__ = ["predict_space", "seed", "Seeding", "SEED_SECONDS", "let_go"]
 
 # A search waits this long at most for its predictions: they save trials, and must not cost more than they save
 SEED_SECONDS = 60.0
+# and this much more for the exact limits between the space's sizes, which save no trial but answer the user's first
+# question exactly (about two predictions a variant: TinyGPT's 18 variants of the benchmarks' space take some 40 s)
+EXACT_SECONDS = 45.0
 
 
 def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], limits: tuple[float, ...],
                   deadline: float | None = None, fixed_bytes: float | None = None,
-                  multiple: int | None = None) -> dict[Config, Measurement]:
+                  multiple: int | None = None, exact_deadline: float | None = None) -> dict[Config, Measurement]:
     """Each variant's boundary under every one of ``limits``, found over the space's sizes with ``predict`` (memory
     grows with the batch: above a size that does not fit, none does); then, with ``multiple``, each variant's exact
     limit under the first of ``limits`` (:func:`_exact_limit`: sizes between the space's, or above its top). Stops
-    early, with what it has, past ``deadline`` (``time.monotonic()``); the variants with the most recompute come first.
+    early, with what it has, past ``deadline`` (``time.monotonic()``; the exact limits past ``exact_deadline``, else
+    the same); the variants with the most recompute come first.
 
     A boundary costs two or three predictions where the variant's peaks lie on a line (:func:`_next_size`):
     the middle size, then the largest size its line says fits, then the size above; where the line misleads, the
@@ -78,6 +82,7 @@ def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], 
                 predictions[variant.at(b)] = predict(variant.at(b))
     if multiple is None or not limits:
         return predictions
+    deadline = deadline if exact_deadline is None else exact_deadline
     for variant in variants:  # a second pass: every variant's space bracket comes first, should the deadline stop it
         if deadline is not None and time.monotonic() > deadline:
             return predictions
@@ -205,7 +210,7 @@ def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", bu
         with quiet_fake_kernels():
             fake, _ = fake_buildable(workload, mode)
             predictions = predict_space(space, predict, limits, deadline=started + seconds, fixed_bytes=fixed_bytes,
-                                        multiple=multiple)
+                                        multiple=multiple, exact_deadline=started + seconds + EXACT_SECONDS)
     except Unpredictable as exc:
         return Seeding({}, time.monotonic() - started, f"the model cannot run under fake tensors: {exc}")
     except Exception as exc:  # noqa: BLE001 - a prediction only saves trials: the search goes on without it
@@ -216,7 +221,10 @@ def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", bu
     if predictions and not any(m.status.measured_memory for m in predictions.values()):  # none says anything of memory
         failed = next(iter(predictions.values()))
         return Seeding({}, took, f"every prediction failed under fake tensors: {failed.error}")
-    stopped = took > seconds
+    # stopped inside the space's brackets (the exact limits, which come after them, never began), or inside the exact
+    # limits
+    exact = any(c.batch_size not in space.batch_sizes for c in predictions)
+    stopped = (took > seconds and not exact) or took > seconds + (EXACT_SECONDS if multiple is not None else 0)
     logger.info("predicted %d configurations in %.1f s%s", len(predictions), took,
                 " (stopped at the time limit)" if stopped else "")
     return Seeding(predictions, took, stopped=stopped, time_model=None if time_model is None else time_model.name)

@@ -35,7 +35,7 @@ from autotune.errors import AutotuneError, UsageError
 from autotune.meters.tensor import meter_aside
 from autotune.training.host_state import offload_policy
 from autotune.training.precision import get_mode
-from autotune.vocabulary import PRECISIONS
+from autotune.vocabulary import PRECISIONS, Parallel
 from autotune.device import autocast_type, device_ids
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class Wrapping:
         """The model a trial prepares and wraps, and under FSDP2 its :class:`MetaBuild` (``wrap`` materialises it): a
         copy on the meta device of the model the workload keeps on the host (module docstring). Under DDP, for a
         ``PLAN+state`` and for a model not kept: the workload's build, whole, on the host (``None``)."""
-        if self.job.wrapper != "fsdp" or offload_state:
+        if self.job.wrapper != Parallel.FSDP or offload_state:
             return workload.build_model(seed=seed), None
         source = self._host_model(workload, seed)
         why = "autotune keeps no copy of it on the host (its deep copy fails, or its build places it on a device)"
@@ -88,14 +88,14 @@ class Wrapping:
         block at a time. ``meta``: ``model`` is on the meta device (:meth:`build`): sharded there, then this rank's
         shards made on the device and filled. ``precision``: the trial's; ``bf16-fsdp`` (FSDP2 only) is FSDP2's
         ``MixedPrecisionPolicy`` on every unit."""
-        if offload_state and self.job.wrapper != "fsdp":
+        if offload_state and self.job.wrapper != Parallel.FSDP:
             raise UsageError(f"a plan with +state keeps FSDP2's sharded state in host memory: it needs --parallel fsdp, "
                              f"not {self.job.wrapper}")
         mp_policy = get_mode(precision).mp_policy()
-        if mp_policy is not None and self.job.wrapper != "fsdp":
+        if mp_policy is not None and self.job.wrapper != Parallel.FSDP:
             raise UsageError(f"precision {precision} is FSDP2's {PRECISIONS[precision].policy}: it needs --parallel "
                              f"fsdp, not {self.job.wrapper}")
-        if self.job.wrapper == "ddp":
+        if self.job.wrapper == Parallel.DDP:
             return self._ddp(model)
         try:
             from torch.distributed.fsdp import fully_shard

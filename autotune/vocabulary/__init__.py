@@ -6,6 +6,9 @@
 * :mod:`~autotune.vocabulary.compile`: ``torch.compile``'s modes by name (``none``: eager);
 * :mod:`~autotune.vocabulary.config`: a configuration of the search (:class:`Config`) and its
   :class:`Variant` (all but the batch size);
+* :mod:`~autotune.vocabulary.autocast`: CUDA's autocast policies (:class:`AutocastPolicy`), which a plan for CUDA
+  applies on the CPU;
+* :mod:`~autotune.vocabulary.modes`: where a trial's training runs (:class:`Parallel`, :class:`Isolation`);
 * :mod:`~autotune.vocabulary.status`: how a trial ended (:class:`Status`) and how a plan's check did
   (:class:`CheckStatus`);
 * :data:`HEADROOM`: the share of a budget a recommendation leaves free by default.
@@ -21,6 +24,8 @@ from autotune.vocabulary.config import Config, Variant
 from autotune.vocabulary.precision import (FSDP_ONLY, GROWTH_INTERVAL, HALF, INIT_LOSS_SCALE, NOT_OFFERED,
                                            PRECISION_NAMES, PRECISIONS, ROUNDING_NOTE, SIXTEEN_BIT, STOCHASTIC_ROUNDING,
                                            TRUE, Precision, rounding_notice, runs_where)
+from autotune.vocabulary.autocast import AutocastPolicy
+from autotune.vocabulary.modes import Isolation, Parallel
 from autotune.vocabulary.status import CheckStatus, Status
 
 HEADROOM = 0.1  # the share of the budget a recommendation leaves free (--headroom's default)
@@ -30,4 +35,5 @@ __all__ = ["Plan", "Selective", "Offload", "Modifier", "MODIFIERS", "NONE", "ALL
            "HALF", "SIXTEEN_BIT", "FSDP_ONLY", "TRUE", "NOT_OFFERED", "ROUNDING_NOTE",
            "STOCHASTIC_ROUNDING", "rounding_notice", "runs_where", "INIT_LOSS_SCALE",
            "GROWTH_INTERVAL", "Status", "CheckStatus", "HEADROOM", "EAGER", "COMPILE_MODES", "compile_label", "parse_compile", "Config", "Variant",
-           "STATIC", "compile_mode", "is_static", "static_of"]
+           "STATIC", "compile_mode", "is_static", "static_of", "Parallel", "Isolation",
+           "AutocastPolicy"]

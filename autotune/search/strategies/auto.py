@@ -37,7 +37,11 @@ the measurements alone, so a resumed search or a second worker picks up where th
    the time model
    (:func:`step_time_bound`: the plan without recompute's ``a + c b``, times ``1 + k r`` for a
    recompute share ``r``) says cannot beat the fastest trial by more than the timing noise is not
-   timed.
+   timed. Where the search's predictions carry step times (:mod:`autotune.timing`, the CPU calibrated), every
+   precision's climb starts at the configuration they say is fastest, and a configuration they say loses to the
+   fastest predicted under the limit by more than twice the model's median error (``time_error``: the error of a
+   comparison of two predictions) is not timed either (:meth:`AutoStrategy._outpaced`): a precision predicted
+   slower everywhere is not timed at all.
 4. **Near ties.** Where the fastest trial under a budget and the next lie within their spreads of
    each other, each is timed once more, alternately, and judged on the steps of both runs; not
    where the probe will train both after the search (``probed``): it decides between them.
@@ -120,6 +124,7 @@ class AutoStrategy(Strategy):
     """Model-guided bracketing of each plan's batch limit, then a throughput climb (module docstring)."""
 
     name = "auto"
+    starts_from_predictions = True
 
     def __init__(self, *, headroom: float = HEADROOM, budgets: Iterable[int] = (), fixed_bytes_hint: float | None = None,
                  line_rule: LineRule | None = None, predictions: Mapping[Config, Measurement] | None = None,

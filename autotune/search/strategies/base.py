@@ -37,6 +37,13 @@ class Strategy(abc.ABC):
     """
 
     name: str
+    #: Whether the strategy starts from the space predicted under fake tensors (:mod:`autotune.search.predicted`)
+    starts_from_predictions: bool = False
+
+    def planned(self, space: SearchSpace) -> int | None:
+        """How many configurations of ``space`` the strategy will measure, where it knows beforehand (None: it decides
+        as the measurements come)."""
+        return None
 
     @abc.abstractmethod
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], enforced_bytes: int | None,

@@ -16,6 +16,9 @@ class GridStrategy(Strategy):
 
     name = "grid"
 
+    def planned(self, space: SearchSpace) -> int | None:
+        return len(space)
+
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], enforced_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
         config = next((c for c in space.configs() if c not in measured and c not in pending), None)

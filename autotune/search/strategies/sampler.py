@@ -34,6 +34,13 @@ class OptunaStrategy(Strategy):
         self._asked: dict[Config, optuna.Trial] = {}  # proposed, not measured yet
         self._told: set[Config] = set()
 
+    def planned(self, space: SearchSpace) -> int | None:
+        return min(len(space), self._limit(space))
+
+    def _limit(self, space: SearchSpace) -> int:
+        """The configurations measured before it stops: ``n_trials``, else a quarter of the space."""
+        return self.n_trials if self.n_trials is not None else max(1, len(space) // 4)
+
     def _values(self, m: Measurement, enforced_bytes: int | None) -> list[float]:
         if m.fits(enforced_bytes) and m.samples_per_s is not None:
             return [m.samples_per_s, float(m.peak_bytes or 0)]
@@ -41,7 +48,7 @@ class OptunaStrategy(Strategy):
 
     def propose(self, space: SearchSpace, measured: Mapping[Config, Measurement], enforced_bytes: int | None,
                 *, pending: frozenset[Config] = frozenset()) -> Proposal | None:
-        limit = self.n_trials if self.n_trials is not None else max(1, len(space) // 4)
+        limit = self._limit(space)
         distributions = space_distributions(space)  # as the store declares them
         if self._shadow is None:
             sampler = optuna.samplers.NSGAIISampler(population_size=max(4, min(20, limit // 3)), seed=self.seed)
