@@ -8,6 +8,9 @@ region, per-step allocated peaks, an OOM's held and needed bytes, the NVML devic
 bf16 offered only with hardware support, a device-side assert recorded as ``crashed``, activation
 offload's device and host peaks, copy rate and step time against the same plans without it.
 
+Section 4c holds the time model (autotune/timing) against this GPU: section 4's space as a ``--device cuda
+--dry-run`` for the card this GPU is (``--card``, found from its name), each predicted step against the measured one.
+
 Section 7 runs a compiled search (``--compile none,default``): every configuration eager and compiled, measured by
 the CUDA meter, at most 2 graphs per variant, no graph break, the static re-timing of a compiled recommendation.
 
@@ -199,16 +202,57 @@ def main() -> int:
     os.makedirs(out, exist_ok=True)
     report.to_json(os.path.join(out, "gpu_check.json"))
     dry_run_checks(report, out)
+    time_checks(report, out)
     print(json.dumps({"failures": failures}))
     return 1 if failures else 0
+
+
+# Section 4's space as a dry run for CUDA plans it (4b, 4c)
+DRY_RUN_ARGV = ["--model", "autotune.examples:TinyGPT", "--data", "autotune.examples:token_dataset", "--device", "cuda",
+                "--budget", "4GiB", "--precisions", "fp32,fp16,bf16", "--segments", "0,3,every2,all", "--batch-sizes",
+                "8..512", "--dry-run", "--quiet"]
+
+
+def time_checks(measured: Report, out: str) -> None:
+    """4c. Step times: section 4's space as a dry run for the card this GPU is (``--card``, from its name), each
+    configuration's predicted step against section 4's measured one; printed with the median absolute error and the
+    rank correlation (the cards' efficiencies are assumptions until a GPU checks them: this is that check)."""
+    from autotune.timing.cards import card_named
+
+    gpu = torch.cuda.get_device_name()
+    name = card_named(gpu)
+    if name is None:
+        print(f"4c. {gpu} is no card of autotune/timing/cards.json: step times not compared")
+        return
+    path = os.path.join(out, "gpu_check-time.json")
+    done = subprocess.run([sys.executable, "-m", "autotune", *DRY_RUN_ARGV, "--card", name, "--out", path],
+                          capture_output=True, text=True, timeout=600)
+    check(done.returncode == 0, f"4c. the dry run for --card {name} exits 0 ({done.stderr[-300:]})")
+    if done.returncode != 0:
+        return
+    real = {m.config: m for m in measured.trials if m.status == "ok" and m.step_s}
+    pairs = [(p, real[p.config]) for p in load_report(path).trials if p.status == "ok" and p.step_s and p.config in real]
+    errors = sorted(abs(p.step_s / r.step_s - 1) for p, r in pairs)
+    for p, r in pairs:
+        print(f"    {p.config}: predicted {p.step_s:.4f} s, measured {r.step_s:.4f} s ({p.step_s / r.step_s - 1:+.1%})")
+    median = errors[len(errors) // 2] if errors else None
+    rank = _spearman([p.step_s for p, _ in pairs], [r.step_s for _, r in pairs]) if len(pairs) > 2 else None
+    print(f"4c. step times on {gpu} (--card {name}): {len(pairs)} configurations timed and predicted; median absolute "
+          f"error {median if median is None else f'{median:.1%}'}, Spearman {rank if rank is None else f'{rank:.3f}'}")
+    check(bool(pairs), "4c. the predicted step times are compared with measured ones")
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of two lists (no ties expected among step times)."""
+    rank = lambda xs: {i: r for r, i in enumerate(sorted(range(len(xs)), key=xs.__getitem__))}  # noqa: E731
+    ra, rb, n = rank(a), rank(b), len(a)
+    return 1 - 6 * sum((ra[i] - rb[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
 
 
 def dry_run_checks(measured: Report, out: str) -> None:
     """4b. ``--device cuda --dry-run`` of section 4's space, both ways (this GPU's fake CUDA tensors in this process;
     the CPU's with CUDA's rules in a process that sees no GPU), against section 4's measured trials."""
-    argv = ["--model", "autotune.examples:TinyGPT", "--data", "autotune.examples:token_dataset", "--device", "cuda",
-            "--budget", "4GiB", "--precisions", "fp32,fp16,bf16", "--segments", "0,3,every2,all", "--batch-sizes",
-            "8..512", "--dry-run", "--quiet"]
+    argv = DRY_RUN_ARGV
     runs = {}
     for way, hide in (("fake CUDA tensors", None), ("no GPU: the CPU's with CUDA's rules", "")):
         path = os.path.join(out, f"gpu_check-dry-run-{'cpu' if hide == '' else 'cuda'}.json")

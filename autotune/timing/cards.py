@@ -13,7 +13,7 @@ from typing import Any
 
 from autotune.errors import UsageError
 
-__all__ = ["Card", "cards", "card", "CARDS_FILE"]
+__all__ = ["Card", "cards", "card", "card_named", "CARDS_FILE"]
 
 CARDS_FILE = pathlib.Path(__file__).with_name("cards.json")
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
@@ -69,3 +69,19 @@ def card(name: str) -> Card:
     if found is None:
         raise UsageError(f"unknown --card {name!r}: choose one of {', '.join(sorted(known))}")
     return found
+
+
+# How a device's own name (torch.cuda.get_device_name, rocm-smi's) names each card of the table: every word of one of
+# the card's spellings in it, the more specific spellings first (an H100 PCIe before any H100, an A100 40GB before the
+# 80 GB the A100 SXM4 name does not say)
+_SPELLINGS = (("h100-pcie", ("h100", "pcie")), ("h100-sxm", ("h100",)), ("h200", ("h200",)),
+              ("a100-40gb", ("a100", "40gb")), ("a100-80gb", ("a100",)), ("l40s", ("l40s",)), ("l4", ("l4",)),
+              ("a10g", ("a10g",)), ("rtx3090", ("3090",)), ("rtx4090", ("4090",)), ("v100", ("v100",)),
+              ("mi300x", ("mi300x",)))
+
+
+def card_named(device_name: str) -> str | None:
+    """The card of the table a device calls itself ``device_name`` (``"NVIDIA H100 80GB HBM3"``: ``h100-sxm``), or None
+    where none is: the GPU a check runs on, held against the card a dry run plans for."""
+    words = set(device_name.lower().replace("-", " ").split())
+    return next((name for name, spelling in _SPELLINGS if all(w in words for w in spelling)), None)

@@ -173,3 +173,14 @@ def test_this_cpus_calibration_is_cached_per_thread_count_and_read_back(tmp_path
         torch.set_num_threads(threads)
     cached = calibration.this_cpu()  # calibrated now (seconds), then read from the file
     assert path.exists() and calibration.this_cpu() == cached
+
+
+@pytest.mark.parametrize("device_name, card", [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA L4", "l4"),
+    ("NVIDIA L40S", "l40s"), ("NVIDIA A10G", "a10g"), ("NVIDIA GeForce RTX 4090", "rtx4090"),
+    ("Tesla V100-SXM2-16GB", "v100"), ("AMD Instinct MI300X", "mi300x"), ("NVIDIA GeForce GTX 1080", None)])
+def test_a_gpus_own_name_finds_its_card(device_name, card):
+    from autotune.timing.cards import card_named, cards
+
+    assert card_named(device_name) == card and (card is None or card in cards())
