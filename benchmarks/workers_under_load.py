@@ -144,20 +144,28 @@ def check_run(storage: str, study: str, reports: list[dict]) -> dict:
     }
 
 
+_OWN_CLOCKS = {"setup_s", "steps_s", "wall_s"}  # a trial's seconds, which a trial each worker runs itself has its own
+
+
 def _differences(reports: list[dict]) -> list[str]:
     """Where the workers' reports differ from the first one's: a trial's fields, or the recommendation (none: they agree,
-    trials being one per configuration in the space's order)."""
+    trials being one per configuration in the space's order). The report's own trials, at sizes outside the space (the
+    recommended limit's confirmation after the search), each worker runs itself: their figures must agree, their
+    clocks are each run's."""
     def key(t: dict) -> tuple:
         return t["precision"], t["segments"], t["batch_size"]
 
+    sizes = set(reports[0]["search"]["space"]["batch_sizes"])
     first = {key(t): t for t in reports[0]["trials"]}
     said = []
     for w, report in enumerate(reports[1:], 1):
         trials = {key(t): t for t in report["trials"]}
         for k in sorted(first.keys() | trials.keys(), key=str):
             a, b = first.get(k), trials.get(k)
-            if a != b:
-                fields = sorted(f for f in (a or {}).keys() | (b or {}).keys() if (a or {}).get(f) != (b or {}).get(f))
+            clocks = _OWN_CLOCKS if k[2] not in sizes else set()
+            fields = sorted(f for f in (a or {}).keys() | (b or {}).keys()
+                            if (a or {}).get(f) != (b or {}).get(f) and f not in clocks)
+            if fields or (a is None) != (b is None):
                 said.append(f"worker {w}: {k}: {fields if a and b else 'only in one report'}")
         if report["recommendation"] != reports[0]["recommendation"]:
             said.append(f"worker {w}: recommendation")
