@@ -137,38 +137,13 @@ def test_no_two_parts_import_each_other_lazy_or_not():
     assert not knots, [f"{a} <-> {b}" for a, b in knots]
 
 
-def _status_literals(tree: ast.Module) -> list[int]:
-    """Lines comparing a ``status`` with a string literal (``m.status == "ok"``, ``status in ("ok", "oom")``)."""
-    def named_status(node: ast.AST) -> bool:
-        return isinstance(node, ast.Name) and node.id == "status" or isinstance(node, ast.Attribute) and node.attr == "status"
-
-    def literal(node: ast.AST) -> bool:
-        return isinstance(node, ast.Constant) and isinstance(node.value, str) or isinstance(
-            node, (ast.Tuple, ast.List, ast.Set)) and any(literal(e) for e in node.elts)
-
-    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
-            and any(named_status(a) and literal(b) or literal(a) and named_status(b)
-                    for a, b in zip([node.left, *node.comparators], node.comparators))]
-
-
-def test_statuses_are_compared_as_members_of_their_enum_not_as_strings():
-    found = [f"{name}:{line}" for name, tree in _modules().items() for line in _status_literals(tree)]
-    assert not found, found
-    assert _status_literals(ast.parse("ok = m.status == 'ok' or status in ('oom', 'timeout')")) == [1, 1]
-
-
-# Names whose values are a ground-floor vocabulary (autotune.vocabulary.modes): compared as members, never as strings
-_MODE_NAMES = {"parallel", "wrapper", "isolation", "default_isolation"}
-
-
-def _mode_literals(tree: ast.Module) -> list[int]:
-    """Lines comparing a ``parallel``, ``wrapper`` or ``isolation`` (a name, an attribute, or ``.get("parallel")``)
-    with a string literal."""
+def _literal_compares(tree: ast.Module, names: set[str]) -> list[int]:
+    """Lines comparing a value called one of ``names`` (a name, an attribute, or ``.get("name")``) with a string literal
+    (``m.status == "ok"``, ``status in ("ok", "oom")``, ``d.get("wrapper") == "ddp"``)."""
     def named(node: ast.AST) -> bool:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
-            return bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value in _MODE_NAMES
-        return (isinstance(node, ast.Name) and node.id in _MODE_NAMES
-                or isinstance(node, ast.Attribute) and node.attr in _MODE_NAMES)
+            return bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value in names
+        return isinstance(node, ast.Name) and node.id in names or isinstance(node, ast.Attribute) and node.attr in names
 
     def literal(node: ast.AST) -> bool:
         return isinstance(node, ast.Constant) and isinstance(node.value, str) or isinstance(
@@ -179,11 +154,22 @@ def _mode_literals(tree: ast.Module) -> list[int]:
                     for a, b in zip([node.left, *node.comparators], node.comparators))]
 
 
+def test_statuses_are_compared_as_members_of_their_enum_not_as_strings():
+    found = [f"{name}:{line}" for name, tree in _modules().items() for line in _literal_compares(tree, {"status"})]
+    assert not found, found
+    assert _literal_compares(ast.parse("ok = m.status == 'ok' or status in ('oom', 'timeout')"), {"status"}) == [1, 1]
+
+
+# Names whose values are a ground-floor vocabulary (autotune.vocabulary.modes): compared as members, never as strings
+_MODE_NAMES = {"parallel", "wrapper", "isolation", "default_isolation"}
+
+
 def test_parallel_and_isolation_modes_are_compared_as_members_of_their_enums():
     found = [f"{name}:{line}" for name, tree in _modules().items() if not name.startswith("autotune.vocabulary")
-             for line in _mode_literals(tree)]
+             for line in _literal_compares(tree, _MODE_NAMES)]
     assert not found, found
-    assert _mode_literals(ast.parse("a = job.wrapper == 'fsdp' or parallel != 'none' or d.get('wrapper') == 'ddp'")) == [1, 1, 1]
+    code = "a = job.wrapper == 'fsdp' or parallel != 'none' or d.get('wrapper') == 'ddp'"
+    assert _literal_compares(ast.parse(code), _MODE_NAMES) == [1, 1, 1]
 
 
 def test_the_cycle_finder_finds_a_lazy_cycle_and_a_type_checking_one():
