@@ -4,7 +4,7 @@
             -> preflight, under fake tensors -> ModelFacts   the model never holds memory: a 7B model costs no 28 GB
             -> plan_study -> Study                           the plans are not checked (a check compares real numbers)
             -> predict -> SearchResult                       each variant's sizes up to its first failure, then its
-                                                             limit bisected
+                                                             exact limit between them, by its line (the search's)
             -> analyse -> Report                             the same report, its peaks labelled predicted
 
 Every trial is :mod:`autotune.execution.predict`'s: the trial's own code under PyTorch's fake tensors, counted by
@@ -33,7 +33,6 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from autotune.analysis.pareto import bisect_limit, bracket
 from autotune._log import logger
 from autotune.device import available_ram_bytes, follows_cuda
 from autotune.errors import ForwardFailed, UsageError
@@ -41,6 +40,7 @@ from autotune.execution.cuda_rules import CudaRules
 from autotune.execution.predict import CANNOT_FAKE, Predictor, cannot_fake, cannot_measure_here
 from autotune.records import Config, Measurement
 from autotune.search.loop import SearchResult
+from autotune.search.predicted import exact_limit
 from autotune.timing.cards import card
 from autotune.timing.model import card_machine, checked_error
 from autotune.vocabulary import Status
@@ -48,7 +48,7 @@ from autotune.vocabulary import Status
 if TYPE_CHECKING:
     from autotune.preparation import ModelFacts, Study, Target
 
-__all__ = ["predict", "preflight_under", "with_dry_run", "DRY_RUN_NOTICE"]
+__all__ = ["predict", "DryRun", "preflight_under", "Preflighted", "with_dry_run", "DRY_RUN_NOTICE"]
 
 DRY_RUN_NOTICE = ("a dry run: every peak is predicted (memory_source predicted: the trial's code under fake tensors, "
                   "counted by the tensor meter), not measured; it has no step times (a CUDA dry run prices them for "
@@ -56,11 +56,29 @@ DRY_RUN_NOTICE = ("a dry run: every peak is predicted (memory_source predicted: 
                   "configuration is fastest")
 
 
-def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, mode: Any = None
-            ) -> tuple[SearchResult, dict[str, Any], tuple[str, ...]]:
-    """Predict every configuration of the space, then bisect each variant's limit to a multiple of
-    ``--batch-multiple`` (up to the space's top): the search's result, what the report's ``search`` adds for a dry
-    run, and its notices. ``mode``: the fake tensors the workload's models are built in (:func:`fake_buildable`)."""
+@dataclasses.dataclass(frozen=True)
+class DryRun:
+    """What a dry run's predictions give: the search's ``result``, what the report's ``search`` section adds for a dry
+    run, and the ``notices`` that come first in the report."""
+
+    result: SearchResult
+    search: dict[str, Any]
+    notices: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preflighted:
+    """The preflight's facts, and what to say of how they were had (``notices``: where real tensors stood in)."""
+
+    facts: "ModelFacts"
+    notices: tuple[str, ...] = ()
+
+
+def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, mode: Any = None) -> DryRun:
+    """Predict every configuration of the space, then each variant's exact limit in multiples of ``--batch-multiple``
+    (up to the space's top; :func:`~autotune.search.predicted.exact_limit`): the search's result, what the report's
+    ``search`` adds for a dry run, and its notices (:class:`DryRun`). ``mode``: the fake tensors the workload's models
+    are built in (:func:`~autotune.execution.fake_build.fake_buildable`)."""
     multiple = target.searching.batch_multiple
     searching = target.searching
     cuda = (CudaRules.for_this_machine(target.device, capability=searching.cuda_capability,
@@ -72,7 +90,7 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
                               settings=target.trial_settings, model_name=facts.model_class,
                               state_bytes=facts.fixed_bytes, real_limit_bytes=available_ram_bytes(), mode=mode,
                               ranks=ranks, cuda=cuda, time_model=machine)
-        result = _predicted(predictor, target, study, events, multiple)
+        result = _predicted(predictor, target, study, events, multiple, facts.fixed_bytes)
     measured = predictor.why is not None
     meter = ("tensor, under fake tensors (predicted)" if cuda is None else
              "CUDA's caching allocator modelled over the tensor meter's allocation trace, under fake tensors (predicted)")
@@ -84,8 +102,9 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
     if cuda is not None:
         search["cuda"] = cuda.describe(predictor.cuda_findings)
     search["time_model"] = None if machine is None else {**machine.describe(), "checked": checked_error(machine.name)}
-    return result, search, (_notice(machine), *_rank_notice(ranks), *(cuda.notices(predictor.cuda_findings) if cuda else ()),
-                            *predictor.notices)
+    notices = (_notice(machine), *_rank_notice(ranks), *(cuda.notices(predictor.cuda_findings) if cuda else ()),
+               *predictor.notices)
+    return DryRun(result, search, notices)
 
 
 def _time_model(target: "Target", for_cuda: bool) -> Any:
@@ -114,7 +133,7 @@ def _notice(machine: Any) -> str:
             f"recommendation are estimates")
 
 
-def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["ModelFacts", tuple[str, ...]]:
+def preflight_under(mode: Any, target: "Target", preflight: Any) -> Preflighted:
     """The preflight (one forward pass) under the dry run's fake tensors; where they cannot run the model's forward
     (a value decides a shape, or a fake kernel is stricter than the CPU's: transformers' grouped matmul of a mixture
     of experts takes bf16 only under fake tensors), on real tensors on the CPU, as its predictions will be measured
@@ -124,7 +143,7 @@ def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["Model
     failed: ForwardFailed | None = None  # the forward raised: the model's failure, or a fake kernel's
     try:
         with mode:
-            return preflight(target), ()
+            return Preflighted(preflight(target))
     except CANNOT_FAKE as exc:
         why = cannot_fake(exc)
     except ForwardFailed as exc:  # real tensors tell the model's failure from a fake kernel's
@@ -144,7 +163,7 @@ def preflight_under(mode: Any, target: "Target", preflight: Any) -> tuple["Model
         workload = dataclasses.replace(workload, model_factory=real)
     notice = f"{name}'s forward cannot run under fake tensors ({why}): the dry run's preflight ran on real tensors"
     logger.warning(notice)
-    return preflight(dataclasses.replace(target, workload=workload)), (notice,)
+    return Preflighted(preflight(dataclasses.replace(target, workload=workload)), (notice,))
 
 
 def _ranks(searching: Any, device: Any) -> Any:
@@ -165,8 +184,10 @@ def _rank_notice(ranks: Any) -> tuple[str, ...]:
             f"backend allocates inside a collective is not counted, here or on a real rank",)
 
 
-def _predicted(predictor: Predictor, target: "Target", study: "Study", events: Any, multiple: int) -> SearchResult:
-    """Every configuration of the space predicted, each variant's limit bisected; the search's result."""
+def _predicted(predictor: Predictor, target: "Target", study: "Study", events: Any, multiple: int,
+               fixed_bytes: int | None) -> SearchResult:
+    """Every configuration of the space predicted, then each variant's exact limit between the space's sizes; the
+    search's result. ``fixed_bytes`` (the training state) anchors a variant's line drawn through one size."""
     trials: dict[Config, Measurement] = {}
 
     def run(config: Config) -> Measurement:
@@ -184,33 +205,20 @@ def _predicted(predictor: Predictor, target: "Target", study: "Study", events: A
             for b in sorted(space.batch_sizes):  # memory grows with the batch: above a failure, nothing fits
                 if run(variant.at(b)).status != Status.OK:
                     break
-            _exact_limit(lambda b: run(variant.at(b)).fits(target.budget.bytes), sorted(space.batch_sizes),
-                         multiple)
+            # between the space's sizes, by the variant's line (the search's secant); the space's top where it fits
+            exact_limit(variant, trials, run, target.budget.bytes, multiple, max(space.batch_sizes),
+                        fixed_bytes, None, above_top=1)
     finally:
         events.call("search_done")
-    order = {variant: i for i, variant in enumerate(space.variants())}  # the space's order, the bisection's within
+    order = {variant: i for i, variant in enumerate(space.variants())}  # the space's order, the exact limit's sizes within
     ordered = sorted(trials.values(), key=lambda m: (order[m.config.variant], m.batch_size))
     return SearchResult(tuple(ordered), n_run=len(trials), n_reused=0, wall_s=time.monotonic() - started,
                         study_name=study.name, storage=None)
 
 
-def _exact_limit(fits: Any, sizes: list[int], multiple: int) -> None:
-    """Bisect between the space's largest size that fits and the smallest above it that does not (from 0 where none
-    fits); nothing where every size fits (the limit is the space's top, or more). ``fits`` is asked of the sizes up
-    to the first that does not fit (each predicted already)."""
-    outcomes: dict[int, bool] = {}
-    for b in sizes:
-        outcomes[b] = fits(b)
-        if not outcomes[b]:
-            break
-    lo, hi = bracket(sizes, outcomes)
-    if hi < len(sizes):
-        bisect_limit(fits, sizes[lo] if lo >= 0 else 0, sizes[hi], multiple)
-
-
 def with_dry_run(report: Any, search: dict[str, Any], notices: tuple[str, ...]) -> Any:
-    """The report of a dry run: its search says so, with the notices first; with ``--world-size``, its
-    ``distributed`` says which job's rank was predicted."""
+    """The report of a dry run: its search says so (``search``: a :class:`DryRun`'s), with the ``notices`` first;
+    with ``--world-size``, its ``distributed`` says which job's rank was predicted."""
     search = dict(search)
     distributed = search.pop("distributed", None) or report.distributed
     return dataclasses.replace(report, search={**report.search, **search}, notices=notices + report.notices,

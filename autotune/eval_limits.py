@@ -11,7 +11,7 @@ the evaluation data's worst batch of that size (``--eval-data``, else ``--data``
 How they are found:
 
 * **predicted** for every precision, under fake tensors (:func:`autotune.execution.eval_pass.predict_eval`, to the
-  byte on the CPU), each limit by a secant search (:func:`autotune.analysis.pareto.largest_within`): a handful of
+  byte on the CPU), each limit by a secant search (:func:`autotune.analysis.limits.largest_within`): a handful of
   passes. A pass without gradients saves nothing for a backward, so a checkpoint plan (recompute, selective,
   offload) changes nothing in it: each precision's limits are found on one plan's model (the recommendation's, else
   the space's first) and hold for each plan of that precision (``found_with_segments`` names the plan).
@@ -30,11 +30,12 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from autotune._log import logger
-from autotune.analysis.pareto import largest_within
+from autotune.analysis.limits import largest_within
 from autotune.device import available_ram_bytes, follows_cuda
 from autotune.execution.eval_pass import EvalWork, predict_eval
 from autotune.errors import AutotuneError, first_line
-from autotune.execution.predict import Unpredictable, fake_buildable, fake_tensors, quiet_fake_kernels
+from autotune.execution.fake_build import fake_buildable
+from autotune.execution.predict import Unpredictable, fake_tensors, quiet_fake_kernels
 from autotune.records import PREDICTED, Measurement, usable_bytes
 from autotune.report import Report
 from autotune.search.predicted import let_go
@@ -198,7 +199,8 @@ class _Passes:
         """One limit, from ``start`` (and the bytes per sample ``slope``, where known): the largest size whose pass
         fits, the size above it, their peaks, the bytes per sample near them; ``at_top`` where the top fits; the
         model's own failure as ``error``."""
-        lo, hi, seen = largest_within(measure, self.usable, self.multiple, int(self.top), start, slope)
+        found = largest_within(measure, self.usable, self.multiple, int(self.top), start, slope)
+        lo, hi, seen = found.max_batch_size, found.min_oom_batch_size, found.measured
         failed = next((m for m in seen.values() if m.status not in (Status.OK, Status.OOM)), None)
         below = sorted(b for b, m in seen.items() if b < lo and m.peak_bytes is not None)
         above = hi if hi is not None and seen[hi].status == Status.OK else None  # an oom's peak is a bound only
@@ -218,7 +220,7 @@ class _Passes:
                 self.predicted_passes += 1
                 if self.fake is None:  # a model that cannot be built under fake tensors is copied into them
                     self.mode = fake_tensors()
-                    self.fake, _ = fake_buildable(self.workload, self.mode)
+                    self.fake = fake_buildable(self.workload, self.mode).workload
                 m = predict_eval(self.fake, config, kind, device=self.target.here, mode=self.mode,
                                  settings=self.target.trial_settings, cuda=self.cuda)
                 if m.status != Status.FAILED or not self.measurable:

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from autotune._log import logger
-from autotune.analysis.pareto import bisect_limit
+from autotune.analysis.limits import bisect_limit
 from autotune.execution.trial import TrialWork
 from autotune.preparation import Study, Target
 from autotune.records import Measurement, completed, usable_bytes
@@ -114,7 +114,8 @@ def _bisected(trials: _LimitTrials, row: dict, target: Target) -> dict[str, Any]
     lo, hi, step = row["max_batch_size"], row["min_oom_batch_size"], target.searching.batch_multiple
     if lo is None or hi is None or (hi - lo <= step and trials.variant.at(hi) in trials.measured):
         return {}
-    limit, above = bisect_limit(lambda b: trials.run(b).fits(target.budget.bytes), lo, hi, step)
+    found = bisect_limit(lambda b: trials.run(b).fits(target.budget.bytes), lo, hi, step)
+    limit, above = found.max_batch_size, found.min_oom_batch_size
     trials.run(above)  # measured failing, not implied
     if not target.searching.exact_limit:
         return {"max_batch_size": limit, "min_oom_batch_size": above}
@@ -123,7 +124,7 @@ def _bisected(trials: _LimitTrials, row: dict, target: Target) -> dict[str, Any]
     sizes = {c.batch_size: m for c, m in trials.measured.items() if c.variant == trials.variant}
     lo_usable = max(b for b, m in sizes.items() if m.fits(usable))  # the recommendation's own size at least
     hi_usable = min(b for b, m in sizes.items() if b > lo_usable and not m.fits(usable))  # the limit's next at most
-    best, _ = bisect_limit(lambda b: trials.run(b).fits(usable), lo_usable, hi_usable, step)
+    best = bisect_limit(lambda b: trials.run(b).fits(usable), lo_usable, hi_usable, step).max_batch_size
     if trials.measured[trials.variant.at(best)].memory_only:
         trials.run(best, timed=True, metered=not target.venue.slows_steps)
     return {"max_batch_size": limit, "min_oom_batch_size": above, "max_batch_size_within_headroom": best}

@@ -41,7 +41,8 @@ from autotune.dry_run import predict, preflight_under, with_dry_run
 from autotune.eval_limits import eval_limits
 from autotune.refine import exact_limit, static_compile
 from autotune.vocabulary import ALL, Parallel, Plan
-from autotune.execution.predict import fake_buildable, fake_tensors, quiet_fake_kernels
+from autotune.execution.fake_build import fake_buildable
+from autotune.execution.predict import fake_tensors, quiet_fake_kernels
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
 from autotune.records import Config, Measurement, ProbeResult
@@ -128,13 +129,16 @@ def _dry_run(target: Target, events: "_Events") -> Report:
     preflight run there (on real tensors where they cannot run its forward), every configuration predicted."""
     mode = fake_tensors()
     with quiet_fake_kernels():
-        workload, built = fake_buildable(target.workload, mode)
-        target = dataclasses.replace(target, workload=workload, notices=target.notices + ((built,) if built else ()))
-        facts, said = preflight_under(mode, target, preflight)
-        target = dataclasses.replace(target, notices=target.notices + said)
+        built = fake_buildable(target.workload, mode)
+        target = dataclasses.replace(target, workload=built.workload,
+                                     notices=target.notices + ((built.notice,) if built.notice else ()))
+        preflighted = preflight_under(mode, target, preflight)
+        facts = preflighted.facts
+        target = dataclasses.replace(target, notices=target.notices + preflighted.notices)
         study = plan_study(target, facts)
-        result, dry_run, notices = predict(target, facts, study, events, mode)
-        report = _with_floor(with_dry_run(analyse(target, facts, study, result), dry_run, notices), target, facts)
+        dry_run = predict(target, facts, study, events, mode)
+        report = with_dry_run(analyse(target, facts, study, dry_run.result), dry_run.search, dry_run.notices)
+        report = _with_floor(report, target, facts)
         return eval_limits(report, target, study, mode=mode)
 
 

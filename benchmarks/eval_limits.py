@@ -60,8 +60,9 @@ def evaluation_epoch(case: tuple, precision: str, plan: str, kind: str, batch_si
     """One evaluation epoch at ``batch_size`` metered under ``usable`` bytes: ok with its worst batch's peak, or oom
     with what the failing batch needed at least."""
     model_name, kwargs, data, _, _ = case
-    dataset, collate_fn, _ = dataset_of(_data(data))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate_fn,
+    loaded = dataset_of(_data(data))
+    loader = torch.utils.data.DataLoader(loaded.dataset, batch_size=batch_size, shuffle=True,
+                                         collate_fn=loaded.collate_fn,
                                          generator=torch.Generator().manual_seed(1))
     cls = load_object(model_name, flag="--model")
     batches = 0

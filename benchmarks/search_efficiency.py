@@ -125,7 +125,7 @@ def measured_state(report) -> tuple[float | None, str]:
 
     workload = Workload.from_specs(report.workload["model"], model_kwargs=report.workload.get("model_kwargs"))
     model = workload.build_model(seed=0)
-    state, _ = measure_state_bytes(OptimizerSpec(), model, 1e-4)
+    state = measure_state_bytes(OptimizerSpec(), model, 1e-4)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return (None if state is None else 2 * weights + state), "measured now"
 

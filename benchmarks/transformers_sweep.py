@@ -33,7 +33,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from autotune.execution.predict import fake_buildable, fake_tensors, predict_trial, quiet_fake_kernels  # noqa: E402
+from autotune.execution.fake_build import fake_buildable  # noqa: E402
+from autotune.execution.predict import fake_tensors, predict_trial, quiet_fake_kernels  # noqa: E402
 from autotune.execution.trial import run_trial  # noqa: E402
 from autotune.meters import TensorMeter  # noqa: E402
 from autotune.plans.checkpointing import find_chain  # noqa: E402
@@ -110,7 +111,7 @@ def variant(arch: str, attention: str, padded: bool, precisions: tuple[str, ...]
     workload = workload.with_chain(find_chain(workload.build_model()))
     mode = fake_tensors()
     with quiet_fake_kernels():
-        predicting, _ = fake_buildable(workload, mode)
+        predicting = fake_buildable(workload, mode).workload
     rows = []
     for precision in precisions:
         for plan in plans or auto_plans(workload.chain.length):

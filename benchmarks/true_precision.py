@@ -82,15 +82,15 @@ def optimizer_states(load: Workload) -> dict:
     model = load.build_model()
     trained = [p for p in model.parameters() if p.requires_grad]
     out = {"parameters": sum(p.numel() for p in trained),
-           "AdamW": measure_state_bytes(OptimizerSpec(), model, 1e-4)[0],
-           "AdamW, bf16 parameters": measure_state_bytes(OptimizerSpec(), model, 1e-4, dtype=torch.bfloat16)[0],
+           "AdamW": measure_state_bytes(OptimizerSpec(), model, 1e-4),
+           "AdamW, bf16 parameters": measure_state_bytes(OptimizerSpec(), model, 1e-4, dtype=torch.bfloat16),
            "bitsandbytes AdamW8bit (layout)": eight_bit_state_bytes(p.numel() for p in trained),
-           "torch.optim.Adafactor": measure_state_bytes(OptimizerSpec(torch.optim.Adafactor), model, 1e-3)[0]}
+           "torch.optim.Adafactor": measure_state_bytes(OptimizerSpec(torch.optim.Adafactor), model, 1e-3)}
     if importlib.util.find_spec("bitsandbytes") is not None:
         import bitsandbytes
 
         out["bitsandbytes AdamW8bit (measured)"] = measure_state_bytes(
-            OptimizerSpec(bitsandbytes.optim.AdamW8bit), model, 1e-4)[0]
+            OptimizerSpec(bitsandbytes.optim.AdamW8bit), model, 1e-4)
     return out
 
 

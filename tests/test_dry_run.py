@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.analysis.pareto import bisect_limit
-from autotune.execution.predict import Predictor, Unpredictable, fake_buildable, fake_tensors, predict_trial
+from autotune.analysis.limits import bisect_limit
+from autotune.execution.fake_build import fake_buildable
+from autotune.execution.predict import Predictor, Unpredictable, fake_tensors, predict_trial
 from autotune.execution.trial import run_trial
 from autotune.meters import TensorMeter
 from autotune.plans.checkpointing import find_chain
@@ -44,7 +45,7 @@ def _both(workload: Workload, config: Config, budget: int | None = None, setting
     measured = run_trial(workload.unwarmed(), config, device="cpu", meter=TensorMeter("cpu", budget_bytes=budget), timed=False,
                          settings=settings)
     mode = fake_tensors()  # as a dry run builds: under fake tensors, or for real once where the build reads values
-    buildable, _ = fake_buildable(workload, mode)
+    buildable = fake_buildable(workload, mode).workload
     predicted = predict_trial(buildable, config, budget_bytes=budget, settings=settings, mode=mode)
     return measured, predicted
 
@@ -242,7 +243,8 @@ def test_bisection_finds_the_largest_multiple_that_fits_and_the_next(limit, mult
         return b <= limit
 
     lo, hi = 4, 64  # the grid's: 4 fits, 64 does not (a power-of-two space)
-    assert bisect_limit(fits, lo, hi, multiple) == expected
+    found = bisect_limit(fits, lo, hi, multiple)
+    assert (found.max_batch_size, found.min_oom_batch_size) == expected
     assert all(b % multiple == 0 and lo < b < hi for b in asked) and len(asked) <= 6  # log2 of the gap
     assert len(set(asked)) == len(asked)
 
@@ -367,7 +369,8 @@ class ReadsValuesBuildingAndStepping(ReadsAValueWhileBuilding):
 
 def test_a_model_that_reads_values_building_and_stepping_is_measured_with_real_builds():
     mode = fake_tensors()
-    workload, said = fake_buildable(_workload(ReadsValuesBuildingAndStepping), mode)
+    built = fake_buildable(_workload(ReadsValuesBuildingAndStepping), mode)
+    workload, said = built.workload, built.notice
     assert said is not None
     predictor = Predictor(workload, device=torch.device("cpu"), budget_bytes=None, settings=TrialSettings(),
                           model_name="ReadsValuesBuildingAndStepping", state_bytes=0, real_limit_bytes=None, mode=mode)

@@ -172,6 +172,51 @@ def test_parallel_and_isolation_modes_are_compared_as_members_of_their_enums():
     assert _literal_compares(ast.parse(code), _MODE_NAMES) == [1, 1, 1]
 
 
+# Functions whose tuples a contract fixes: the model's (input, target) batch, a forward pre-hook's (args, kwargs),
+# torch.utils.checkpoint's context_fn (two context managers), torch.cuda's (major, minor) capability, and the tensor
+# meter's allocation trace, (bytes, key) events by the million, which the cuBLAS workspaces' events join
+_CONTRACT_TUPLES = {"example_batch", "hook", "restore_buffers", "selective_contexts", "parse_capability",
+                    "workspace_trace"}
+
+
+def _positional_tuples(tree: ast.Module) -> list[str]:
+    """Public functions and methods (not nested ones: those stay in their module) that give back a fixed-length tuple:
+    annotated ``tuple[A, B]`` (or ``tuple[A, B] | None``), or returning a tuple display of two or more values."""
+    def fixed(annotation: ast.AST | None) -> bool:
+        for node in ast.walk(annotation) if annotation is not None else ():
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "tuple":
+                elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+                if len(elts) >= 2 and not (isinstance(elts[-1], ast.Constant) and elts[-1].value is Ellipsis):
+                    return True
+        return False
+
+    def returns_pairs(fn: ast.AST) -> bool:
+        todo = list(ast.iter_child_nodes(fn))
+        while todo:
+            node = todo.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue  # a nested function's returns are its own
+            if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) and len(node.value.elts) >= 2:
+                return True
+            todo.extend(ast.iter_child_nodes(node))
+        return False
+
+    functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    functions += [m for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")
+                  for m in c.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [f"{fn.name}:{fn.lineno}" for fn in functions if not fn.name.startswith("_")
+            and fn.name not in _CONTRACT_TUPLES and (fixed(fn.returns) or returns_pairs(fn))]
+
+
+def test_no_positional_tuple_crosses_a_module():
+    """What a public function gives back is a record with names (a frozen dataclass), not a tuple read by position."""
+    found = [f"{name}:{where}" for name, tree in _modules().items() for where in _positional_tuples(tree)]
+    assert not found, found
+    code = ("def a() -> tuple[int, str]: ...\ndef b() -> tuple[int, ...] | None: ...\ndef c(x):\n    return x, 1\n"
+            "def d():\n    def e():\n        return 1, 2\n    return e\nclass F:\n    def g(self) -> tuple[int, int] | None: ...")
+    assert _positional_tuples(ast.parse(code)) == ["a:1", "c:3", "g:10"]
+
+
 def test_the_cycle_finder_finds_a_lazy_cycle_and_a_type_checking_one():
     a = ast.parse("def f():\n    from autotune.b import g\n")
     b = ast.parse("import autotune.a\n")

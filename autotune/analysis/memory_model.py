@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Mapping
 from autotune.vocabulary import EAGER, PRECISIONS, Plan, Status, Variant
 from autotune.records import Measurement
 
-__all__ = ["MemoryLine", "MemoryModel", "fit_line"]
+__all__ = ["MemoryLine", "MemoryModel", "Line", "fit_line"]
 
 # Bytes per element of the activations a precision produces (autocast's, or FSDP2's bf16-fsdp): a first guess of how
 # precisions compare, replaced by the measured ratio once a plan is measured in both.
@@ -84,14 +84,36 @@ def _points(measurements: Iterable[Measurement]) -> dict[Variant, dict[int, floa
     return points
 
 
-def fit_line(pts: Mapping[int, float]) -> tuple[float, float]:
-    """Least-squares intercept and slope through two or more (batch size, value) points (peaks here, step
-    times in the search's time model)."""
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """A value against batch size, ``intercept + slope x batch``: peaks (bytes) or step times (seconds)."""
+
+    intercept: float
+    slope: float
+
+    def at(self, batch_size: float) -> float:
+        return self.intercept + self.slope * batch_size
+
+    @classmethod
+    def through(cls, points: Mapping[int, float], fixed: float | None = None) -> "Line | None":
+        """The least-squares line through two or more points; through one point and ``fixed`` at batch 0 (the state,
+        where it is known and below the point); None where neither can be drawn."""
+        if len(points) >= 2:
+            return fit_line(points)
+        if len(points) == 1 and fixed is not None:
+            (b0, y0), = points.items()
+            return cls(fixed, (y0 - fixed) / b0) if y0 > fixed else None
+        return None
+
+
+def fit_line(pts: Mapping[int, float]) -> Line:
+    """The least-squares :class:`Line` through two or more (batch size, value) points (peaks here, step times in the
+    search's time model)."""
     n = len(pts)
     sx, sy = sum(pts), sum(pts.values())
     sxx, sxy = sum(b * b for b in pts), sum(b * y for b, y in pts.items())
     slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-    return (sy - slope * sx) / n, slope
+    return Line((sy - slope * sx) / n, slope)
 
 
 def _shared_intercept(plans: list[dict[int, float]]) -> float | None:
@@ -169,8 +191,8 @@ class MemoryModel:
         models: dict[Variant, MemoryLine] = {}
         for variant, pts in points.items():
             if len(pts) >= 2:
-                fixed, slope = fit_line(pts)
-                source = "fit"
+                line = fit_line(pts)
+                fixed, slope, source = line.intercept, line.slope, "fit"
             else:
                 fixed = fixed_of(variant)
                 (b, y), = pts.items()

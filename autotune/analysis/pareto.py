@@ -1,23 +1,25 @@
 """The trade-off: the Pareto front of throughput vs peak memory, limits and the recommendation.
 
-Also the rules the search and the probe share with it: the bracket of a batch-size limit, which
-probed candidate wins. No torch: a report is analysed where it is read.
+Also the rules the search and the probe share with it: what trials and confirmed predictions imply of sizes no trial
+ran, which probed candidate wins (the bracket of a batch-size limit is :mod:`autotune.analysis.limits`'). No torch: a
+report is analysed where it is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from autotune.vocabulary import HEADROOM, Plan, Status, Variant
+from autotune.analysis.limits import bracket
 from autotune.records import Config, Measurement, ProbeResult, usable_bytes
 
 if TYPE_CHECKING:
     from autotune.analysis.memory_model import MemoryModel
 
-__all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "bracket", "implied_failures", "LineRule",
-           "line_failures", "PREDICTION_TOLERANCE", "confirmed", "prediction_failures", "prediction_fits",
-           "probe_candidates", "choose", "bisect_limit"]
+__all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "implied_failures", "LineRule",
+           "line_failures", "PREDICTION_TOLERANCE", "confirmed", "Implied", "prediction_failures", "prediction_fits",
+           "probe_candidates", "choose"]
 
 # How far a measured peak may lie from its prediction for the prediction to stand for the variant's other sizes, and
 # how far clear of a limit a predicted peak must be to imply that its size does not fit. On the tensor meter a
@@ -69,18 +71,6 @@ def choose(results: Iterable[ProbeResult]) -> ProbeResult | None:
     """Return the fastest accepted probe candidate, or None when every one was rejected."""
     accepted = [r for r in results if r.accepted and r.samples_per_s]
     return max(accepted, key=lambda r: (r.samples_per_s, -(r.peak_bytes_max or 0)), default=None)
-
-
-def bracket(sizes: Sequence[int], outcomes: Mapping[int, bool]) -> tuple[int, int]:
-    """Return (lo, hi): indices of the largest size known to fit and the smallest above it known not to.
-
-    ``lo`` is -1 when no size fits, ``hi`` is ``len(sizes)`` when none above ``lo`` fails. The
-    limit is exact (bracketed) when ``hi == lo + 1``.
-    """
-    fits = [i for i, b in enumerate(sizes) if outcomes.get(b) is True]
-    lo = max(fits, default=-1)
-    hi = min((i for i, b in enumerate(sizes) if i > lo and outcomes.get(b) is False), default=len(sizes))
-    return lo, hi
 
 
 def _too_big(m: Measurement, limit: float | None) -> bool:
@@ -235,11 +225,20 @@ def refuted(measurements: Iterable[Measurement], predictions: Mapping[Config, Me
     return against
 
 
+@dataclasses.dataclass(frozen=True)
+class Implied:
+    """What a confirmed prediction implies of a configuration no trial ran: its ``predicted_bytes`` (its peak) and the
+    trial that confirmed its variant's predictions (``confirmed_by``)."""
+
+    predicted_bytes: int
+    confirmed_by: Config
+
+
 def prediction_failures(measurements: Iterable[Measurement], limit: float | None,
                         predictions: Mapping[Config, Measurement] | None,
-                        tolerance: float = PREDICTION_TOLERANCE) -> dict[Config, tuple[int, Config]]:
+                        tolerance: float = PREDICTION_TOLERANCE) -> dict[Config, Implied]:
     """Configurations not measured that a confirmed prediction (:func:`confirmed`) says do not fit ``limit``:
-    {config: (predicted peak bytes, the trial that confirmed its variant's predictions)}.
+    {config: :class:`Implied`}.
 
     Only sizes above the variant's largest fitting trial, predicted out of memory or over ``limit`` by more than
     ``tolerance`` (a peak predicted that close to the limit is measured)."""
@@ -248,28 +247,28 @@ def prediction_failures(measurements: Iterable[Measurement], limit: float | None
     measurements = list(measurements)
     measured = {m.config for m in measurements}
     standing = confirmed(measurements, predictions, tolerance)
-    implied: dict[Config, tuple[int, Config]] = {}
+    implied: dict[Config, Implied] = {}
     for config, p in predictions.items():
         if config.variant not in standing or config in measured or not p.peak_bytes:
             continue
         above = max((m.batch_size for m in measurements if m.config.variant == config.variant and m.fits(limit)),
                     default=0)
         if config.batch_size > above and (p.status == Status.OOM or p.peak_bytes > (1 + tolerance) * limit):
-            implied[config] = (p.peak_bytes, standing[config.variant])
+            implied[config] = Implied(p.peak_bytes, standing[config.variant])
     return implied
 
 
 def prediction_fits(measurements: Iterable[Measurement], limit: float | None,
                     predictions: Mapping[Config, Measurement] | None,
-                    tolerance: float = PREDICTION_TOLERANCE) -> dict[Config, tuple[int, Config]]:
+                    tolerance: float = PREDICTION_TOLERANCE) -> dict[Config, Implied]:
     """Configurations not measured that a confirmed prediction (:func:`confirmed`) says fit ``limit``, clear of it by
-    more than ``tolerance``: {config: (predicted peak bytes, the trial that confirmed its variant's predictions)}."""
+    more than ``tolerance``: {config: :class:`Implied`}."""
     if not predictions:
         return {}
     measurements = list(measurements)
     measured = {m.config for m in measurements}
     standing = confirmed(measurements, predictions, tolerance)
-    return {c: (p.peak_bytes, standing[c.variant]) for c, p in predictions.items()
+    return {c: Implied(p.peak_bytes, standing[c.variant]) for c, p in predictions.items()
             if c.variant in standing and c not in measured and p.status == Status.OK and p.peak_bytes
             and (limit is None or p.peak_bytes <= (1 - tolerance) * limit)}
 
@@ -297,7 +296,7 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
     by_variant = _implied_failing_sides(measurements, budget_bytes, batch_sizes, plans, blocks, line_rule, predictions)
     for variant in by_variant:  # a variant no trial ran, whose failing side another's failure implies: "none" fits
         variants.setdefault(variant, [])
-    fits_implied: dict[Variant, dict[int, tuple[int, Config]]] = {}
+    fits_implied: dict[Variant, dict[int, Implied]] = {}
     for config, implied in prediction_fits(measurements, budget_bytes, predictions).items():
         fits_implied.setdefault(config.variant, {})[config.batch_size] = implied
         variants.setdefault(config.variant, [])  # a variant no trial ran whose predictions stand: its fits implied
@@ -311,26 +310,23 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
             if b > above and all(b < t for t in too_big):
                 too_big[b] = source  # implied, and smaller than any measured failure
         smallest = min(too_big) if too_big else None
-        row = {
-            "precision": variant.precision,
-            "segments": variant.plan,
-            "compile": variant.compile,
-            "max_batch_size": max(fitting) if fitting else None,
-            "min_oom_batch_size": smallest,
-        }
+        row = {"precision": variant.precision, "segments": variant.plan, "compile": variant.compile,
+               "max_batch_size": max(fitting) if fitting else None, "min_oom_batch_size": smallest}
         if smallest is not None and too_big[smallest] is not None:
             row.update(too_big[smallest])
         if row["max_batch_size"] in own_fits:  # no trial of its own: the confirmed prediction says it fits
-            predicted, source = own_fits[row["max_batch_size"]]
-            row.update(max_implied_by=str(source), max_rule="prediction", max_predicted_bytes=predicted)
+            implied = own_fits[row["max_batch_size"]]
+            row.update(max_implied_by=str(implied.confirmed_by), max_rule="prediction",
+                       max_predicted_bytes=implied.predicted_bytes)
         if batch_sizes is not None:
             sizes = sorted(batch_sizes)
             outcomes = {b: False for b in too_big if b in sizes} | {b: True for b in own_fits if b in sizes}
             outcomes.update({m.batch_size: m.fits(budget_bytes) for m in trials if m.batch_size in sizes})
-            lo, hi = bracket(sizes, outcomes)
-            row["bracketed"] = hi == lo + 1
+            known = bracket(sizes, outcomes)
+            row["bracketed"] = known.closed
             if not row["bracketed"] and model is not None and variant in model.lines:
-                open_ = [b for b in sizes[lo + 1:hi] if budget_bytes is None or model.predict(variant, b) <= budget_bytes]
+                open_ = [sizes[i] for i in known.open
+                         if budget_bytes is None or model.predict(variant, sizes[i]) <= budget_bytes]
                 row["predicted_max_batch_size"] = open_[-1] if open_ else row["max_batch_size"]
         rows.append(row)
     return rows
@@ -346,88 +342,11 @@ def _implied_failing_sides(measurements: list[Measurement], budget_bytes: int | 
     for config, predicted in line.items():
         by_variant.setdefault(config.variant, {})[config.batch_size] = {
             "min_oom_implied_by": "memory line", "min_oom_rule": line_rule.name, "min_oom_predicted_bytes": predicted}
-    for config, (predicted, source) in prediction_failures(measurements, budget_bytes, predictions).items():
+    for config, implied in prediction_failures(measurements, budget_bytes, predictions).items():
         by_variant.setdefault(config.variant, {})[config.batch_size] = {
-            "min_oom_implied_by": str(source), "min_oom_rule": "prediction", "min_oom_predicted_bytes": predicted}
+            "min_oom_implied_by": str(implied.confirmed_by), "min_oom_rule": "prediction",
+            "min_oom_predicted_bytes": implied.predicted_bytes}
     for config, source in implied_failures(measurements, budget_bytes, plans, blocks).items():
         by_variant.setdefault(config.variant, {})[config.batch_size] = {
             "min_oom_implied_by": str(source), "min_oom_rule": "nested-plan"}
     return by_variant
-
-
-def bisect_limit(fits: Callable[[int], bool], lo: int, hi: int, multiple: int = 1) -> tuple[int, int]:
-    """The largest batch size that fits and the next multiple of ``multiple`` above it, between ``lo`` (known to fit;
-    0 where none is) and ``hi`` (known not to), asking ``fits`` of multiples of ``multiple`` only.
-
-    Memory grows with the batch, so every size below one that fits fits too: the answer is exact in steps of
-    ``multiple`` (where ``lo`` is no multiple and the first multiple above it fails, ``lo`` is the answer).
-    """
-    a, b = lo // multiple, -(-hi // multiple)  # a x multiple <= lo fits; b x multiple >= hi does not
-    while b - a > 1:
-        middle = (a + b) // 2
-        if fits(middle * multiple):
-            a = middle
-        else:
-            b = middle
-    return max(lo, a * multiple), b * multiple
-
-
-GALLOP = 32  # a line followed up from a size that fits goes at most this many times past it at once
-
-
-def largest_within(measure: Callable[[int], Measurement], limit_bytes: float, multiple: int, top: int,
-                   first: int, per_sample_bytes: float | None = None) -> tuple[int, int | None, dict[int, Measurement]]:
-    """The largest multiple of ``multiple`` up to ``top`` whose measurement fits ``limit_bytes`` (0 where none does),
-    the next multiple above it (None where ``top`` fits) and every measurement made, by batch size.
-
-    Memory grows with the batch, nearly along a line: from ``first``, each next size is where the line through the
-    two measured sizes nearest the limit meets it (the secant), kept strictly between the sizes known to fit and
-    not to fit, so that a guess that fits is followed by the size above it. Without a size known not to fit, one
-    size doubles (there is no line yet), a line is followed up to ``GALLOP`` times the largest fit, and a line that
-    ends at the largest fit is checked a stride above it (the stride doubling each time it is); where a guess of the
-    line fails to halve the bracket, the next size halves it. ``per_sample_bytes`` (the line's slope, known from
-    elsewhere) draws the line through one measured size, so that a ``first`` that is the limit is followed by the size
-    above it. A measurement neither ``ok`` nor ``oom`` (the model's own failure) ends the search there: the caller
-    finds it among the measurements.
-    """
-    seen: dict[int, Measurement] = {}
-    lo, hi, stride, slow, secant = 0, None, multiple, False, False
-    size = min(max(multiple, first // multiple * multiple), top // multiple * multiple)
-    while size >= multiple:
-        m = seen[size] = measure(size)
-        if m.status not in (Status.OK, Status.OOM):
-            break
-        width = (hi if hi is not None else size) - lo
-        lo, hi = (size, hi) if m.fits(limit_bytes) else (lo, size if hi is None else min(hi, size))
-        if (hi is not None and hi - lo <= multiple) or (hi is None and lo + multiple > top):
-            break
-        slow = secant and hi is not None and 2 * (hi - lo) > width  # the line's last guess did not halve the bracket
-        guess = _secant(seen, lo, hi, limit_bytes, multiple, per_sample_bytes)
-        if hi is None:  # a line carries past the largest fit (up to GALLOP times it); one ending there is checked above
-            size = min(guess, GALLOP * lo) if guess is not None and guess > lo else \
-                2 * lo if guess is None else lo + stride
-            stride = 2 * stride if guess is not None and guess <= lo else stride
-            size = min(size, top // multiple * multiple)
-        elif guess is None or slow:
-            size = max(lo + multiple, (lo + hi) // 2 // multiple * multiple)
-        else:
-            size = min(max(guess, lo + multiple), hi - multiple)
-        secant = hi is not None and guess is not None and not slow
-    return lo, hi, seen
-
-
-def _secant(seen: Mapping[int, Measurement], lo: int, hi: int | None, limit_bytes: float, multiple: int,
-            per_sample_bytes: float | None = None) -> int | None:
-    """Where the line through the largest size that fits and the smallest that does not (else the second largest
-    that fits; else through one of them at ``per_sample_bytes``) meets ``limit_bytes``, down to a multiple of
-    ``multiple``; None where there is no rising line."""
-    peaks = {b: m.peak_bytes for b, m in seen.items() if m.peak_bytes is not None and m.status in (Status.OK, Status.OOM)}
-    anchor = lo if lo in peaks else hi if hi in peaks else None
-    if anchor is None:
-        return None
-    below = sorted(b for b in peaks if b < lo)
-    other = (hi if hi in peaks else below[-1] if below else None) if anchor == lo else None
-    rise = (peaks[other] - peaks[anchor]) / (other - anchor) if other is not None else per_sample_bytes
-    if not rise or rise <= 0:
-        return None
-    return int((anchor + (limit_bytes - peaks[anchor]) / rise) // multiple * multiple)

@@ -54,7 +54,7 @@ from autotune.meters.base import MemoryReading
 from autotune.units import format_bytes
 from autotune.vocabulary import AutocastPolicy
 
-__all__ = ["CUDA_POLICIES", "CudaRules", "cuda_autocast_on_cpu", "optimizers_as_on_cuda", "dropout_as_on_cuda",
+__all__ = ["CUDA_POLICIES", "CudaRules", "CudaReading", "cuda_autocast_on_cpu", "optimizers_as_on_cuda", "dropout_as_on_cuda",
            "ASSUMED_CAPABILITY"]
 
 _LOWER = ("_convolution", "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
@@ -286,6 +286,15 @@ class CudaFindings:
 
 
 @dataclasses.dataclass(frozen=True)
+class CudaReading:
+    """A prediction's reading as CUDA's meter would give it, and the modelled allocator's out-of-memory line where it
+    ran out within the budget though the tensors alone fit (``allocator_error``; None: it did not)."""
+
+    reading: MemoryReading
+    allocator_error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class CudaRules:
     """How a prediction for CUDA is made and read (:mod:`autotune.execution.predict`): where its fake tensors live,
     the allocator's settings, the cuBLAS workspaces and CUDA context assumed. What the predictions find is kept
@@ -337,8 +346,7 @@ class CudaRules:
         workspaces = workspace_trace(cublas_workspace_bytes(*self.capability), threads=2)
         return replay([*workspaces, *trace], settings=self.allocator, capacity_bytes=budget_bytes)
 
-    def read(self, reading: MemoryReading, trace: tuple[tuple[int, ...], ...],
-             budget_bytes: int | None) -> tuple[MemoryReading, str | None]:
+    def read(self, reading: MemoryReading, trace: tuple[tuple[int, ...], ...], budget_bytes: int | None) -> CudaReading:
         """A prediction's reading as CUDA's meter would give it (the budget compared with reserved bytes, NVML's
         figure beside), from the tensor meter's reading and allocation trace; and, where the modelled allocator
         runs out within the budget though the tensors alone fit, the out-of-memory error's line."""
@@ -359,7 +367,7 @@ class CudaRules:
             error = (f"CUDA out of memory (predicted: the modelled caching allocator could not reserve a segment of "
                      f"{format_bytes(r.oom_request_bytes)} with {format_bytes(r.reserved_bytes)} reserved, within "
                      f"the budget of {format_bytes(budget_bytes)})")
-        return cuda, error
+        return CudaReading(cuda, error)
 
     def describe(self, findings: CudaFindings) -> dict[str, Any]:
         """What the report's ``search.cuda`` records: where the predictions ran, what they assumed and found."""

@@ -65,7 +65,8 @@ def run_eval(workload: Workload, config: Config, kind: EvalKind, *, device: torc
             run.build_for(kind)
             run.evaluate(run.eval_batch(config.batch_size))
     except Exception as exc:  # noqa: BLE001 - as in a trial, the model's failures are outcomes
-        status, error = outcome(exc)
+        failure = outcome(exc)
+        status, error = failure.status, failure.error
     finally:
         plan = run.plan
         run.release()
@@ -107,14 +108,15 @@ def predict_eval(workload: Workload, config: Config, kind: EvalKind, *, device: 
     except CANNOT_FAKE as exc:
         raise Unpredictable(_op(exc), _reason(exc)) from None
     except Exception as exc:  # noqa: BLE001 - the model's failures are outcomes
-        status, error = outcome(exc)
+        failure = outcome(exc)
+        status, error = failure.status, failure.error
     finally:
         plan = run.plan
         run.release()
         del run
     reading = None if handle is None else dataclasses.replace(handle.reading, source=PREDICTED)
     if cuda is not None and reading is not None:
-        reading, _ = cuda.read(reading, handle.trace or (), None)
+        reading = cuda.read(reading, handle.trace or (), None).reading
     return _result(config, status, error, reading, plan, started)
 
 

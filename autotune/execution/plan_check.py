@@ -96,8 +96,18 @@ def _step(workload: Workload, plan: str, batch_size: int, device: torch.device, 
     return values
 
 
-def compare_steps(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float, str | None]:
-    """Return (largest relative difference, its absolute difference, where) between two steps' values.
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """The largest difference between two steps' values: ``relative`` (to the value's scale), its ``absolute`` size,
+    and ``where`` ("loss", "grad:NAME", "buffer:NAME"; None where the steps are equal)."""
+
+    relative: float = 0.0
+    absolute: float = 0.0
+    where: str | None = None
+
+
+def compare_steps(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Difference:
+    """The largest relative difference between two steps' values, its absolute size and where it is.
 
     Relative to the larger of the value's own largest entry in ``a`` and ``SCALE_FLOOR`` times the largest entry of
     its kind (the part of its key before ``:``: every gradient, every buffer). A value present in one step only (a
@@ -109,11 +119,11 @@ def compare_steps(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tup
     for key, value in largest.items():
         kind = key.split(":")[0]
         floor[kind] = max(floor.get(kind, 0.0), SCALE_FLOOR * value)
-    worst = (0.0, 0.0, None)
+    worst = Difference()
     for key in dict.fromkeys([*a, *b]):
         x, y = a.get(key), b.get(key)
         if x is None or y is None or x.shape != y.shape or x.dtype != y.dtype:
-            return 1.0, math.inf, key
+            return Difference(1.0, math.inf, key)
         if torch.equal(x, y):
             continue
         if not x.is_floating_point():
@@ -129,8 +139,8 @@ def compare_steps(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tup
             rel = diff / scale if scale > 0 else math.inf
             if math.isnan(diff):  # NaN in one step only
                 rel, diff = math.inf, math.inf
-        if rel > worst[0]:
-            worst = (rel, diff, key)
+        if rel > worst.relative:
+            worst = Difference(rel, diff, key)
     return worst
 
 
@@ -160,7 +170,7 @@ def check_plans(workload: Workload, plans: Iterable[str], *, batch_size: int, de
         count = CompileCount().start()
         reference = _step(workload, "0", batch_size, device, seed, guard, compile=compile, caches=caches)
         noise = compare_steps(reference, _step(workload, "0", batch_size, device, seed, guard, compile=compile,
-                                               caches=[]))[0]
+                                               caches=[])).relative
         graphs = count.graphs if compiled else None
         by_compile = (compare_steps(_step(workload, "0", batch_size, device, seed, guard, caches=[]), reference)
                       if compiled else None)
@@ -175,12 +185,12 @@ def check_plans(workload: Workload, plans: Iterable[str], *, batch_size: int, de
                 for p in ([Plan("0")] if compiled else []) + plans]
     finally:
         backend_for(device).release()
-    compile_diff = by_compile[0] if by_compile else None
+    compile_diff = by_compile.relative if by_compile else None
     tolerance = max(NOISE_MULTIPLE * noise, COMPILED_TOLERANCE if compiled else 0.0)
     checks = [] if not compiled else [PlanCheck(  # the compile check: compile's own difference, accepted
         Plan("0"), CheckStatus.EXACT if compile_diff == 0.0 else CheckStatus.WITHIN_NOISE, batch_size, (),
-        compile_diff, by_compile[1], by_compile[2], noise, tolerance, compile=compile, compile_diff=compile_diff,
-        compiles=graphs)]
+        max_rel_diff=compile_diff, max_abs_diff=by_compile.absolute, worst=by_compile.where, noise=noise,
+        tolerance=tolerance, compile=compile, compile_diff=compile_diff, compiles=graphs)]
     for plan in plans:
         checks.append(_checked(workload, plan, as_configured if plan.base.off else reference, batch_size, device, seed,
                                guard, blocks, noise, tolerance, compile, compile_diff))
@@ -196,7 +206,7 @@ def _checked(workload: Workload, plan: Plan, reference: dict[str, torch.Tensor],
     try:
         step = _step(workload, plan, batch_size, device, seed, guard, blocks, compile=compile)
         extra["compiles"] = count.graphs if compile != EAGER else None
-        rel, diff, where = compare_steps(reference, step)
+        difference = compare_steps(reference, step)
     except UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 - a plan whose step fails is dropped, with the reason
@@ -204,8 +214,10 @@ def _checked(workload: Workload, plan: Plan, reference: dict[str, torch.Tensor],
                          error=f"{type(exc).__name__}: {first_line(exc)}", **extra)
     finally:
         backend_for(device).release()
+    rel = difference.relative
     status = CheckStatus.EXACT if rel == 0.0 else CheckStatus.WITHIN_NOISE if rel <= tolerance else CheckStatus.DIFFERS
-    return PlanCheck(plan, status, batch_size, blocks[plan], rel, diff, where, noise, tolerance, **extra)
+    return PlanCheck(plan, status, batch_size, blocks[plan], max_rel_diff=rel, max_abs_diff=difference.absolute,
+                     worst=difference.where, noise=noise, tolerance=tolerance, **extra)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune._log import logger
 from autotune.device import measurable_here
-from autotune.errors import UsageError, first_line
+from autotune.errors import UsageError
 from autotune.execution.known_values import KnowingFakeTensorMode
 from autotune.execution.trial import TrialRecord, TrialRun, run_trial
 from autotune.execution.work import outcome
@@ -46,7 +46,8 @@ from autotune.plans.offload import offloader_of
 from autotune.records import PREDICTED, Config, Measurement, TrialSettings
 from autotune.timing.counting import OpWork, StepWork, WorkCounter
 from autotune.timing.model import with_predicted_time
-from autotune.training.workload import Workload, _copy_model
+from autotune.execution.fake_build import FakeCopies
+from autotune.training.workload import Workload
 from autotune.units import format_bytes
 from autotune.vocabulary import Parallel, Status
 
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from autotune.timing.model import Machine
     from autotune.training.wrapping import Wrapping
 
-__all__ = ["fake_tensors", "fake_buildable", "predict_trial", "Unpredictable", "Predictor", "CANNOT_FAKE",
+__all__ = ["fake_tensors", "predict_trial", "Unpredictable", "Predictor", "CANNOT_FAKE",
            "cannot_fake", "cannot_measure_here", "quiet_fake_kernels"]
 
 # What fake tensors raise where a value decides what comes next: a shape (nonzero, unique, boolean masks), a
@@ -182,51 +183,6 @@ def _keeping_real_inputs(mode: FakeTensorMode) -> FakeTensorMode:
     return mode
 
 
-def fake_buildable(workload: Workload, mode: FakeTensorMode) -> tuple[Workload, str | None]:
-    """The workload whose models a dry run builds under ``mode``: as it is where its build runs under fake tensors;
-    else (a build that reads a value: timm computes its drop-path rates with ``.item()``) a workload whose every
-    build copies one model built for real on the CPU, its weights' memory for a moment, and turned into fake tensors.
-    Returns it and, in the second case, what to say. A build that fails for real too raises as a search's would."""
-    try:
-        with mode:
-            workload.build_model(seed=0)
-        return workload, None
-    except Exception as exc:  # noqa: BLE001 - whatever the fake build met, a real build says whether it is the model's
-        why = f"{type(exc).__name__}: {first_line(exc)}"
-    template = _fakeified(workload.build_model(seed=0), mode)
-    built = dataclasses.replace(workload, model_factory=_FakeCopies(template, workload.model_factory))
-    return built, (f"{workload.name} cannot be built under fake tensors ({why}): it was built once for real on the "
-                   f"CPU, its weights made fake tensors, and each prediction starts from a copy of it")
-
-
-class _FakeCopies:
-    """A model factory that copies a fake template; ``real`` is the factory it stands in for (a model that also needs
-    real values in its steps is measured with real builds of it)."""
-
-    def __init__(self, template: torch.nn.Module, real: Any) -> None:
-        self.template, self.real = template, real
-
-    def __call__(self) -> torch.nn.Module:
-        return _copy_model(self.template)
-
-
-def _fakeified(model: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
-    """``model`` with every parameter and buffer replaced by a fake tensor of ``mode`` (tied parameters stay tied); the
-    real ones are let go."""
-    fakes: dict[int, torch.Tensor] = {}
-    with mode:
-        for module in model.modules():
-            for table in (module._parameters, module._buffers):
-                for name, t in table.items():
-                    if t is not None:
-                        if id(t) not in fakes:
-                            fake = mode.from_tensor(t.detach())
-                            fakes[id(t)] = (torch.nn.Parameter(fake, t.requires_grad)
-                                            if isinstance(t, torch.nn.Parameter) else fake)
-                        table[name] = fakes[id(t)]
-    return model
-
-
 class _AsTheKernelsDo(TorchDispatchMode):
     """Where a fake kernel's outputs differ from the real kernel's, the real kernel's (found by comparing the tensor
     meter's counts on real and fake tensors over the bundled models and the zoo).
@@ -300,7 +256,7 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     own error), ``memory_source`` :data:`PREDICTED`, no step time.
 
     Raises :class:`Unpredictable` where the model cannot run under fake tensors, and bad input as a trial does.
-    ``mode``: the fake tensors to run under (those of a model :func:`fake_buildable` made), else new ones.
+    ``mode``: the fake tensors to run under (those of a model :func:`~autotune.execution.fake_build.fake_buildable` made), else new ones.
     ``parallel``: one rank's part of a distributed trial, on a fake process group (:mod:`autotune.execution.one_rank`).
     ``cuda``: predict for CUDA (:mod:`autotune.execution.cuda_rules`): run where its rules say (``device`` is then
     ignored), and read the allocator's reserved bytes from the allocation trace; the budget holds those; what the
@@ -327,7 +283,8 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
     except CANNOT_FAKE as exc:
         raise Unpredictable(_op(exc), _reason(exc)) from None
     except Exception as exc:  # noqa: BLE001 - as in a trial, the model's failures are outcomes
-        status, error = outcome(exc)
+        failure = outcome(exc)
+        status, error = failure.status, failure.error
     finally:
         record = TrialRecord(plan=run.plan, steps_s=round(time.monotonic() - started, 4),
                              host_peak_bytes=run.host_peak_bytes)
@@ -335,7 +292,8 @@ def predict_trial(workload: Workload, config: Config, *, device: torch.device | 
         del run
     reading = None if handle is None else dataclasses.replace(handle.reading, source=PREDICTED)
     if cuda is not None and reading is not None:
-        reading, allocator_error = cuda.read(reading, handle.trace or (), budget_bytes)
+        read = cuda.read(reading, handle.trace or (), budget_bytes)
+        reading, allocator_error = read.reading, read.allocator_error
         if allocator_error is not None and status == Status.OK:
             status, error = Status.OOM, allocator_error
     predicted = record.measurement(config, status, error, reading, started, timed=False)
@@ -444,7 +402,7 @@ class Predictor:
 
     def _measured(self, config: Config) -> Measurement:
         workload = self.workload
-        if isinstance(workload.model_factory, _FakeCopies):  # measured for real: real builds, not fake copies
+        if isinstance(workload.model_factory, FakeCopies):  # measured for real: real builds, not fake copies
             workload = dataclasses.replace(workload, model_factory=workload.model_factory.real)
         meter = TensorMeter(self.device, budget_bytes=self.budget_bytes)
         return run_trial(workload, config, device=self.device, meter=meter, settings=self.settings, timed=False)

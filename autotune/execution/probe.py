@@ -115,7 +115,7 @@ class _Candidate:
     def _timed(self, trainer: Trainer, batch: Any) -> float:
         """A timed step; with ``--parallel`` the slowest rank's time of it (every rank keeps the same)."""
         seconds = trainer.timed_step(batch)
-        return self.parallel.slowest(seconds, False)[0] if self.parallel is not None else seconds
+        return self.parallel.slowest(seconds, False).seconds if self.parallel is not None else seconds
 
     def _metered(self, step: Any) -> None:
         self.handle.reset_peak()
@@ -127,10 +127,10 @@ class _Candidate:
 
     def failed(self, exc: Exception) -> None:
         """Record why the candidate stopped (re-raises bad input)."""
-        status, error = outcome(exc)
-        self.reason = f"{status}: {error}"
+        failure = outcome(exc)
+        self.reason = f"{failure.status}: {failure.error}"
         reading = getattr(getattr(self, "handle", None), "reading", None)
-        if status == Status.OOM:  # what the failing step needed: above the budget, as a trial's oom peak is
+        if failure.status == Status.OOM:  # what the failing step needed: above the budget, as a trial's oom peak is
             self.step_peaks.append(reading.peak_bytes if reading else self.budget_bytes or 0)
 
     def verdict(self, headroom: float) -> None:

@@ -36,6 +36,7 @@ cannot take its workers with it) exits within a second instead of training on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import gc
 import io
@@ -59,13 +60,25 @@ from autotune.execution.work import Place, Venue, Work
 from autotune.training.workload import Workload
 from autotune.vocabulary import Status
 
-__all__ = ["Spawned", "Reply", "run_isolated", "check_picklable", "STARTUP_GRACE_S", "WARM_GRACE_S", "CLEAN_TOLERANCE_BYTES"]
+__all__ = ["Spawned", "Reply", "JobResult", "run_isolated", "check_picklable", "STARTUP_GRACE_S", "WARM_GRACE_S",
+           "CLEAN_TOLERANCE_BYTES"]
 
 STARTUP_GRACE_S = 120.0  # importing torch and building a CUDA context can take this long on a busy machine
 WARM_GRACE_S = 30.0  # a warm worker's time on top of the work's limit: the model's copy, the release and the check
 CLEAN_TOLERANCE_BYTES = 1 << 20  # what a reused worker may hold above its first baseline (lazily made constants)
 _POLL_S = 1.0
 _EXIT_GRACE_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    """What a job handed to a worker came to: ``outcome`` (:attr:`Reply.RESULT`, or the trial's :class:`Status`:
+    ``timeout``, ``crashed`` or ``failed``), ``payload`` (what the job returned, or one line saying why) and the
+    ``seconds`` it took, the worker's start included."""
+
+    outcome: "Reply | Status"
+    payload: Any
+    seconds: float
 
 
 class Reply(str, enum.Enum):
@@ -309,8 +322,8 @@ class Workers:
         return self._worker.proc.pid if self._worker is not None else None
 
     def run_job(self, workload: Workload, job: Callable[..., Any], job_kwargs: dict, *, name: str,
-                timeout_s: float | None) -> tuple["Reply | Status", Any, float]:
-        """Run ``job(workload, **job_kwargs)`` in a worker; return (outcome, payload, seconds) as :func:`run_isolated`."""
+                timeout_s: float | None) -> JobResult:
+        """Run ``job(workload, **job_kwargs)`` in a worker; its :class:`JobResult`, as :func:`run_isolated`'s."""
         if workload.spec is None:
             raise UsageError("process isolation needs a workload built by Workload.from_specs (or autotune.tune)")
         started = time.monotonic()
@@ -331,8 +344,8 @@ class Workers:
         if kind == Reply.USAGE:
             raise UsageError(payload)
         if kind == Reply.ERROR:
-            return Status.FAILED, payload.splitlines()[0], seconds
-        return kind, payload, seconds
+            return JobResult(Status.FAILED, payload.splitlines()[0], seconds)
+        return JobResult(kind, payload, seconds)
 
     def _worker_for(self, spec: dict, name: str) -> _Worker:
         if self._worker is not None and self._worker.checking and not self._clean(self._worker.check()):
@@ -371,8 +384,8 @@ class Workers:
 
 
 def run_isolated(workload: Workload, job: Callable[..., Any], job_kwargs: dict, *, name: str,
-                 timeout_s: float | None, device: torch.device | str = "cpu") -> tuple[str, Any, float]:
-    """Run ``job(workload, **job_kwargs)`` in a fresh spawned process; return (outcome, payload, seconds).
+                 timeout_s: float | None, device: torch.device | str = "cpu") -> JobResult:
+    """Run ``job(workload, **job_kwargs)`` in a fresh spawned process; its :class:`JobResult`.
 
     ``job`` is a module-level function (the worker imports it by name) whose result pickles. The
     outcome is :attr:`Reply.RESULT` (payload: what the job returned), or the trial's :class:`Status`: ``timeout``,
@@ -405,11 +418,11 @@ class Spawned(Venue):
         check_picklable(workload)  # one clear line now, not every trial crashed later
 
     def run(self, workload: Workload, work: Work) -> Any:
-        outcome, payload, seconds = self.workers.run_job(workload, _run_work, {"work": work, "device": str(self.device)},
-                                                     name=work.name, timeout_s=work.timeout_s)
-        if outcome == Reply.RESULT:
-            return work.decode(payload)
-        return work.failed(outcome, payload, seconds)  # a Status: the worker timed out, crashed or failed
+        done = self.workers.run_job(workload, _run_work, {"work": work, "device": str(self.device)}, name=work.name,
+                                    timeout_s=work.timeout_s)
+        if done.outcome == Reply.RESULT:
+            return work.decode(done.payload)
+        return work.failed(done.outcome, done.payload, done.seconds)  # a Status: it timed out, crashed or failed
 
     def describe(self) -> dict[str, Any]:
         return {"workers_started": self.workers.started, "workers_replaced_unclean": self.workers.replaced_unclean,

@@ -79,8 +79,8 @@ class TrialRun(Trainer):
             self.tokens.append(real_tokens(batch))
             seconds = self.timed_step(batch)
             if self.parallel is not None:  # every rank keeps the slowest rank's time, and stops where the others do
-                seconds, late = self.parallel.slowest(
-                    seconds, deadline is not None and time.monotonic() + seconds > deadline)
+                slowest = self.parallel.slowest(seconds, deadline is not None and time.monotonic() + seconds > deadline)
+                seconds, late = slowest.seconds, slowest.late
             self.step_times.append(seconds)
             self._log_step("timed", self.step_times[-1])
 
@@ -158,7 +158,8 @@ def run_trial(
             if timed and not timed_inside:
                 run.timed_steps(deadline)
     except Exception as exc:  # noqa: BLE001 - every failure of the user's code is an outcome
-        status, error = outcome(compile_failure(exc) or exc)
+        failure = outcome(compile_failure(exc) or exc)
+        status, error = failure.status, failure.error
     finally:
         record = TrialRecord.of(run, asked_at, count)
         run.release()

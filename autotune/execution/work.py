@@ -29,23 +29,31 @@ if TYPE_CHECKING:
     from autotune.training.wrapping import Wrapping
     from autotune.training.workload import Workload
 
-__all__ = ["Place", "Work", "Venue", "outcome"]
+__all__ = ["Place", "Work", "Venue", "Outcome", "outcome"]
 
 
-def outcome(exc: Exception) -> tuple[Status, str]:
-    """Return the (status, error) a piece of work records for ``exc``; re-raise bad input (:class:`UsageError`).
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What a piece of work records for a failure: its status and the error's line."""
+
+    status: Status
+    error: str
+
+
+def outcome(exc: Exception) -> Outcome:
+    """The :class:`Outcome` a piece of work records for ``exc``; re-raise bad input (:class:`UsageError`).
 
     The one place that decides what a failure is: trials, the probe and every venue agree.
     """
     if isinstance(exc, UsageError):
         raise exc
     if isinstance(exc, TrialTimeoutError):
-        return Status.TIMEOUT, str(exc)
+        return Outcome(Status.TIMEOUT, str(exc))
     if is_oom(exc):
-        return Status.OOM, first_line(exc)
+        return Outcome(Status.OOM, first_line(exc))
     if is_device_crash(exc):  # a sticky CUDA error: the device is unusable, as if the worker had died
-        return Status.CRASHED, f"{type(exc).__name__}: {first_line(exc)}"
-    return Status.FAILED, f"{type(exc).__name__}: {first_line(exc)}"
+        return Outcome(Status.CRASHED, f"{type(exc).__name__}: {first_line(exc)}")
+    return Outcome(Status.FAILED, f"{type(exc).__name__}: {first_line(exc)}")
 
 
 @dataclasses.dataclass(frozen=True)

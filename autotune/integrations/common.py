@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 from typing import Any, Iterator
 
@@ -15,7 +16,8 @@ from autotune.errors import NothingFits, UsageError
 from autotune.report import Report
 from autotune.vocabulary import Isolation, Parallel
 
-__all__ = ["ModelCopy", "divisors", "trainer_options", "on_host", "distributed_job", "recommendation_of", "say_changes",
+__all__ = ["ModelCopy", "divisors", "trainer_options", "on_host", "distributed_job", "recommendation_of", "Recommended",
+           "say_changes",
            "trains_plan", "eval_batch_of"]
 
 
@@ -86,7 +88,15 @@ def distributed_job(options: dict[str, Any]) -> Iterator[None]:
             leave()
 
 
-def recommendation_of(report: Report) -> tuple[Any, int]:
+@dataclasses.dataclass(frozen=True)
+class Recommended:
+    """What a trainer is set to: the recommended ``trial`` and its gradient ``accumulation_steps`` (1: none)."""
+
+    trial: Any
+    accumulation_steps: int = 1
+
+
+def recommendation_of(report: Report) -> Recommended:
     """The recommended trial and its accumulation steps; :class:`NothingFits` (the trainer left as it was) if none."""
     best = report.recommendation
     if report.dry_run:
@@ -94,8 +104,7 @@ def recommendation_of(report: Report) -> tuple[Any, int]:
                          "without dry_run; its report is the one that predicts (autotune.tune(..., dry_run=True))")
     if best is None:
         raise NothingFits(f"autotune: {report.shortfall().why()}; the trainer is unchanged", report)
-    steps = int((report.accumulation or {}).get("accumulation_steps") or 1)
-    return best, steps
+    return Recommended(best, int((report.accumulation or {}).get("accumulation_steps") or 1))
 
 
 def eval_batch_of(report: Report, best: Any) -> int | None:

@@ -290,7 +290,8 @@ def _schedulers(found: Any) -> list[str]:
 
 def _write_back(trainer: Any, model: Any, holders: list[Any], report: Report, datamodule: Any = None) -> str:
     """Set the batch size, accumulation and plan (raises NothingFits, nothing changed, when none)."""
-    best, steps = recommendation_of(report)
+    recommended = recommendation_of(report)
+    best, steps = recommended.trial, recommended.accumulation_steps
     old_batch = _batch_size(holders[0])
     for holder in holders:
         if isinstance(holder, Mapping):

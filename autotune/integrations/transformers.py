@@ -204,7 +204,8 @@ class _TrainerOptimizer:
 
 def _write_back(trainer: Any, report: Report) -> str:
     """Set the trainer to train the recommendation (raises NothingFits, the trainer unchanged, when none)."""
-    best, steps = recommendation_of(report)
+    recommended = recommendation_of(report)
+    best, steps = recommended.trial, recommended.accumulation_steps
     args, model = trainer.args, trainer.model
     plan = best.config.plan
     before = (args.per_device_train_batch_size, args.gradient_accumulation_steps, bool(args.bf16), bool(args.fp16),

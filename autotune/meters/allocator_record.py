@@ -27,15 +27,24 @@ from autotune.meters.caching_allocator import (_VA_PAGES, SMALL_BUFFER_BYTES, SM
                                                AllocatorSettings, CachingAllocator, MiB, _Block, round_size)
 from autotune.meters.record_start import Start, rebuild_start
 
-__all__ = ["replay_record", "record_settings"]
+__all__ = ["replay_record", "record_settings", "RecordSettings"]
 
 _UP, _DOWN = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
 _SYNTHETIC_BASE = 1 << 60  # where the model's own segments go once it stops following the record: above any GPU's
 
 
-def record_settings(record: dict) -> tuple[AllocatorSettings, list[str]]:
-    """Return the allocator settings a record was made under (its ``allocator_settings``, else what its segments
-    show) and the names of those it sets that the model does not follow."""
+@dataclasses.dataclass(frozen=True)
+class RecordSettings:
+    """The allocator settings a record was made under, and the names of those it sets that the model does not follow
+    (``unmodelled``)."""
+
+    settings: AllocatorSettings
+    unmodelled: list[str]
+
+
+def record_settings(record: dict) -> RecordSettings:
+    """The allocator settings a record was made under (its ``allocator_settings``, else what its segments show) and
+    the names of those it sets that the model does not follow."""
     given = record.get("allocator_settings") or {}
     conf = dict(item.strip().split(":", 1) for item in str(given.get("PYTORCH_CUDA_ALLOC_CONF") or "").split(",")
                 if ":" in item)
@@ -52,7 +61,7 @@ def record_settings(record: dict) -> tuple[AllocatorSettings, list[str]]:
     unmodelled = [name for name, value in (
         ("roundup_power2_divisions", any(divisions.values()) if isinstance(divisions, dict) else divisions),
         ("garbage_collection_threshold", given.get("garbage_collection_threshold"))) if value]
-    return AllocatorSettings(**options), unmodelled
+    return RecordSettings(AllocatorSettings(**options), unmodelled)
 
 
 class _Replayer(CachingAllocator):
@@ -317,7 +326,8 @@ def replay_record(record: dict) -> dict:
     devices; ``peak_reserved_bytes``, the largest device's), ``first_difference`` (the first event where they
     differ, or ``None``; with ``stopped``, why the replay stopped there: a record no allocator could have made)
     and each device's detail."""
-    settings, unmodelled = record_settings(record)
+    made_under = record_settings(record)
+    settings, unmodelled = made_under.settings, made_under.unmodelled
     devices = sorted({s["device"] for s in record["segments"]}
                      | {d for d, trace in enumerate(record["device_traces"]) if trace["action"]})
     results = [_DeviceReplay(record, device, settings).run() for device in devices]

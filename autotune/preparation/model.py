@@ -95,10 +95,10 @@ def preflight(target: Target) -> ModelFacts:
     try:
         # The optimizer's state is measured on the CPU, before the model goes to the device: a model whose state
         # does not fit is told so with figures, not met by an out-of-memory error in its first forward pass.
-        state, unprimed, made = measure_optimizer(workload.optimizer, model, target.trial_settings.lr)
+        measured = measure_optimizer(workload.optimizer, model, target.trial_settings.lr)
         held = {name: held_parts(model, workload.optimizer, target.trial_settings.lr, MODES[name].weight_dtype)
                 for name in target.precisions if MODES[name].weight_dtype is not None}
-        facts = dataclasses.replace(facts, optimizer_state_bytes=state, held=held)
+        facts = dataclasses.replace(facts, optimizer_state_bytes=measured.state_bytes, held=held)
         # Closures over this frame's ``model``, not arguments: ``del model`` below then frees the model even while the
         # StateDoesNotFit raised through here, and its traceback's frames, live on in the caller
         _check_state_fits(facts, workload.optimizer.name, target,
@@ -113,9 +113,10 @@ def preflight(target: Target) -> ModelFacts:
     finally:
         del model
         target.backend.release()  # gc.collect, then the allocator's cache: nothing of the preflight stays
-    if unprimed is not None:
-        logger.warning(UNPRIMED_NOTICE.format(name=workload.optimizer.name, why=unprimed))
-    return dataclasses.replace(facts, chain=chain, library_checkpointing=library, unprimed=unprimed, optimizer=made)
+    if measured.why is not None:
+        logger.warning(UNPRIMED_NOTICE.format(name=workload.optimizer.name, why=measured.why))
+    return dataclasses.replace(facts, chain=chain, library_checkpointing=library, unprimed=measured.why,
+                               optimizer=measured.described)
 
 
 def _check_state_fits(facts: ModelFacts, optimizer: str, target: Target, floor: Callable[[], Floor],

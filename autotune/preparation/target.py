@@ -123,14 +123,14 @@ def resolve(options: Options, job: "Job | None" = None) -> Target:
     device = resolve_device(options.device, planned=options.dry_run)
     backend = backend_for(job.device(device) if job else device, planned=options.dry_run,
                           capability=options.cuda_capability)
-    optimizer, laid_out = stand_in(options.optimizer, planned_cuda=options.dry_run and backend.device.type == "cuda")
+    chosen = stand_in(options.optimizer, planned_cuda=options.dry_run and backend.device.type == "cuda")
     workload = Workload.from_specs(options.model, model_kwargs=options.model_kwargs, data=options.data, loss=options.loss,
-                                   optimizer=optimizer, optimizer_kwargs=options.optimizer_kwargs,
+                                   optimizer=chosen.optimizer, optimizer_kwargs=options.optimizer_kwargs,
                                    step=options.step)
-    if laid_out:  # a CUDA plan naming bitsandbytes' 8-bit AdamW without bitsandbytes: its layout, named as asked
+    if chosen.notice:  # a CUDA plan naming bitsandbytes' 8-bit AdamW without bitsandbytes: its layout, named as asked
         workload = dataclasses.replace(workload, optimizer=dataclasses.replace(
             workload.optimizer, name=f"{options.optimizer} (its layout: {workload.optimizer.name})"),
-            notes=(*workload.notes, laid_out))
+            notes=(*workload.notes, chosen.notice))
     if options.budget is None and backend.total_bytes() is None and options.dry_run:
         raise UsageError(f"--device {options.device} --dry-run on a machine without a GPU: say the card's memory with "
                          f"--budget (e.g. --budget 24GiB)")
@@ -206,7 +206,7 @@ def _with_data(workload: Workload, batch_sizes: Sequence[int]) -> tuple[Workload
             f"pass --batch-sizes up to {len(workload.dataset)}, or more data"
         )
     items = scan_items(workload.dataset)
-    return workload.with_worst_batches({b: worst_indices(items, b) for b in batch_sizes}), {
+    return workload.with_worst_batches({b: worst_indices(items, b) for b in batch_sizes}, items), {
         **items.to_dict(), "memory_batch": "the worst batch of each size", "timed_batches": "random draws from the whole dataset"}
 
 

@@ -96,9 +96,9 @@ class _Loop:
     def look(self) -> bool:
         """Read the store; report measurements not seen before; return whether anything changed since the last look."""
         self.seen = set()
-        self.measured, in_flight = survey(self.study, self.configs, self.settings_key, self.enforced_bytes,
-                                          self.settings.timeout_s, self.stamps, self.numbers, self.seen,
-                                          host_budget_bytes=self.settings.host_budget_bytes)
+        found = survey(self.study, self.configs, self.settings_key, self.enforced_bytes, self.settings.timeout_s,
+                       self.stamps, self.numbers, self.seen, host_budget_bytes=self.settings.host_budget_bytes)
+        self.measured, in_flight = found.measured, found.in_flight
         news = in_flight != self.in_flight
         self.in_flight = in_flight
         for config, m in self.measured.items():

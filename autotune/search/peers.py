@@ -17,6 +17,7 @@ woken early when a store in a file changes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import socket
@@ -105,10 +106,19 @@ class Heartbeat:
         self._thread.join()
 
 
+@dataclasses.dataclass(frozen=True)
+class Survey:
+    """What a look at the store found: the reusable ``measured`` (each configuration's latest), and the
+    configurations peers are running now (``in_flight``)."""
+
+    measured: dict[Config, Measurement]
+    in_flight: set[Config]
+
+
 def survey(study: optuna.Study, configs: set[Config], settings_key: str, enforced_bytes: int | None,
-            timeout_s: float | None, stamps: dict[int, tuple[float, float]],
-            numbers: dict[Config, int] | None = None,
-            seen: set[int] | None = None, host_budget_bytes: int | None = None) -> tuple[dict[Config, Measurement], set[Config]]:
+           timeout_s: float | None, stamps: dict[int, tuple[float, float]],
+           numbers: dict[Config, int] | None = None,
+           seen: set[int] | None = None, host_budget_bytes: int | None = None) -> Survey:
     """Read the store: reusable measurements, and configurations other peers are running now.
 
     Trials left RUNNING by a peer that is gone are marked failed, so they are measured again;
@@ -145,7 +155,7 @@ def survey(study: optuna.Study, configs: set[Config], settings_key: str, enforce
                 logger.info("trial %d (%s) was left running by %s, which is gone: it will be measured again",
                             t.number, t.params, t.user_attrs["worker"])
                 abandon(study, t, "abandoned")
-    return measured, in_flight
+    return Survey(measured, in_flight)
 
 
 def claim(study: optuna.Study, config: Config, distributions: dict, *, settings_key: str, enforced_bytes: int | None,

@@ -19,8 +19,8 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from autotune._log import logger
-from autotune.analysis.memory_model import fit_line
-from autotune.analysis.pareto import GALLOP, bracket, largest_within
+from autotune.analysis.memory_model import Line
+from autotune.analysis.limits import GALLOP, bracket, largest_within
 from autotune.errors import first_line
 from autotune.records import Config, Measurement, TrialSettings
 from autotune.search.space import SearchSpace
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from autotune.timing.model import Machine
     from autotune.training.workload import Workload
 
-__all__ = ["predict_space", "seed", "Seeding", "SEED_SECONDS", "let_go"]
+__all__ = ["predict_space", "exact_limit", "seed", "Seeding", "SEED_SECONDS", "let_go"]
 
 # A search waits this long at most for its predictions: they save trials, and must not cost more than they save
 SEED_SECONDS = 60.0
@@ -46,7 +46,7 @@ def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], 
                   multiple: int | None = None, exact_deadline: float | None = None) -> dict[Config, Measurement]:
     """Each variant's boundary under every one of ``limits``, found over the space's sizes with ``predict`` (memory
     grows with the batch: above a size that does not fit, none does); then, with ``multiple``, each variant's exact
-    limit under the first of ``limits`` (:func:`_exact_limit`: sizes between the space's, or above its top). Stops
+    limit under the first of ``limits`` (:func:`exact_limit`: sizes between the space's, or above its top). Stops
     early, with what it has, past ``deadline`` (``time.monotonic()``; the exact limits past ``exact_deadline``, else
     the same); the variants with the most recompute come first.
 
@@ -86,7 +86,7 @@ def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], 
     for variant in variants:  # a second pass: every variant's space bracket comes first, should the deadline stop it
         if deadline is not None and time.monotonic() > deadline:
             return predictions
-        _exact_limit(variant, predictions, predict, limits[0], multiple, max(sizes), fixed_bytes, deadline)
+        exact_limit(variant, predictions, predict, limits[0], multiple, max(sizes), fixed_bytes, deadline)
     return predictions
 
 
@@ -95,13 +95,14 @@ def predict_space(space: SearchSpace, predict: Callable[[Config], Measurement], 
 ABOVE_TOP = GALLOP
 
 
-def _exact_limit(variant: Variant, predictions: dict[Config, Measurement], predict: Callable[[Config], Measurement],
-                 limit: float, multiple: int, top: int, fixed_bytes: float | None, deadline: float | None) -> None:
+def exact_limit(variant: Variant, predictions: dict[Config, Measurement], predict: Callable[[Config], Measurement],
+                limit: float, multiple: int, top: int, fixed_bytes: float | None, deadline: float | None,
+                above_top: int = ABOVE_TOP) -> None:
     """Predict ``variant`` between the space's largest size that fits ``limit`` and the next (above the space's top
-    where that fits, up to :data:`ABOVE_TOP` times it) until the largest multiple of ``multiple`` that fits and the
-    next one are both predicted: :func:`~autotune.analysis.pareto.largest_within`'s secant, from the variant's line.
-    The predictions made join ``predictions``; nothing where a prediction of the variant failed (the model's own
-    error says nothing of memory)."""
+    where that fits, up to ``above_top`` times it; 1: not above it) until the largest multiple of ``multiple`` that
+    fits and the next one are both predicted: :func:`~autotune.analysis.limits.largest_within`'s secant, from the
+    variant's line. The predictions made join ``predictions``; nothing where a prediction of the variant failed (the
+    model's own error says nothing of memory)."""
     own = {c.batch_size: m for c, m in predictions.items() if c.variant == variant}
     if not own or any(not m.status.measured_memory for m in own.values()):
         return
@@ -109,15 +110,11 @@ def _exact_limit(variant: Variant, predictions: dict[Config, Measurement], predi
     lo = max(fitting, default=0)
     above = [b for b, m in own.items() if b > lo and not m.fits(limit)]
     hi = min(above) if above else None
-    if hi is not None and hi - lo <= multiple:
-        return  # exact already
+    if (hi is not None and hi - lo <= multiple) or (hi is None and above_top <= 1):
+        return  # exact already, or the space's top fits and nothing above it is asked for
     points = {b: float(m.peak_bytes) for b, m in own.items() if m.status == Status.OK and m.peak_bytes}
-    slope = None
-    if len(points) >= 2:
-        slope = fit_line(points)[1]
-    elif len(points) == 1 and fixed_bytes is not None:
-        (b0, y0), = points.items()
-        slope = (y0 - fixed_bytes) / b0 if y0 > fixed_bytes else None
+    line = Line.through(points, fixed_bytes)
+    slope = line.slope if line is not None else None
     first = lo + multiple
     if slope and slope > 0 and lo in points:
         first = max(first, int(lo + (limit - points[lo]) / slope))
@@ -131,7 +128,7 @@ def _exact_limit(variant: Variant, predictions: dict[Config, Measurement], predi
         return predictions[config]
 
     try:
-        largest_within(measure, limit, multiple, hi if hi is not None else ABOVE_TOP * top, first,
+        largest_within(measure, limit, multiple, hi if hi is not None else above_top * top, first,
                        slope if slope and slope > 0 else None)
     except _OutOfTime:
         pass
@@ -146,21 +143,17 @@ def _next_size(sizes: list[int], own: dict[int, Measurement], limit: float, fixe
     prediction failed: the model's own error says nothing of memory)."""
     if any(not m.status.measured_memory for m in own.values()):
         return None
-    lo, hi = bracket(sizes, {b: m.fits(limit) for b, m in own.items()})
-    if hi - lo <= 1:
+    known = bracket(sizes, {b: m.fits(limit) for b, m in own.items()})
+    if not known.open:
         return None
-    open_ = range(lo + 1, hi)
+    lo, hi, open_ = known.lo, known.hi, known.open
     points = {b: float(m.peak_bytes) for b, m in own.items() if m.status == Status.OK and m.peak_bytes}
     if not points or len(own) >= 3:  # nothing to draw a line through yet, or a line that did not close it
         return sizes[(lo + hi) // 2]
-    if len(points) >= 2:
-        a, c = fit_line(points)
-    elif fixed_bytes is not None:
-        (b0, y0), = points.items()
-        a, c = fixed_bytes, (y0 - fixed_bytes) / b0
-    else:
+    line = Line.through(points, fixed_bytes)
+    if line is None:
         return sizes[(lo + hi) // 2]
-    fitting = [i for i in open_ if a + c * sizes[i] <= limit]
+    fitting = [i for i in open_ if line.at(sizes[i]) <= limit]
     return sizes[fitting[-1] if fitting else open_[0]]
 
 
@@ -197,7 +190,8 @@ def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", bu
     """Predict each variant's boundaries (:func:`predict_space`; with ``multiple``, each variant's exact limit too)
     under fake tensors, each step's time priced by ``time_model`` where one is given; nothing where the model cannot
     run under them (said in :attr:`Seeding.why`), and whatever was predicted within ``seconds``."""
-    from autotune.execution.predict import Unpredictable, fake_buildable, fake_tensors, predict_trial, quiet_fake_kernels
+    from autotune.execution.fake_build import fake_buildable
+    from autotune.execution.predict import Unpredictable, fake_tensors, predict_trial, quiet_fake_kernels
 
     started = time.monotonic()
     mode = fake_tensors()
@@ -208,7 +202,7 @@ def seed(workload: "Workload", space: SearchSpace, *, device: "torch.device", bu
 
     try:
         with quiet_fake_kernels():
-            fake, _ = fake_buildable(workload, mode)
+            fake = fake_buildable(workload, mode).workload
             predictions = predict_space(space, predict, limits, deadline=started + seconds, fixed_bytes=fixed_bytes,
                                         multiple=multiple, exact_deadline=started + seconds + EXACT_SECONDS)
     except Unpredictable as exc:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Any
 
 import torch
 
 from autotune.training.trainer import Trainer
+from autotune.training.data import ItemSizes, scan_items
 from autotune.training.workload import Workload, dataset_of, to_device
 
 __all__ = ["EvalKind", "EvalData", "Evaluation", "eval_workload"]
@@ -53,8 +55,13 @@ class EvalData:
     @classmethod
     def load(cls, data: Any) -> "EvalData | None":
         """``--eval-data``'s value as a dataset (None for none); bad input is one line naming the flag."""
-        dataset, collate_fn, notes = dataset_of(data, flag="--eval-data")
-        return None if dataset is None else cls(dataset, collate_fn, data, notes)
+        loaded = dataset_of(data, flag="--eval-data")
+        return None if loaded.dataset is None else cls(loaded.dataset, loaded.collate_fn, data, loaded.notes)
+
+    @functools.cached_property
+    def items(self) -> ItemSizes:
+        """The sizes of the data's items, read once (every evaluation batch size's worst batch is found from them)."""
+        return scan_items(self.dataset)
 
 
 def eval_workload(workload: Workload, data: EvalData | None) -> Workload:
@@ -64,7 +71,7 @@ def eval_workload(workload: Workload, data: EvalData | None) -> Workload:
         return workload
     spec = None if workload.spec is None else {**workload.spec, "data": data.spec, "worst_batches": {}}
     return dataclasses.replace(workload, dataset=data.dataset, collate_fn=data.collate_fn, worst_batches={},
-                               notes=data.notes, spec=spec)
+                               items=data.items, notes=data.notes, spec=spec)
 
 
 class Evaluation(Trainer):

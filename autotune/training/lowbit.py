@@ -11,6 +11,7 @@ the layout. Anywhere else a missing bitsandbytes is bad input (one line: ``pip i
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -21,7 +22,7 @@ import torch
 from autotune.plans.floor import EIGHT_BIT_BLOCK
 from autotune.training.state import EIGHT_BIT_MIN_SIZE
 
-__all__ = ["EightBitLayout", "EIGHT_BIT_NAMES", "stand_in"]
+__all__ = ["EightBitLayout", "EIGHT_BIT_NAMES", "stand_in", "StandIn"]
 
 # The specs whose state EightBitLayout lays out: bitsandbytes' two-moment 8-bit optimizers (not the paged ones, whose
 # state lives in CUDA's managed memory, outside the caching allocator a CUDA plan models)
@@ -72,11 +73,21 @@ def _installed(package: str) -> bool:
         return sys.modules.get(package) is not None
 
 
-def stand_in(spec: Any, *, planned_cuda: bool) -> tuple[Any, str | None]:
+@dataclasses.dataclass(frozen=True)
+class StandIn:
+    """The optimizer a search makes (``optimizer``: the spec as given, or a stand-in) and, for a stand-in, the notice
+    that says so (``notice``; None: the spec as given)."""
+
+    optimizer: Any
+    notice: str | None = None
+
+
+def stand_in(spec: Any, *, planned_cuda: bool) -> StandIn:
     """``--optimizer`` as given, or for a CUDA plan naming bitsandbytes' 8-bit AdamW where bitsandbytes is not
     installed, :class:`EightBitLayout` and the notice that says so."""
     if not planned_cuda or spec not in EIGHT_BIT_NAMES or _installed("bitsandbytes"):
-        return spec, None
-    return EightBitLayout, (f"--optimizer {spec}: bitsandbytes is not installed here, so its state is predicted from "
-                            f"its layout (8-bit moments, a float32 absmax per block of {EIGHT_BIT_BLOCK}, 32-bit "
-                            f"moments for parameters under {EIGHT_BIT_MIN_SIZE:,} entries), not by running it")
+        return StandIn(spec)
+    return StandIn(EightBitLayout, f"--optimizer {spec}: bitsandbytes is not installed here, so its state is predicted "
+                                   f"from its layout (8-bit moments, a float32 absmax per block of {EIGHT_BIT_BLOCK}, "
+                                   f"32-bit moments for parameters under {EIGHT_BIT_MIN_SIZE:,} entries), not by "
+                                   f"running it")

@@ -245,14 +245,19 @@ def _twin_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, group: di
     return [t for t in _tensors(twin.state.values()) if not {_storage_key(leaf) for leaf in _leaves(t)} & shared]
 
 
-def prime(optimizer: torch.optim.Optimizer, *,
-          dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], Exception | None]:
-    """Hold the state ``optimizer`` will create, as ballast, until its first step begins (module docstring).
-    ``dtype``: the state of parameters held in it instead of their own (what bf16-true's would hold; measuring).
+@dataclasses.dataclass(frozen=True)
+class Primed:
+    """The ballast that holds an optimizer's state-to-be (emptied as its first step begins), or none and the
+    exception that kept a twin from being made (``failure``: the caller then warms up until the optimizer holds
+    state)."""
 
-    Returns the ballast and ``None``, or an empty list and the exception that kept a twin from
-    being made (the caller then warms up until the optimizer holds state).
-    """
+    ballast: list[torch.Tensor]
+    failure: Exception | None = None
+
+
+def prime(optimizer: torch.optim.Optimizer, *, dtype: torch.dtype | None = None) -> Primed:
+    """Hold the state ``optimizer`` will create, as ballast, until its first step begins (module docstring).
+    ``dtype``: the state of parameters held in it instead of their own (what bf16-true's would hold; measuring)."""
     ballast: list[torch.Tensor] = []
     # A twin's state depends on its parameter's kind, shape, layout, dtype and device and on its group's settings
     # alone (a twin is a fresh tensor): parameters alike share one twin, their ballast made like its state
@@ -272,36 +277,45 @@ def prime(optimizer: torch.optim.Optimizer, *,
     except Exception as exc:  # noqa: BLE001 - a class that cannot be rebuilt for one parameter: said, not fatal
         if is_oom(exc):
             raise
-        return [], exc
+        return Primed([], exc)
 
     def drop(*_: Any) -> None:
         ballast.clear()  # the real state is made in this step: the ballast stood in for it until now
         handle.remove()
 
     handle = optimizer.register_step_pre_hook(drop)
-    return ballast, None
+    return Primed(ballast)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateMeasured:
+    """An optimizer's state measured for a model: its bytes, or None and why it could not be measured (``why``),
+    and what the report says of the optimizer made (``described``: :meth:`OptimizerSpec.describe`)."""
+
+    state_bytes: int | None
+    why: str | None
+    described: dict[str, Any]
 
 
 def measure_state_bytes(spec: OptimizerSpec, model: torch.nn.Module, lr: float, *,
-                        dtype: torch.dtype | None = None) -> tuple[int | None, str | None]:
+                        dtype: torch.dtype | None = None) -> int | None:
     """The bytes of the optimizer's state for ``model``'s parameters (twins, as :func:`prime` makes them, and the
-    tensors the optimizer holds for all of them), or None and why it could not be measured. ``dtype``: with the
-    parameters held in it (bf16-true's state), not in their own."""
-    state, why, _ = measure_optimizer(spec, model, lr, dtype=dtype)
-    return state, why
+    tensors the optimizer holds for all of them), or None where it could not be measured (:func:`measure_optimizer`
+    says why). ``dtype``: with the parameters held in it (bf16-true's state), not in their own."""
+    return measure_optimizer(spec, model, lr, dtype=dtype).state_bytes
 
 
 def measure_optimizer(spec: OptimizerSpec, model: torch.nn.Module, lr: float, *,
-                      dtype: torch.dtype | None = None) -> tuple[int | None, str | None, dict[str, Any]]:
-    """:func:`measure_state_bytes`, and what the report says of the optimizer made (:meth:`OptimizerSpec.describe`:
-    the one the user's code built, not what its name says)."""
+                      dtype: torch.dtype | None = None) -> StateMeasured:
+    """The optimizer's state for ``model`` (:func:`measure_state_bytes`), why it could not be measured, and what the
+    report says of the optimizer made (the one the user's code built, not what its name says)."""
     optimizer = spec.make(model, lr)
     described = spec.describe(optimizer)
-    ballast, failed = prime(optimizer, dtype=dtype)
-    if failed is not None:
-        return None, f"{type(failed).__name__}: {first_line(failed)}", described
+    primed = prime(optimizer, dtype=dtype)
+    if primed.failure is not None:
+        return StateMeasured(None, f"{type(primed.failure).__name__}: {first_line(primed.failure)}", described)
     try:
-        return state_bytes([*ballast, *_own_tensors(optimizer)]), None, described
+        return StateMeasured(state_bytes([*primed.ballast, *_own_tensors(optimizer)]), None, described)
     finally:
-        ballast.clear()
+        primed.ballast.clear()
         del optimizer

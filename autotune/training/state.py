@@ -10,6 +10,7 @@ Linear layer of the repeated blocks, counted from their shapes).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterable
 
@@ -20,7 +21,8 @@ from autotune.plans.checkpointing import Chain
 from autotune.plans.floor import ADAPTER_RANK, EIGHT_BIT_BLOCK, SmallerState
 from autotune.training.optimizer import OptimizerSpec, measure_state_bytes
 
-__all__ = ["held_parts", "eight_bit_state_bytes", "factored_state_bytes", "adapter_parameters", "smaller_state", "EIGHT_BIT_MIN_SIZE"]
+__all__ = ["held_parts", "eight_bit_state_bytes", "factored_state_bytes", "Adapters", "adapter_parameters", "smaller_state",
+           "EIGHT_BIT_MIN_SIZE"]
 
 # bitsandbytes' 8-bit blockwise state (bitsandbytes/optim/optimizer.py, Optimizer2State.init_state, 0.45 to 0.50): a
 # parameter of at least min_8bit_size entries keeps its two moments as uint8 codes with a float32 absmax per block of
@@ -39,7 +41,7 @@ def held_parts(model: nn.Module, spec: OptimizerSpec, lr: float, dtype: torch.dt
     def cast_bytes(p: torch.Tensor) -> int:
         return p.numel() * (size if p.is_floating_point() else p.element_size())
 
-    optimizer, _ = measure_state_bytes(spec, model, lr, dtype=dtype)
+    optimizer = measure_state_bytes(spec, model, lr, dtype=dtype)
     return {"weights": sum(map(cast_bytes, params)),
             "gradients": sum(cast_bytes(p) for p in params if p.requires_grad), "optimizer_state": optimizer}
 
@@ -55,9 +57,17 @@ def eight_bit_state_bytes(numels: Iterable[int], *, block: int = EIGHT_BIT_BLOCK
             + (_QMAPS_BYTES if eight else 0))
 
 
-def adapter_parameters(model: nn.Module, chain: Chain | None, rank: int = ADAPTER_RANK) -> tuple[int, int]:
+@dataclasses.dataclass(frozen=True)
+class Adapters:
+    """LoRA adapters counted on a model: their ``parameters`` and the ``layers`` adapted."""
+
+    parameters: int = 0
+    layers: int = 0
+
+
+def adapter_parameters(model: nn.Module, chain: Chain | None, rank: int = ADAPTER_RANK) -> Adapters:
     """LoRA of ``rank`` on every Linear layer of the repeated blocks (PEFT's ``target_modules="all-linear"`` less the
-    output layer, which lies outside them): (the adapters' parameters, the layers adapted). A layer of ``in x out``
+    output layer, which lies outside them): the adapters' parameters and the layers adapted. A layer of ``in x out``
     weights adds ``rank x (in + out)``; transformers' ``Conv1D`` (GPT-2's) counts as the Linear it is."""
     count = layers = 0
     for path in chain.blocks if chain is not None else ():
@@ -67,7 +77,7 @@ def adapter_parameters(model: nn.Module, chain: Chain | None, rank: int = ADAPTE
                     and weight.ndim == 2:
                 count += rank * sum(weight.shape)
                 layers += 1
-    return count, layers
+    return Adapters(count, layers)
 
 
 def factored_state_bytes(params: Iterable[torch.Tensor]) -> int:
@@ -93,11 +103,11 @@ def smaller_state(model: nn.Module, chain: Chain | None, spec: OptimizerSpec, lr
     factored = factored_state_bytes(trained)
     true = held_parts(model, spec, lr, torch.bfloat16) if true_runs and not true_searched else None
     # a model with frozen parameters (a PEFT model's base) has its adapters already: no lever of adapters to offer
-    adapters, layers = adapter_parameters(model, chain) if len(trained) == len(list(model.parameters())) else (0, 0)
+    adapters = adapter_parameters(model, chain) if len(trained) == len(list(model.parameters())) else Adapters()
     below = state["optimizer_state"]
     return SmallerState(
         true_parts=true if true is not None and true["optimizer_state"] is not None else None,
         eight_bit_bytes=eight_bit if eight_bit < below else None,
         factored_bytes=factored if factored < below else None,
-        adapter_parameters=adapters, adapter_layers=layers, parameters=sum(p.numel() for p in model.parameters()),
+        adapter_parameters=adapters.parameters, adapter_layers=adapters.layers, parameters=sum(p.numel() for p in model.parameters()),
     )

@@ -73,8 +73,9 @@ class Trainer:
             model = self._prepared(host)
             self.optimizer = self.workload.optimizer.make(model, self.lr)  # the wrapper's parameters (FSDP2's: shards)
             if prime:
-                self.ballast, failed = prime_optimizer(self.optimizer)
-                self.unprimed = None if failed is None else f"{type(failed).__name__}: {failed}"
+                primed = prime_optimizer(self.optimizer)
+                self.ballast = primed.ballast
+                self.unprimed = None if primed.failure is None else f"{type(primed.failure).__name__}: {primed.failure}"
             if host is not None:
                 host.on_device.extend(model.buffers())  # the device's, where FSDP2 moved them
                 host.on_host.extend([*model.parameters(), *self.ballast])  # the shards and the state-to-be
@@ -95,7 +96,8 @@ class Trainer:
             if self.parallel is None:
                 model, meta = self.workload.build_model(seed=self.seed), None  # the same seeded model (a copy once warm)
             else:  # DDP's whole; FSDP2's on the meta device, its shards made on the device by the wrap (wrapping.py)
-                model, meta = self.parallel.build(self.workload, self.seed, offload_state=host is not None)
+                built = self.parallel.build(self.workload, self.seed, offload_state=host is not None)
+                model, meta = built.model, built.meta
             self.run = prepare(model, precision=self.config.precision, plan=self.config.plan,
                                chain=self.workload.chain, guard=self.guard, device_type=autocast_type(self.device),
                                micro_batch_size=self.config.batch_size, record_loss_scale=True,

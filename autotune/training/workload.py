@@ -24,7 +24,6 @@ The workload protocol, for models used with autotune:
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import importlib
@@ -37,18 +36,18 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake  # private, and in every torch autotune supports
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from autotune.plans.checkpointing import Chain
-from autotune.training.data import loader_notes, random_indices, scan_items, worst_indices
+from autotune.training.copies import RandomStates, copy_model, copyable
+from autotune.training.data import ItemSizes, loader_notes, random_indices, scan_items, worst_indices
 from autotune.training.optimizer import OptimizerSpec
 from autotune.errors import AutotuneError, UsageError, first_line, is_oom
 from autotune.device import on_host
 from autotune.thirdparty import not_found
 
-__all__ = ["Workload", "load_object", "dataset_of", "to_device", "move_model", "parse_model_kwargs"]
+__all__ = ["Workload", "load_object", "dataset_of", "LoadedData", "to_device", "move_model", "parse_model_kwargs"]
 
 
 def load_object(spec: str, *, flag: str) -> Any:
@@ -90,6 +89,9 @@ class Workload:
     spec: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
     optimizer: OptimizerSpec = dataclasses.field(default_factory=OptimizerSpec)  # what every trial trains with
     step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None  # --step: the forward pass and loss, the user's
+    # The sizes of the dataset's items, scanned once (the tuner's): a batch size not in worst_batches (an exact limit's,
+    # an evaluation batch's) is found from them without reading the data again
+    items: ItemSizes | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_specs(
@@ -120,7 +122,7 @@ class Workload:
             raise UsageError(f"--model {name!r} is a module instance: name its class or a function that builds it")
         if not callable(target):
             raise UsageError(f"--model {name!r} is a {type(target).__name__}, not an nn.Module class or a factory function")
-        dataset, collate_fn, notes = dataset_of(data)
+        loaded = dataset_of(data)
         loss_fn = load_object(loss, flag="--loss") if isinstance(loss, str) else loss
         if loss_fn is not None and not callable(loss_fn):
             raise UsageError(f"--loss {loss!r} is not callable: name a function loss(output, target)")
@@ -143,7 +145,7 @@ class Workload:
         if worst:
             spec["worst_batches"] = worst
         chosen = load_object(optimizer, flag="--optimizer") if isinstance(optimizer, str) else optimizer
-        return cls(factory, name, dataset, loss_fn, collate_fn, chain, worst, notes, spec=spec,
+        return cls(factory, name, loaded.dataset, loss_fn, loaded.collate_fn, chain, worst, loaded.notes, spec=spec,
                    optimizer=OptimizerSpec.resolve(chosen, optimizer_kwargs,
                                                    spelled=optimizer if isinstance(optimizer, str) else None),
                    step_fn=step_fn)
@@ -153,11 +155,12 @@ class Workload:
         spec = None if self.spec is None else {**self.spec, "chain": None if chain is None else chain.to_dict()}
         return dataclasses.replace(self, chain=chain, spec=spec)
 
-    def with_worst_batches(self, worst: Mapping[int, Sequence[int]]) -> "Workload":
-        """The same workload, with the worst batch of each size given (in worker processes too)."""
+    def with_worst_batches(self, worst: Mapping[int, Sequence[int]], items: ItemSizes | None = None) -> "Workload":
+        """The same workload, with the worst batch of each size given (in worker processes too), and the sizes of the
+        data's items they were found from (``items``: other sizes are found from them, in this process)."""
         worst = {int(b): tuple(v) for b, v in worst.items()}
         spec = None if self.spec is None else {**self.spec, "worst_batches": worst}
-        return dataclasses.replace(self, worst_batches=worst, spec=spec)
+        return dataclasses.replace(self, worst_batches=worst, spec=spec, items=items or self.items)
 
     def build_model(self, seed: int | None = None) -> nn.Module:
         """Return a freshly built model (on the CPU, in training mode).
@@ -167,7 +170,7 @@ class Workload:
         :meth:`warm`, it is an exact copy of the model built once, not a build.
         """
         if seed is not None and (template := self.kept_model(seed)) is not None:
-            return _copy_model(template).train()
+            return copy_model(template).train()
         if seed is not None:
             torch.manual_seed(seed)
         model = self.model_factory()
@@ -187,15 +190,15 @@ class Workload:
         self._found[key] = None  # tried: a failure here is met again, and said, by the trial's own build
         with contextlib.suppress(Exception):
             template = self.build_model(seed)
-            states = _random_states()
-            if all(map(on_host, (*template.parameters(), *template.buffers()))) and _copyable(template):
+            states = RandomStates.now()
+            if all(map(on_host, (*template.parameters(), *template.buffers()))) and copyable(template):
                 self._found[key] = (template, states)  # a model that cannot be copied is built every time
 
     def kept_model(self, seed: int) -> nn.Module | None:
         """The model :meth:`warm` kept for ``seed``, not a copy, the random state as its build left it; or None."""
         cached = self._found.get(("model", seed))
         if cached is not None:
-            _set_random_states(cached[1])
+            cached[1].restore()
             torch.cuda.manual_seed_all(seed)  # as the build's manual_seed left it (a build on the CPU draws none there)
         return None if cached is None else cached[0]
 
@@ -213,7 +216,7 @@ class Workload:
         for key, value in self._found.items():
             if isinstance(key, tuple) and key[0] == "model" and value is not None:
                 template, states = value
-                kept += [*template.parameters(), *template.buffers(), *(s for s in states if isinstance(s, torch.Tensor))]
+                kept += [*template.parameters(), *template.buffers(), states.torch_cpu]
         return kept
 
     def make_batch(self, model: nn.Module, batch_size: int) -> Any:
@@ -226,9 +229,9 @@ class Workload:
             return self._example_batch(model, batch_size)
         self._check_size(batch_size)
         indices = self.worst_batches.get(batch_size)
-        if indices is None:  # not found by the tuner: find it now, once per size
+        if indices is None:  # not found by the tuner: find it now, once per size (the data read once)
             if "items" not in self._found:
-                self._found["items"] = scan_items(self.dataset)
+                self._found["items"] = self.items or scan_items(self.dataset)
             indices = self._found.setdefault(batch_size, tuple(worst_indices(self._found["items"], batch_size)))
         return self.collate([self.dataset[i] for i in indices])
 
@@ -313,12 +316,22 @@ class Workload:
         return loss
 
 
-def dataset_of(data: Any, flag: str = "--data") -> tuple[Dataset | None, Callable[[list], Any] | None, tuple[str, ...]]:
-    """``flag``'s value (``MODULE:ATTR``, a Dataset or DataLoader, or a factory for one): the map-style dataset, the
-    loader's ``collate_fn`` and what the loader's form means for the limits; bad input is one line naming ``flag``."""
+@dataclasses.dataclass(frozen=True)
+class LoadedData:
+    """A ``--data`` (or ``--eval-data``) value loaded: the map-style ``dataset`` (None: no data), its loader's
+    ``collate_fn`` (None: torch's default) and what the loader's form means for the limits (``notes``)."""
+
+    dataset: Dataset | None = None
+    collate_fn: Callable[[list], Any] | None = None
+    notes: tuple[str, ...] = ()
+
+
+def dataset_of(data: Any, flag: str = "--data") -> LoadedData:
+    """``flag``'s value (``MODULE:ATTR``, a Dataset or DataLoader, or a factory for one) as :class:`LoadedData`; bad input
+    is one line naming ``flag``."""
     data_obj = load_object(data, flag=flag) if isinstance(data, str) else data
     if data_obj is None:
-        return None, None, ()
+        return LoadedData()
     dataset = data_obj if isinstance(data_obj, (Dataset, DataLoader)) else _call(data_obj, flag, data)
     collate_fn, notes = None, ()
     if isinstance(dataset, DataLoader):  # a loader brings its collate_fn (padding, say)
@@ -331,58 +344,7 @@ def dataset_of(data: Any, flag: str = "--data") -> tuple[Dataset | None, Callabl
         raise UsageError(f"{flag} {data!r} gave a {type(dataset).__name__}, not a map-style Dataset (with __getitem__ and __len__)")
     if len(dataset) == 0:
         raise UsageError(f"{flag} {data!r} is an empty dataset")
-    return dataset, collate_fn, notes
-
-
-def _copy_model(template: nn.Module) -> nn.Module:
-    """An exact copy of ``template`` whose parameters and buffers are new tensors, each made by an allocation and a copy.
-
-    Not ``copy.deepcopy`` alone: a parameter's deep copy passes through ``.data``, an alias of the
-    template's storage, which a meter in force (the tensor meter) would count as the trial's.
-    Tied parameters stay tied; everything else is deep-copied as usual.
-    """
-    memo: dict[int, Any] = {}
-    with torch.no_grad():
-        for t in (*template.parameters(), *template.buffers()):
-            if id(t) not in memo:
-                fresh = torch.empty_like(t).copy_(t)
-                kind = nn.Parameter if is_fake(t) else type(t)  # a fake parameter's type is FakeTensor (a dry run's)
-                memo[id(t)] = kind(fresh, t.requires_grad) if isinstance(t, nn.Parameter) else fresh
-    return copy.deepcopy(template, memo)
-
-
-def _copyable(template: nn.Module) -> bool:
-    """Whether :func:`_copy_model` can copy ``template``, found without a second copy of its weights in memory:
-    everything but its parameters and buffers deep-copied (they are shared through the memo), and each parameter's
-    type rebuilt around an empty tensor."""
-    tensors = (*template.parameters(), *template.buffers())
-    try:
-        copy.deepcopy(template, {id(t): t for t in tensors})
-        for t in tensors:
-            if isinstance(t, nn.Parameter):
-                type(t)(torch.empty(0, dtype=t.dtype), t.requires_grad)
-    except Exception:  # noqa: BLE001 - whatever stops a copy: the model is built every time instead
-        return False
-    return True
-
-
-def _random_states() -> tuple[Any, ...]:
-    """The random states a model's build may draw from: torch's on the CPU, Python's, NumPy's."""
-    import random
-
-    import numpy
-
-    return torch.get_rng_state(), random.getstate(), numpy.random.get_state()
-
-
-def _set_random_states(states: tuple[Any, ...]) -> None:
-    import random
-
-    import numpy
-
-    torch.set_rng_state(states[0])
-    random.setstate(states[1])
-    numpy.random.set_state(states[2])
+    return LoadedData(dataset, collate_fn, notes)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

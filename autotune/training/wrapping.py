@@ -24,6 +24,7 @@ as before, with a notice; so is a ``PLAN+state`` (FSDP2 shards it from the host 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +42,7 @@ from autotune.device import autocast_type, device_ids
 if TYPE_CHECKING:
     from autotune.training.workload import Workload
 
-__all__ = ["Wrapping", "MetaBuild"]
+__all__ = ["Wrapping", "RankBuild", "MetaBuild", "SlowestRank"]
 
 
 class Wrapping:
@@ -52,24 +53,23 @@ class Wrapping:
         control group); ``group``: the trial's own process group."""
         self.job, self.group, self.device = job, group, device
 
-    def build(self, workload: "Workload", seed: int, *,
-              offload_state: bool = False) -> tuple[nn.Module, "MetaBuild | None"]:
+    def build(self, workload: "Workload", seed: int, *, offload_state: bool = False) -> "RankBuild":
         """The model a trial prepares and wraps, and under FSDP2 its :class:`MetaBuild` (``wrap`` materialises it): a
         copy on the meta device of the model the workload keeps on the host (module docstring). Under DDP, for a
-        ``PLAN+state`` and for a model not kept: the workload's build, whole, on the host (``None``)."""
+        ``PLAN+state`` and for a model not kept: the workload's build, whole, on the host (no meta build)."""
         if self.job.wrapper != Parallel.FSDP or offload_state:
-            return workload.build_model(seed=seed), None
+            return RankBuild(workload.build_model(seed=seed))
         source = self._host_model(workload, seed)
         why = "autotune keeps no copy of it on the host (its deep copy fails, or its build places it on a device)"
         if source is not None:
             try:
                 model = _on_meta(source).train()
-                return model, MetaBuild(model, source)
+                return RankBuild(model, MetaBuild(model, source))
             except Exception as exc:  # noqa: BLE001 - whatever stops the copy, the model is built as before
                 why = f"its copy on the meta device failed ({type(exc).__name__}: {exc})"
         notice_once(f"{workload.name} is built whole on each rank's device before FSDP2 shards it: {why}; a rank's "
                     f"peak may include the whole model")
-        return workload.build_model(seed=seed), None
+        return RankBuild(workload.build_model(seed=seed))
 
     def _host_model(self, workload: "Workload", seed: int) -> nn.Module | None:
         """The model on the host whose values the rank's shards copy: the one the workload keeps (built here where a
@@ -126,12 +126,30 @@ class Wrapping:
         # of an earlier one, destroyed by then ("Could not resolve the process group registered under ...").
         return DeviceMesh.from_group(self.group, autocast_type(self.device), mesh_dim_names=(f"trial{self.job.trials}",))
 
-    def slowest(self, seconds: float, late: bool) -> tuple[float, bool]:
+    def slowest(self, seconds: float, late: bool) -> "SlowestRank":
         """The slowest rank's time of this step, and whether any rank would run past its time limit next."""
         on = self.device if self.job.backend == "nccl" else torch.device("cpu")
         both = torch.tensor([seconds, float(late)], dtype=torch.float64, device=on)
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return float(both[0]), bool(both[1])
+        return SlowestRank(float(both[0]), bool(both[1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowestRank:
+    """A step across the ranks: the slowest rank's ``seconds``, and whether any would run past its time limit next
+    (``late``)."""
+
+    seconds: float
+    late: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RankBuild:
+    """The model a rank's trial prepares and wraps, and its :class:`MetaBuild` where it is on the meta device (FSDP2's,
+    materialised by the wrap; None: a whole model on the host)."""
+
+    model: nn.Module
+    meta: "MetaBuild | None" = None
 
 
 class MetaBuild:

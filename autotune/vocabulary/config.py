@@ -8,7 +8,15 @@ from typing import Any, NamedTuple
 from autotune.vocabulary.compile import EAGER, parse_compile
 from autotune.vocabulary.plan import Plan
 
-__all__ = ["Config", "Variant"]
+__all__ = ["Config", "Variant", "Mode"]
+
+
+class Mode(NamedTuple):
+    """What a variant's plans share (the training state, the kernels' dtypes): its precision and compile mode. A key,
+    equal to the plain pair."""
+
+    precision: str
+    compile: str
 
 
 class Variant(NamedTuple):
@@ -30,9 +38,9 @@ class Variant(NamedTuple):
         return Variant(self.precision, Plan(plan), self.compile)
 
     @property
-    def mode(self) -> tuple[str, str]:
-        """(precision, compile mode): what a variant's plans share (the training state, the kernels' dtypes)."""
-        return (self.precision, self.compile)
+    def mode(self) -> Mode:
+        """Its precision and compile mode: what a variant's plans share (the training state, the kernels' dtypes)."""
+        return Mode(self.precision, self.compile)
 
     def __str__(self) -> str:
         return f"{self.precision} segments={self.plan}" + ("" if self.compile == EAGER else f" compile={self.compile}")

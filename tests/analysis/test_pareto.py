@@ -1,7 +1,7 @@
 import pytest
 
-from autotune.analysis.pareto import (LineRule, batch_limits, implied_failures, largest_within, line_failures,
-                                     pareto_front, recommend)
+from autotune.analysis.limits import largest_within
+from autotune.analysis.pareto import LineRule, batch_limits, implied_failures, line_failures, pareto_front, recommend
 from autotune.records import Config, Measurement
 from autotune.vocabulary import Status
 
@@ -157,7 +157,8 @@ def test_the_largest_size_within_a_limit_is_exact_in_steps_of_the_multiple(multi
                     lambda b: 100 + 3 * b + (400 if b > 200 else 0),  # a step in the line (longer items join)
                     lambda b: 50 + b * b // 100):  # not a line at all
         calls = []
-        lo, hi, seen = largest_within(_measuring(peak_of, calls), 900, multiple, 4096, first)
+        found = largest_within(_measuring(peak_of, calls), 900, multiple, 4096, first)
+        lo, hi, seen = found.max_batch_size, found.min_oom_batch_size, found.measured
         fitting = [b for b in range(multiple, 4097, multiple) if peak_of(b) <= 900]
         assert lo == max(fitting) and hi == lo + multiple, (peak_of, lo, hi)
         assert set(seen) == set(calls) and all(b % multiple == 0 for b in calls)
@@ -166,23 +167,28 @@ def test_the_largest_size_within_a_limit_is_exact_in_steps_of_the_multiple(multi
 
 def test_a_line_is_found_in_four_sizes_from_below():
     calls = []
-    lo, hi, _ = largest_within(_measuring(lambda b: 100 + 3 * b, calls), 900, 1, 4096, 10)
+    found = largest_within(_measuring(lambda b: 100 + 3 * b, calls), 900, 1, 4096, 10)
+    lo, hi = found.max_batch_size, found.min_oom_batch_size
     assert (lo, hi) == (266, 267) and calls == [10, 20, 266, 267]  # two sizes make the line; its size, the next
 
 
 def test_nothing_fits_the_top_fits_and_a_failure_ends_the_search():
     calls = []
-    assert largest_within(_measuring(lambda b: 2000 + b, calls), 900, 4, 4096, 64)[:2] == (0, 4)
+    found = largest_within(_measuring(lambda b: 2000 + b, calls), 900, 4, 4096, 64)
+    assert (found.max_batch_size, found.min_oom_batch_size) == (0, 4)
     calls = []
-    lo, hi, seen = largest_within(_measuring(lambda b: b // 10, calls), 900, 4, 1000, 64)
+    found = largest_within(_measuring(lambda b: b // 10, calls), 900, 4, 1000, 64)
+    lo, hi, seen = found.max_batch_size, found.min_oom_batch_size, found.measured
     assert (lo, hi) == (1000, None) and max(calls) == 1000
     calls = []
-    lo, hi, seen = largest_within(_measuring(lambda b: 100 + b, calls, failed_at=128), 900, 1, 4096, 64)
+    found = largest_within(_measuring(lambda b: 100 + b, calls, failed_at=128), 900, 1, 4096, 64)
+    lo, hi, seen = found.max_batch_size, found.min_oom_batch_size, found.measured
     assert seen[max(calls)].status is Status.FAILED and (lo, hi) == (64, None)
 
 
 def test_a_start_at_the_limit_with_the_lines_slope_takes_two_sizes_from_either_side():
     for first, slope in ((266, 3), (267, 3), (266, 2.5)):
         calls = []
-        lo, hi, _ = largest_within(_measuring(lambda b: 100 + 3 * b, calls), 900, 1, 4096, first, per_sample_bytes=slope)
+        found = largest_within(_measuring(lambda b: 100 + 3 * b, calls), 900, 1, 4096, first, per_sample_bytes=slope)
+        lo, hi = found.max_batch_size, found.min_oom_batch_size
         assert (lo, hi) == (266, 267) and sorted(calls) == [266, 267]

@@ -56,7 +56,8 @@ def job_fail(workload):
 
 
 def test_a_result_comes_back_from_another_process():
-    outcome, payload, seconds = run_isolated(gpt(), job_describe, {"tag": "t1"}, name="autotune-test", timeout_s=None)
+    done = run_isolated(gpt(), job_describe, {"tag": "t1"}, name="autotune-test", timeout_s=None)
+    outcome, payload, seconds = done.outcome, done.payload, done.seconds
     assert outcome == "result" and seconds > 0
     assert payload["tag"] == "t1" and payload["name"] == "autotune.examples:TinyGPT" and payload["layers"] == 2
     assert payload["pid"] != os.getpid()  # it ran elsewhere
@@ -65,7 +66,8 @@ def test_a_result_comes_back_from_another_process():
 
 
 def test_a_worker_that_exits_without_a_word_is_crashed_with_its_exit_code():
-    outcome, payload, _ = run_isolated(gpt(), job_exit, {"code": 7}, name="autotune-test", timeout_s=None)
+    done = run_isolated(gpt(), job_exit, {"code": 7}, name="autotune-test", timeout_s=None)
+    outcome, payload, seconds = done.outcome, done.payload, done.seconds
     assert (outcome, payload) == ("crashed", "worker process exited with code 7")
     assert multiprocessing.active_children() == []
 
@@ -73,7 +75,8 @@ def test_a_worker_that_exits_without_a_word_is_crashed_with_its_exit_code():
 def test_a_worker_that_hangs_past_its_limit_is_killed_as_a_timeout(monkeypatch):
     # The limit is the trial's time limit plus the start-up grace, read in this process when the job starts.
     monkeypatch.setattr(isolation, "STARTUP_GRACE_S", 1.0)
-    outcome, payload, seconds = run_isolated(gpt(), job_hang, {}, name="autotune-test", timeout_s=1.5)
+    done = run_isolated(gpt(), job_hang, {}, name="autotune-test", timeout_s=1.5)
+    outcome, payload, seconds = done.outcome, done.payload, done.seconds
     assert outcome == "timeout"
     assert payload == "the worker ran past 2.5 s and was killed (--trial-timeout plus start-up)"
     assert seconds > 2.5  # it was given its whole limit first
@@ -87,7 +90,8 @@ def test_bad_input_found_in_the_worker_is_raised_here():
 
 
 def test_an_error_in_the_job_is_failed_with_its_first_line():
-    outcome, payload, _ = run_isolated(gpt(), job_fail, {}, name="autotune-test", timeout_s=60)
+    done = run_isolated(gpt(), job_fail, {}, name="autotune-test", timeout_s=60)
+    outcome, payload, seconds = done.outcome, done.payload, done.seconds
     assert (outcome, payload) == ("failed", "ValueError: boom in the worker")
 
 
@@ -190,13 +194,14 @@ def test_a_warm_worker_that_hangs_is_killed_after_the_limit_and_a_crashed_one_is
     monkeypatch.setattr(isolation, "WARM_GRACE_S", 1.0)
     workers = Workers("cpu")
     try:
-        assert workers.run_job(gpt(), job_describe, {"tag": "a"}, name="autotune-test", timeout_s=60)[0] == "result"
-        outcome, payload, seconds = workers.run_job(gpt(), job_hang, {}, name="autotune-test", timeout_s=1.5)
+        assert workers.run_job(gpt(), job_describe, {"tag": "a"}, name="autotune-test", timeout_s=60).outcome == "result"
+        done = workers.run_job(gpt(), job_hang, {}, name="autotune-test", timeout_s=1.5)
+        outcome, payload, seconds = done.outcome, done.payload, done.seconds
         assert (outcome, payload) == ("timeout", "the worker ran past 2.5 s and was killed (--trial-timeout plus 1 s)")
         assert workers.pid is None and 2.5 < seconds < 30
-        assert workers.run_job(gpt(), job_describe, {"tag": "b"}, name="autotune-test", timeout_s=60)[0] == "result"
-        assert workers.run_job(gpt(), job_exit, {"code": 9}, name="autotune-test", timeout_s=60)[:2] == \
-            ("crashed", "worker process exited with code 9")
+        assert workers.run_job(gpt(), job_describe, {"tag": "b"}, name="autotune-test", timeout_s=60).outcome == "result"
+        done = workers.run_job(gpt(), job_exit, {"code": 9}, name="autotune-test", timeout_s=60)
+        assert (done.outcome, done.payload) == ("crashed", "worker process exited with code 9")
         assert workers.started == 2 and workers.pid is None  # the crashed worker is not waited on for the next
     finally:
         workers.close()

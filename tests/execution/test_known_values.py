@@ -127,7 +127,7 @@ def test_a_module_to_that_converts_nothing_leaves_a_fake_module_as_it_is():
     references, even where nothing changes: a PEFT adapter's build moves it to its base layer's device and dtype, its
     own already, so a LoRA model could not be built under fake tensors. A conversion that changes a dtype is still
     torch's (never a module silently left in the old dtype), and Module.to is torch's again once the mode is off."""
-    from autotune.execution.predict import fake_buildable
+    from autotune.execution.fake_build import fake_buildable
     from autotune.training.workload import Workload
 
     original = torch.nn.Module.to
@@ -143,4 +143,4 @@ def test_a_module_to_that_converts_nothing_leaves_a_fake_module_as_it_is():
     needs("peft")
     from tests.zoo import llama_lora
 
-    assert fake_buildable(Workload.from_specs(llama_lora), fake_tensors())[1] is None  # no real build needed
+    assert fake_buildable(Workload.from_specs(llama_lora), fake_tensors()).notice is None  # no real build needed

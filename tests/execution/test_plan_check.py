@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import autotune
-from autotune.execution.plan_check import check_plans, compare_steps
+from autotune.execution.plan_check import Difference, check_plans, compare_steps
 from autotune.examples import TinyGPT
 from autotune.training.workload import Workload
 
@@ -26,10 +26,10 @@ def test_a_plan_that_cannot_be_exact_is_found():
 
 def test_compare_steps():
     a = {"loss": torch.tensor(1.0), "grad:w": torch.tensor([1.0, float("nan")])}
-    assert compare_steps(a, {k: v.clone() for k, v in a.items()}) == (0.0, 0.0, None)
-    rel, diff, where = compare_steps(a, {"loss": torch.tensor(1.0), "grad:w": torch.tensor([1.5, float("nan")])})
-    assert (rel, diff, where) == (0.5, 0.5, "grad:w")
-    assert compare_steps(a, {"loss": torch.tensor(1.0)})[2] == "grad:w"  # a gradient missing on one side
+    assert compare_steps(a, {k: v.clone() for k, v in a.items()}) == Difference(0.0, 0.0, None)
+    difference = compare_steps(a, {"loss": torch.tensor(1.0), "grad:w": torch.tensor([1.5, float("nan")])})
+    assert difference == Difference(relative=0.5, absolute=0.5, where="grad:w")
+    assert compare_steps(a, {"loss": torch.tensor(1.0)}).where == "grad:w"  # a gradient missing on one side
 
 
 def test_a_difference_in_a_gradient_that_is_rounding_noise_is_measured_against_the_models_gradients():
@@ -37,12 +37,12 @@ def test_a_difference_in_a_gradient_that_is_rounding_noise_is_measured_against_t
     # changes by a quarter of their own size. Measured against 1e-3 of the largest gradient, not their own size.
     a = {"loss": torch.tensor(2.0), "grad:w": torch.tensor([0.25, -0.1]), "grad:scale_invariant": torch.tensor([1e-6])}
     b = {**a, "grad:scale_invariant": torch.tensor([1.25e-6])}
-    rel, diff, where = compare_steps(a, b)
-    assert where == "grad:scale_invariant" and abs(diff - 0.25e-6) < 1e-12
-    assert abs(rel - 0.25e-6 / (1e-3 * 0.25)) < 1e-9
+    d = compare_steps(a, b)
+    assert d.where == "grad:scale_invariant" and abs(d.absolute - 0.25e-6) < 1e-12
+    assert abs(d.relative - 0.25e-6 / (1e-3 * 0.25)) < 1e-9
     c = {**a, "grad:w": torch.tensor([0.25, -0.05])}  # a gradient of real size: its own largest entry
-    rel, diff, where = compare_steps(a, c)
-    assert where == "grad:w" and abs(rel - 0.05 / 0.25) < 1e-6 and abs(diff - 0.05) < 1e-6
+    d = compare_steps(a, c)
+    assert d.where == "grad:w" and abs(d.relative - 0.05 / 0.25) < 1e-6 and abs(d.absolute - 0.05) < 1e-6
 
 
 def test_the_tuner_drops_a_plan_that_differs_says_so_and_keeps_the_checks(tmp_path, caplog):

@@ -123,11 +123,11 @@ def test_a_trial_says_how_long_it_took_to_set_up_and_to_step(gpt):
 
 def test_a_failure_is_recorded_as_the_outcome_it_is():
     from autotune.errors import TrialTimeoutError, UsageError
-    from autotune.execution.work import outcome
+    from autotune.execution.work import Outcome, outcome
     from autotune.vocabulary import Status
 
-    assert outcome(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB\nmore"))[0] == Status.OOM
-    assert outcome(TrialTimeoutError("stopped at 300 s")) == (Status.TIMEOUT, "stopped at 300 s")
-    assert outcome(ValueError("bad shape\ntrace")) == (Status.FAILED, "ValueError: bad shape")
+    assert outcome(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB\nmore")).status == Status.OOM
+    assert outcome(TrialTimeoutError("stopped at 300 s")) == Outcome(Status.TIMEOUT, "stopped at 300 s")
+    assert outcome(ValueError("bad shape\ntrace")) == Outcome(Status.FAILED, "ValueError: bad shape")
     with pytest.raises(UsageError):
         outcome(UsageError("--budget must be positive"))  # bad input is not an outcome: it goes to the user

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from autotune.meters.allocator_record import _Replayer, record_settings, replay_record
+from autotune.meters.allocator_record import RecordSettings, _Replayer, record_settings, replay_record
 from autotune.meters.caching_allocator import AllocatorOutOfMemory, AllocatorSettings, CachingAllocator, round_size
 from autotune.meters.memory_snapshot import FORMAT, load_record
 from autotune.meters.record_start import rebuild_start
@@ -221,13 +221,14 @@ def test_the_allocator_settings_of_a_record():
         "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,max_non_split_rounding_mb:64", "max_split_size": 128 * MiB,
         "expandable_segments": False, "garbage_collection_threshold": 0.0,
         "roundup_power2_divisions": {"1": 0, "2": 4}}}
-    settings, unmodelled = record_settings(record)
+    made_under = record_settings(record)
+    settings, unmodelled = made_under.settings, made_under.unmodelled
     assert (settings.max_split_bytes, settings.max_non_split_rounding_bytes, settings.expandable_segments) == (
         128 * MiB, 64 * MiB, False)
     assert unmodelled == ["roundup_power2_divisions"]
     record["allocator_settings"] = None  # an old torch's snapshot: torch's defaults, expandable where it mapped
     record["device_traces"] = [{"action": ["segment_map"], "addr": [0], "size": [2 * MiB], "stream": [0]}]
-    assert record_settings(record) == (AllocatorSettings(expandable_segments=True), [])
+    assert record_settings(record) == RecordSettings(AllocatorSettings(expandable_segments=True), [])
 
 
 def test_the_replay_imports_without_torch():

@@ -259,14 +259,16 @@ def test_survey_reads_reusable_measurements_of_the_space(study):
     finished(study, ok(B), settings_key="other")  # measured another way
     outside = Config("fp32", "all", 1)
     finished(study, ok(outside))  # not among the configurations asked about
-    measured, in_flight = survey(study, set(SPACE.configs()) - {outside}, "s", None, None, {})
+    found = survey(study, set(SPACE.configs()) - {outside}, "s", None, None, {})
+    measured, in_flight = found.measured, found.in_flight
     assert measured == {A: ok(A)} and in_flight == set()
 
 
 def test_survey_marks_a_trial_left_running_by_a_dead_process_failed(study, dead_pid, live_pid):
     gone = running(study, A, worker=here(dead_pid), heartbeat=time.time())
     alive = running(study, B, worker=here(live_pid), heartbeat=time.time())
-    measured, in_flight = survey(study, set(SPACE.configs()), "s", None, None, {})
+    found = survey(study, set(SPACE.configs()), "s", None, None, {})
+    measured, in_flight = found.measured, found.in_flight
     assert measured == {} and in_flight == {B}
     assert states(study)[gone.number] == (TrialState.FAIL, "abandoned")
     assert states(study)[alive.number] == (TrialState.RUNNING, None)
@@ -276,7 +278,7 @@ def test_survey_marks_a_trial_left_running_by_a_dead_process_failed(study, dead_
 
 def test_survey_abandons_a_trial_of_ours_from_before(study):
     mine = running(study, A, worker=peer_id(), heartbeat=time.time())
-    _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, {})
+    in_flight = survey(study, set(SPACE.configs()), "s", None, None, {}).in_flight
     assert in_flight == set() and states(study)[mine.number] == (TrialState.FAIL, "abandoned")
 
 
@@ -284,9 +286,9 @@ def test_survey_abandons_another_machines_trial_once_its_heartbeat_stops(study, 
     monkeypatch.setattr(workers, "STALE_S", 0.0)  # any time at all without a new stamp is too long
     t = running(study, A, worker="elsewhere:ns:1", heartbeat=1.0)
     stamps = {}
-    _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps)
+    in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps).in_flight
     assert in_flight == {A}  # first seen: given the benefit of the doubt
-    _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps)
+    in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps).in_flight
     assert in_flight == set() and states(study)[t.number] == (TrialState.FAIL, "abandoned")
 
 
@@ -295,9 +297,9 @@ def test_survey_abandons_a_queued_trial_that_was_never_stamped(study, monkeypatc
     study.enqueue_trial(B.to_dict())
     taken = study.ask()  # a worker took it from the queue and died before writing anything
     stamps = {}
-    _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps)
+    in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps).in_flight
     assert in_flight == {B}  # its queued parameters say what it would run
-    _, in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps)
+    in_flight = survey(study, set(SPACE.configs()), "s", None, None, stamps).in_flight
     assert in_flight == set() and states(study)[taken.number] == (TrialState.FAIL, "abandoned")
 
 
@@ -306,7 +308,8 @@ def test_a_configuration_both_measured_and_running_is_in_flight(study, live_pid)
     # again, proposed it again: hundreds of FAIL trials), and every worker waits for its figures.
     finished(study, ok(A))
     running(study, A, worker=here(live_pid), heartbeat=time.time())
-    measured, in_flight = survey(study, set(SPACE.configs()), "s", None, None, {})
+    found = survey(study, set(SPACE.configs()), "s", None, None, {})
+    measured, in_flight = found.measured, found.in_flight
     assert A in measured and in_flight == {A}
 
 
@@ -315,7 +318,8 @@ def test_a_memory_trial_being_timed_elsewhere_is_in_flight(study, live_pid):
     finished(study, memory)
     running(study, A, worker=here(live_pid), heartbeat=time.time())
     numbers = {}
-    measured, in_flight = survey(study, set(SPACE.configs()), "s", None, None, {}, numbers)
+    found = survey(study, set(SPACE.configs()), "s", None, None, {}, numbers)
+    measured, in_flight = found.measured, found.in_flight
     assert measured == {A: memory} and in_flight == {A}  # its timing runs: wait for it rather than time it twice
     assert numbers == {A: 0}
 

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 import autotune
-from autotune.analysis.pareto import (PREDICTION_TOLERANCE, batch_limits, confirmed, prediction_failures, recommend,
+from autotune.analysis.pareto import (PREDICTION_TOLERANCE, Implied, batch_limits, confirmed, prediction_failures, recommend,
                                       prediction_fits)
 from autotune.records import PREDICTED, Config, Measurement
 from autotune.search.predicted import predict_space
@@ -86,7 +86,7 @@ def test_a_prediction_stands_only_where_a_measured_trial_agrees_within_one_perce
     assert prediction_failures([], BUDGET, predictions) == {}  # nothing measured: nothing stands
     agree = _ok(b, int(200 * MiB * (1 + PREDICTION_TOLERANCE / 2)))
     assert confirmed([agree], predictions) == {("fp32", "0"): b}
-    assert prediction_failures([agree], BUDGET, predictions) == {c: (BUDGET + 1, b)}
+    assert prediction_failures([agree], BUDGET, predictions) == {c: Implied(BUDGET + 1, b)}
     disagree = _ok(a, int(100 * MiB * (1 + 2 * PREDICTION_TOLERANCE)))
     assert confirmed([agree, disagree], predictions) == {}  # one contradiction: the variant's predictions fall
     assert prediction_failures([agree, disagree], BUDGET, predictions) == {}
@@ -99,7 +99,7 @@ def test_a_peak_predicted_within_the_tolerance_of_the_limit_is_measured_not_impl
         assert prediction_failures([_ok(a, 100 * MiB)], BUDGET, predictions) == {}
         assert prediction_fits([_ok(a, 100 * MiB)], BUDGET, predictions) == {}
     clear = {a: _ok(a, 100 * MiB), b: _ok(b, 200 * MiB), c: _ok(c, int(BUDGET * (1 - 2 * PREDICTION_TOLERANCE)))}
-    assert prediction_fits([_ok(a, 100 * MiB)], BUDGET, clear) == {b: (200 * MiB, a), c: (clear[c].peak_bytes, a)}
+    assert prediction_fits([_ok(a, 100 * MiB)], BUDGET, clear) == {b: Implied(200 * MiB, a), c: Implied(clear[c].peak_bytes, a)}
     assert prediction_fits([], BUDGET, clear) == {}  # unconfirmed: nothing implied
 
 

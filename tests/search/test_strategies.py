@@ -17,7 +17,8 @@ from autotune.vocabulary import Plan
 from autotune.records import Config, Measurement
 from autotune.search.space import SearchSpace
 from autotune.search.strategies import AutoStrategy, GridStrategy, OptunaStrategy, make_strategy
-from autotune.search.strategies.auto import bracket, next_in_bracket
+from autotune.analysis.limits import bracket
+from autotune.search.strategies.auto import next_in_bracket
 
 MiB = 2**20
 BUDGET = 1024 * MiB
@@ -223,7 +224,8 @@ def test_the_memory_model_recovers_lines_and_predicts_unmeasured_plans():
     ({1: False}, (-1, 0)), ({8: True}, (3, 4)),
 ])
 def test_bracket_indices(outcomes, expected):
-    assert bracket([1, 2, 4, 8], outcomes) == expected
+    known = bracket([1, 2, 4, 8], outcomes)
+    assert (known.lo, known.hi) == expected and known.closed == (known.hi == known.lo + 1)
 
 
 def test_next_in_bracket_jumps_to_the_predicted_boundary_then_bisects():

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from autotune.__main__ import main
-from autotune.training.lowbit import EightBitLayout, stand_in
-from autotune.training.optimizer import OptimizerSpec, measure_state_bytes
+from autotune.training.lowbit import EightBitLayout, StandIn, stand_in
+from autotune.training.optimizer import OptimizerSpec, measure_optimizer
 from autotune.training.state import eight_bit_state_bytes
 from autotune.training.workload import Workload
 
@@ -20,18 +20,18 @@ MODELS = ["autotune.examples:TinyGPT", "autotune.examples:ResNetish"]
 def test_the_layout_stands_in_only_for_a_cuda_plan_without_bitsandbytes(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     spec = "bitsandbytes.optim:AdamW8bit"
-    assert stand_in(spec, planned_cuda=False) == (spec, None)  # anywhere else: bad input (pip install bitsandbytes)
-    assert stand_in("torch.optim:AdamW", planned_cuda=True) == ("torch.optim:AdamW", None)
-    made, said = stand_in(spec, planned_cuda=True)
-    assert made is EightBitLayout and "its state is predicted from its layout" in said
+    assert stand_in(spec, planned_cuda=False) == StandIn(spec)  # anywhere else: bad input (pip install bitsandbytes)
+    assert stand_in("torch.optim:AdamW", planned_cuda=True) == StandIn("torch.optim:AdamW", None)
+    chosen = stand_in(spec, planned_cuda=True)
+    assert chosen.optimizer is EightBitLayout and "its state is predicted from its layout" in chosen.notice
 
 
 @pytest.mark.parametrize("spec", MODELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_stand_in_holds_the_layout(spec, dtype):
     model = Workload.from_specs(spec).build_model()
-    measured, why = measure_state_bytes(OptimizerSpec(EightBitLayout), model, 1e-3, dtype=dtype)
-    assert why is None and measured == eight_bit_state_bytes(p.numel() for p in model.parameters())
+    measured = measure_optimizer(OptimizerSpec(EightBitLayout), model, 1e-3, dtype=dtype)
+    assert measured.why is None and measured.state_bytes == eight_bit_state_bytes(p.numel() for p in model.parameters())
 
 
 def test_a_cuda_plan_names_bitsandbytes_and_says_its_state_is_from_the_layout(tmp_path, capsys, monkeypatch):

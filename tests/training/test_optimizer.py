@@ -90,8 +90,8 @@ def test_priming_holds_the_state_to_be_and_trains_bitwise_as_a_fresh_optimizer(n
 def test_an_optimizer_without_a_twin_is_primed_by_its_own_steps_and_its_peak_holds_the_state():
     # Positional(params, scale) cannot be rebuilt from a parameter group: trials step until it holds state
     optimizer = Positional(Wide().parameters(), 1.0)
-    ballast, failed = prime(optimizer)
-    assert ballast == [] and isinstance(failed, TypeError)
+    primed = prime(optimizer)
+    assert primed.ballast == [] and isinstance(primed.failure, TypeError)
     settings = TrialSettings(measure_steps=0)
     peaks = {}
     for name, spec in {"positional": (functools.partial(Positional, scale=1.0), None),
@@ -213,8 +213,8 @@ def test_the_state_counts_each_storage_once_and_a_subclass_by_its_inner_tensors(
 def test_twins_in_a_dtype_make_the_state_of_parameters_held_in_it():
     model = Wide()
     optimizer = torch.optim.AdamW(model.parameters())
-    ballast, failed = prime(optimizer, dtype=torch.bfloat16)
-    moments = [t for t in ballast if t.ndim]
-    assert failed is None and {t.dtype for t in moments} == {torch.bfloat16}
+    primed = prime(optimizer, dtype=torch.bfloat16)
+    moments = [t for t in primed.ballast if t.ndim]
+    assert primed.failure is None and {t.dtype for t in moments} == {torch.bfloat16}
     assert state_bytes(moments) == 2 * 2 * sum(p.numel() for p in model.parameters())
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the model is untouched

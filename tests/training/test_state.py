@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from autotune.plans.checkpointing import find_chain
-from autotune.training.optimizer import OptimizerSpec, measure_state_bytes
-from autotune.training.state import adapter_parameters, eight_bit_state_bytes, factored_state_bytes
+from autotune.training.optimizer import OptimizerSpec, measure_optimizer
+from autotune.training.state import Adapters, adapter_parameters, eight_bit_state_bytes, factored_state_bytes
 from autotune.training.workload import Workload
 
 from tests.optional import needs
@@ -23,8 +23,8 @@ def _model(spec: str, **kwargs) -> torch.nn.Module:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_adafactor_holds_its_layout(spec, dtype):
     model = _model(spec).to(dtype)
-    measured, why = measure_state_bytes(OptimizerSpec(torch.optim.Adafactor), model, 1e-3)
-    assert why is None and measured == factored_state_bytes(model.parameters())
+    measured = measure_optimizer(OptimizerSpec(torch.optim.Adafactor), model, 1e-3)
+    assert measured.why is None and measured.state_bytes == factored_state_bytes(model.parameters())
 
 
 @pytest.mark.parametrize("spec", MODELS)
@@ -33,8 +33,8 @@ def test_the_8_bit_layout_is_what_bitsandbytes_holds(spec):
     bnb = needs("bitsandbytes", "the lowbit extra")
     model = _model(spec)
     for dtype in (torch.float32, torch.bfloat16):
-        measured, why = measure_state_bytes(OptimizerSpec(bnb.optim.AdamW8bit), model, 1e-3, dtype=dtype)
-        assert why is None and measured == eight_bit_state_bytes(p.numel() for p in model.parameters())
+        measured = measure_optimizer(OptimizerSpec(bnb.optim.AdamW8bit), model, 1e-3, dtype=dtype)
+        assert measured.why is None and measured.state_bytes == eight_bit_state_bytes(p.numel() for p in model.parameters())
 
 
 def test_the_8_bit_layout_by_hand():
@@ -47,11 +47,11 @@ def test_the_adapters_are_counted_as_peft_counts_lora_on_every_linear_layer():
     peft = needs("peft", "the adapters' lever")
     needs("transformers", "the hf extra")
     model = _model("docs.examples.llama_factory:tinyllama", **LLAMA)
-    counted, layers = adapter_parameters(model, find_chain(model), rank=8)
+    counted = adapter_parameters(model, find_chain(model), rank=8)
     adapted = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear"))
     trained = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
-    assert counted == trained and layers == 2 * 7  # q, k, v, o, gate, up, down in each block
-    assert adapter_parameters(_model("autotune.examples:ResNetish"), None) == (0, 0)  # no blocks: no lever
+    assert counted == Adapters(trained, 2 * 7)  # q, k, v, o, gate, up, down in each block
+    assert adapter_parameters(_model("autotune.examples:ResNetish"), None) == Adapters(0, 0)  # no blocks: no lever
 
 
 def test_a_model_with_frozen_parameters_is_offered_no_adapters():

@@ -125,7 +125,7 @@ def test_a_warm_workload_hands_out_exact_copies_of_the_model_a_seeded_build_give
     locked.warm(0)
     assert locked._found[("model", 0)] is None and isinstance(locked.build_model(seed=0), Locked)
 
-    class Odd(torch.nn.Parameter):  # a parameter type that cannot be rebuilt as _copy_model rebuilds it
+    class Odd(torch.nn.Parameter):  # a parameter type that cannot be rebuilt as copy_model rebuilds it
         def __new__(cls, data, requires_grad, scale):
             return super().__new__(cls, data, requires_grad)
 
@@ -141,7 +141,7 @@ def test_warming_a_workload_makes_no_second_copy_of_the_weights(monkeypatch):
     from autotune.training import workload as module
 
     copies = []
-    monkeypatch.setattr(module, "_copy_model", lambda template: copies.append(template) or template)
+    monkeypatch.setattr(module, "copy_model", lambda template: copies.append(template) or template)
     warm = Workload.from_specs("autotune.examples:TinyGPT", model_kwargs={"n_layer": 2, "block_size": 16,
                                                                          "n_embd": 32, "n_head": 2, "vocab_size": 64})
     warm.warm(0)

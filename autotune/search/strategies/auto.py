@@ -53,7 +53,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from autotune.analysis.pareto import LineRule, bracket, pareto_front, probe_candidates
+from autotune.analysis.limits import bracket
+from autotune.analysis.pareto import LineRule, pareto_front, probe_candidates
 from autotune.vocabulary import HEADROOM, Plan, Status, Variant
 from autotune.records import Config, Measurement, usable_bytes
 from autotune.search.space import SearchSpace
@@ -75,10 +76,10 @@ def next_in_bracket(sizes: list[int], outcomes: Mapping[int, bool], predicted: M
     not to fit, so it is measured either way, and first it may close the bracket alone). ``tries`` is
     how many trials the plan had; ``top_first``: the search's first plan, which begins at the largest size.
     """
-    lo, hi = bracket(sizes, outcomes)
-    if hi == lo + 1 or (lo == -1 and hi == 0):
+    known = bracket(sizes, outcomes)
+    if not known.open:  # closed, or nothing below a size that does not fit
         return None
-    open_ = list(range(lo + 1, hi))
+    lo, hi, open_ = known.lo, known.hi, list(known.open)
     if tries >= _BISECT_AFTER:
         return sizes[(lo + hi) // 2]
     if not predicted:  # nothing to go by (no trial of the search fitted yet): the middle size, whose peak draws a
@@ -280,8 +281,7 @@ class AutoStrategy(Strategy):
     @staticmethod
     def _uncertain(sizes, outcomes, predicted, limit, margin) -> int | None:
         """A size whose fit under ``limit`` neither the measurements nor the model settle, or None."""
-        lo, hi = bracket(sizes, outcomes)
-        for i in range(lo + 1, hi):
+        for i in bracket(sizes, outcomes).open:
             guess = None if predicted is None else predicted[sizes[i]]
             if guess is None or abs(guess - limit) <= margin * limit:
                 return sizes[i]

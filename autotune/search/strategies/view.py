@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from autotune.analysis.memory_model import MemoryModel, fit_line
+from autotune.analysis.memory_model import Line, MemoryModel, fit_line
 from autotune.analysis.pareto import (LineRule, confirmed, implied_failures, line_failures, prediction_failures,
                                       prediction_fits, refuted)
 from autotune.records import PREDICTED, Config, Measurement
@@ -48,10 +48,7 @@ def step_time_bound(config: Config, measured: Mapping[Config, Measurement], bloc
              if c.plan.without_state.off and measured[c].step_s and measured[c].timed}
     if len(steps) < 2 or (plan.without_state.off and min(steps) <= config.batch_size <= max(steps)):
         return None  # no line yet; or a point between the plan's own timed ones, where a curve may bulge above it
-    a, c = fit_line(steps)
-
-    def base(b: int) -> float:
-        return a + c * b
+    base = fit_line(steps).at
 
     ks = [(m.step_s / base(m.batch_size) - 1) / share for cfg, m in ((c, measured[c]) for c in kind)
           if m.step_s and m.timed and base(m.batch_size) > 0 and (share := Plan(cfg.plan).recompute_share(blocks)) > 0]
@@ -138,14 +135,9 @@ class View:
         than two). A guess that picks the next trial; only a prediction of the size itself implies anything."""
         if b in points:
             return points[b]
-        if len(points) >= 2:
-            a, c = fit_line(points)
-            return a + c * b
-        if len(points) == 1:  # through the fixed part (the state), where it is known and below the point
-            (b0, y0), = points.items()
-            a = self.fixed_bytes_hint if self.fixed_bytes_hint is not None and self.fixed_bytes_hint < y0 else 0.0
-            return a + (y0 - a) * b / b0
-        return self.model.predict(variant, b)
+        # one point: through the fixed part (the state), where it is known and below the point, else through 0
+        line = Line.through(points, self.fixed_bytes_hint) or Line.through(points, 0.0)
+        return line.at(b) if line is not None else self.model.predict(variant, b)
 
     def predicted_speed(self, config: Config) -> float | None:
         """The samples/s the time model predicts for ``config``: its own prediction's (``time_source`` predicted),
