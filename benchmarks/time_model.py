@@ -8,7 +8,8 @@ each configuration of its grid (fp32 and bf16, plans 0 and all, three batch size
 run's trial under fake tensors, its ops counted and priced) and then timed for real (``run_trial``: the median of its
 timed steps), one after the other. Reported: per model and over all, Spearman's rank correlation of predicted and
 measured step times, the median absolute error of the prediction, and the measured throughput of the configuration
-the prediction recommends (the fastest predicted) against the measured best.
+the prediction recommends (as a dry run does: the fastest predicted, near ties broken toward the larger batch,
+``autotune.analysis.pareto.predicted_choice``) against the measured best.
 
 Writes ``results/time_model-cpu.json`` and ``.md``, and ``autotune/timing/checked.json`` (the error a dry run quotes);
 ``--cards`` writes ``results/time_model-cards.md`` (the card table, from ``autotune/timing/cards.json``) only.
@@ -29,6 +30,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from autotune.analysis.pareto import predicted_choice  # noqa: E402
 from autotune.execution.predict import predict_trial  # noqa: E402
 from autotune.execution.trial import run_trial  # noqa: E402
 from autotune.meters import TensorMeter  # noqa: E402
@@ -115,7 +117,8 @@ def summary(rows: list[dict], median: bool = False) -> dict:
     step, per_s, error = (("measured_median_step_s", "measured_median_per_s", "error_median") if median else
                           ("measured_step_s", "measured_per_s", "error"))
     predicted, measured = [r["predicted_step_s"] for r in rows], [r[step] for r in rows]
-    chosen = max(rows, key=lambda r: r["predicted_per_s"])
+    # what a dry run recommends from the predictions: the fastest predicted, near ties broken toward the larger batch
+    chosen = predicted_choice(rows, lambda r: r["predicted_per_s"], lambda r: r["batch_size"])
     best = max(rows, key=lambda r: r[per_s])
     return {"configurations": len(rows), "spearman": spearman(predicted, measured),
             "median_abs_error": statistics.median(abs(r[error]) for r in rows),

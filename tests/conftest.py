@@ -25,16 +25,15 @@ TINY_GPT = {"n_layer": 4, "block_size": 32, "n_embd": 32, "n_head": 4, "vocab_si
 # test_end_to_end) to the end, where one process finished its last module alone while the other sat idle. Here the
 # processes take these modules first, then the rest in file order, where the quick ones even out the end. A module
 # missing here only runs later; a list out of date costs seconds, never a test.
-SLOWEST_FIRST = ("test_dry_run.py",  # 148
-                 "test_reliability.py",  # 75: the tests not marked serial
-                 "test_compile.py",  # 50
+SLOWEST_FIRST = ("test_order.py",  # 57: two modules that compile, run twice in a process of their own
+                 "test_dry_run.py",  # 60-80 (seconds of one process, --durations=0 of the tier, 2026-12-07)
                  "test_zoo.py",  # 49
-                 "test_integrations.py",  # 36
-                 "test_isolation.py",  # 35
-                 "test_world_size.py",  # 24: the tests not marked serial
-                 "test_cli.py",  # 24
-                 "test_predicted_search.py", "test_end_to_end.py", "test_data.py", "test_probe.py",  # 15-17 each
-                 "test_examples.py", "test_tuner.py", "test_thirdparty.py", "test_offload.py")  # 11-14 each
+                 "test_cli.py",  # 47
+                 "test_eval_limits.py", "test_integrations.py", "test_data.py",  # 25-38 each
+                 "test_reliability.py", "test_world_size.py",  # 27-29: the tests not marked serial
+                 "test_thirdparty.py", "test_isolation.py", "test_tuner.py",  # 22 each
+                 "test_published.py", "test_end_to_end.py", "test_probe.py", "test_compile.py",  # 13-18 each
+                 "test_progress.py", "test_cuda_plan.py", "test_allocator_meter.py")  # 11-13 each
 
 
 # The full tier (marker ``full``): the wider matrix and the longest end-to-end runs, each beside a sibling that CI's

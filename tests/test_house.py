@@ -337,7 +337,7 @@ def test_every_module_is_imported_by_some_test():
 
 # Test modules at tests/'s top that test the whole (the house's rules, the docs, the tiers, packaging, the zoo, the
 # published rows, the optional packages), not one module of the package
-_WHOLE = {"house", "docs", "tiers", "packaging", "end_to_end", "zoo", "published", "optional"}
+_WHOLE = {"house", "docs", "tiers", "packaging", "end_to_end", "zoo", "published", "optional", "order"}
 
 
 def test_the_tests_are_shaped_like_the_package():

@@ -8,18 +8,20 @@ report is analysed where it is read.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from autotune.vocabulary import HEADROOM, Plan, Status, Variant
 from autotune.analysis.limits import bracket
-from autotune.records import Config, Measurement, ProbeResult, usable_bytes
+from autotune.records import PREDICTED, Config, Measurement, ProbeResult, usable_bytes
 
 if TYPE_CHECKING:
     from autotune.analysis.memory_model import MemoryModel
 
 __all__ = ["feasible", "pareto_front", "recommend", "batch_limits", "implied_failures", "LineRule",
            "line_failures", "PREDICTION_TOLERANCE", "confirmed", "Implied", "prediction_failures", "prediction_fits",
-           "probe_candidates", "choose"]
+           "probe_candidates", "choose", "predicted_choice", "PREDICTED_TIE"]
+
+T = TypeVar("T")
 
 # How far a measured peak may lie from its prediction for the prediction to stand for the variant's other sizes, and
 # how far clear of a limit a predicted peak must be to imply that its size does not fit. On the tensor meter a
@@ -53,12 +55,35 @@ def recommend(measurements: Iterable[Measurement], budget_bytes: int | None, hea
     """Return the fastest feasible trial whose peak stays within ``budget x (1 - headroom)``, or None.
 
     The headroom leaves room for what short trials do not see: fragmentation, longer batches,
-    a framework's own buffers. On a tie in throughput the smaller peak wins.
+    a framework's own buffers. On a tie in throughput the smaller peak wins. Where the step times are predicted
+    (a dry run's), near ties are broken toward the larger batch (:func:`predicted_choice`).
     """
     candidates = feasible(measurements, usable_bytes(budget_bytes, headroom))
     if not candidates:
         return None
-    return max(candidates, key=lambda m: (m.samples_per_s, -m.peak_bytes))
+    best = max(candidates, key=lambda m: (m.samples_per_s, -m.peak_bytes))
+    if best.time_source != PREDICTED:
+        return best
+    return predicted_choice([m for m in candidates if m.time_source == PREDICTED], lambda m: m.samples_per_s,
+                            lambda m: m.batch_size, lambda m: -m.peak_bytes)
+
+
+# Predicted step times within this share of the fastest predicted do not tell which is faster: the time model's
+# median error is larger (results/time_model-cpu.md), and every one of them is, by the prediction, within the 5% of
+# the best that a recommendation is held to.
+PREDICTED_TIE = 0.05
+
+
+def predicted_choice(options: Sequence[T], speed: Callable[[T], float], batch_size: Callable[[T], int],
+                     then: Callable[[T], float] = lambda _: 0.0) -> T:
+    """Of ``options`` whose ``speed`` (samples/s) is predicted: the largest batch among those within
+    :data:`PREDICTED_TIE` of the fastest, then the fastest, then ``then``'s largest. A larger batch spreads the
+    step's fixed costs (the optimizer's step, each op's dispatch) over more samples, the costs a time model prices
+    least well: on this CPU every bundled model's measured throughput grows with the batch, where near ties in the
+    prediction pointed the other way (GPT-2 and a Llama at batch 8, 90% and 89% of the measured best at 32)."""
+    fastest = max(speed(o) for o in options)
+    near = [o for o in options if speed(o) >= (1 - PREDICTED_TIE) * fastest]
+    return max(near, key=lambda o: (batch_size(o), speed(o), then(o)))
 
 
 def probe_candidates(pareto: Iterable[Measurement], budget_bytes: int | None, headroom: float, top: int) -> list[Measurement]:

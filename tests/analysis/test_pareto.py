@@ -1,7 +1,8 @@
 import pytest
 
 from autotune.analysis.limits import largest_within
-from autotune.analysis.pareto import LineRule, batch_limits, implied_failures, line_failures, pareto_front, recommend
+from autotune.analysis.pareto import (LineRule, batch_limits, implied_failures, line_failures, pareto_front,
+                                     predicted_choice, recommend)
 from autotune.records import Config, Measurement
 from autotune.vocabulary import Status
 
@@ -36,6 +37,21 @@ def test_recommendation_is_the_fastest_within_the_headroom():
     assert recommend(TRIALS, 1000 * MiB, headroom=0.0).config == Config("bf16", "0", 32)
     assert recommend(TRIALS, 50 * MiB) is None
     assert recommend(TRIALS, None).config == Config("bf16", "0", 32)
+
+
+def test_a_dry_runs_near_ties_go_to_the_larger_batch_and_measured_ones_to_the_faster():
+    import dataclasses
+
+    from autotune.records import PREDICTED
+
+    trials = [m("bf16", "0", 8, peak=100 * MiB, sps=104.0), m("bf16", "0", 32, peak=300 * MiB, sps=102.4),
+              m("fp32", "0", 64, peak=500 * MiB, sps=90.0)]  # the larger batch, but 13% slower: no tie
+    assert recommend(trials, None).config == Config("bf16", "0", 8)  # measured: the faster, however close
+    predicted = [dataclasses.replace(t, time_source=PREDICTED) for t in trials]
+    assert recommend(predicted, None).config == Config("bf16", "0", 32)  # predicted 1.6% apart: not told apart
+    assert recommend(predicted, 200 * MiB).config == Config("bf16", "0", 8)  # the tie's other side does not fit
+    batch = {3.0: 8, 2.9: 16, 2.0: 64}.get  # 2.9 ties with 3.0 and has the larger batch; 2.0's larger still is no tie
+    assert predicted_choice([3.0, 2.9, 2.0], lambda s: s, batch) == 2.9
 
 
 def test_limits_per_precision_and_plan():
