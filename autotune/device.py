@@ -24,7 +24,7 @@ import torch
 from autotune._log import logger, notice_once
 from autotune.errors import UsageError, first_line
 from autotune.meters import Meter
-from autotune.vocabulary import HALF, PRECISIONS, Isolation
+from autotune.vocabulary import HALF, PRECISIONS, Isolation, PrecisionName
 
 __all__ = ["Backend", "CudaBackend", "backend_for", "make_meter", "resolve_device", "ram_bytes", "available_ram_bytes",
            "slowdown_vs_fp32", "SLOW_FACTOR", "autocast_type", "on_host", "host_memory_apart", "rank_device",
@@ -257,7 +257,7 @@ class Backend:
 
     def supported_precisions(self) -> list[str]:
         """Return the precision modes the device can train in at all (autocast runs a matmul)."""
-        names = ["fp32"]
+        names = [PrecisionName.FP32.value]
         for name in HALF:
             try:
                 with torch.autocast(self.device.type, dtype=getattr(torch, PRECISIONS[name].autocast_dtype)):
@@ -276,7 +276,7 @@ class Backend:
         """
         kept = []
         for name in self.supported_precisions():
-            factor = 1.0 if name == "fp32" else slowdown_vs_fp32(name, self.device.type)
+            factor = 1.0 if name == PrecisionName.FP32 else slowdown_vs_fp32(name, self.device.type)
             if factor > SLOW_FACTOR:
                 notice_once(f"{name} matmuls run {factor:.0f}x slower than fp32 on this {self.device.type}: left out of "
                             f"the default precisions (add it with --precisions to measure it anyway)")
@@ -364,9 +364,9 @@ class CudaBackend(Backend):
         the current device rather than this one: both would offer a mode that runs slowly or fails
         in cuDNN's convolutions.
         """
-        names = ["fp32", "fp16"]
+        names = [PrecisionName.FP32.value, PrecisionName.FP16.value]
         if torch.version.hip or torch.cuda.get_device_capability(self.device)[0] >= 8:
-            names.append("bf16")
+            names.append(PrecisionName.BF16.value)
         return names
 
     def default_precisions(self) -> list[str]:
@@ -404,7 +404,8 @@ class PlannedCudaBackend(Backend):
         return None
 
     def supported_precisions(self) -> list[str]:
-        return ["fp32", "fp16"] + (["bf16"] if self.capability is None or self.capability >= (8, 0) else [])
+        bf16 = self.capability is None or self.capability >= (8, 0)
+        return [PrecisionName.FP32.value, PrecisionName.FP16.value] + ([PrecisionName.BF16.value] if bf16 else [])
 
     def default_precisions(self) -> list[str]:
         return self.supported_precisions()

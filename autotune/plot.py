@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autotune.errors import UsageError
-from autotune.vocabulary import EAGER, Plan, Status, Variant, compile_label, plan_order
+from autotune.vocabulary import EAGER, Plan, PrecisionName, Status, Variant, compile_label, plan_order
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
 
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["require_matplotlib", "pareto_figure", "memory_figure", "write_plots"]
 
-MARKERS = {"fp32": "o", "fp16": "s", "bf16": "^", "bf16-fsdp": "v", "bf16-true": "P"}  # one shape per precision, in both plots
+_N = PrecisionName
+MARKERS = {_N.FP32: "o", _N.FP16: "s", _N.BF16: "^", _N.BF16_FSDP: "v", _N.BF16_TRUE: "P"}  # a shape per precision
 OTHER_MARKER = "D"
 FAINT = 0.3  # alpha of trials that are not on the front
 
@@ -116,7 +117,7 @@ def memory_figure(report: Report) -> Figure:
     import numpy as np
     from matplotlib.lines import Line2D
 
-    modes = _modes(report) or [("fp32", EAGER)]  # a panel per precision, and per compile mode where compiled
+    modes = _modes(report) or [(PrecisionName.FP32, EAGER)]  # a panel per precision, and per compile mode where compiled
     fig, axes = _figure(len(modes), width=max(4.6 * len(modes) + 2.2, 9.0))
     unit, scale = _unit(report)
     colors = _segment_colors(report)

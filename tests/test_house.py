@@ -172,6 +172,37 @@ def test_parallel_and_isolation_modes_are_compared_as_members_of_their_enums():
     assert _literal_compares(ast.parse(code), _MODE_NAMES) == [1, 1, 1]
 
 
+# Modules whose strings spell precision names in another vocabulary: the time model's number formats (an op's dtype,
+# a card's peak per dtype), and the words other libraries take (Hugging Face's TrainingArguments flags bf16 and fp16,
+# DeepSpeed's config keys, accelerate's and Lightning's precision settings). A compare of a precision with a string
+# is refused everywhere (test_precisions_are_compared_as_members_of_their_enum_not_as_strings).
+_OTHER_VOCABULARIES = ("autotune.timing", "autotune.export", "autotune.integrations.transformers")
+
+
+def _precision_literals(tree: ast.Module) -> list[int]:
+    """Lines of a string constant that is a precision mode's name, docstrings left out."""
+    from autotune.vocabulary import PRECISION_NAMES
+
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return sorted(node.lineno for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                  and node.value in PRECISION_NAMES and id(node) not in docstrings)
+
+
+def test_precision_names_are_spelled_on_the_ground_floor_only():
+    found = [f"{name}:{line}" for name, tree in _modules().items()
+             if not name.startswith(("autotune.vocabulary", *_OTHER_VOCABULARIES)) for line in _precision_literals(tree)]
+    assert not found, found  # vocabulary.PrecisionName.BF16, not "bf16"
+    assert _precision_literals(ast.parse('"""fp32 here is a word."""\nmode = "bf16-true"\nx = "bf16x"')) == [2]
+
+
+def test_precisions_are_compared_as_members_of_their_enum_not_as_strings():
+    found = [f"{name}:{line}" for name, tree in _modules().items() if not name.startswith("autotune.vocabulary")
+             for line in _literal_compares(tree, {"precision"})]
+    assert not found, found
+
+
 # Functions whose tuples a contract fixes: the model's (input, target) batch, a forward pre-hook's (args, kwargs),
 # torch.utils.checkpoint's context_fn (two context managers), torch.cuda's (major, minor) capability, and the tensor
 # meter's allocation trace, (bytes, key) events by the million, which the cuBLAS workspaces' events join

@@ -44,7 +44,7 @@ from autotune.execution.work import outcome
 from autotune.meters import TensorMeter
 from autotune.plans.offload import offloader_of
 from autotune.records import PREDICTED, Config, Measurement, TrialSettings
-from autotune.timing.counting import OpWork, StepWork, WorkCounter
+from autotune.timing.counting import OpWork, StepWork, WorkCounter, dtype_name
 from autotune.timing.model import with_predicted_time
 from autotune.execution.fake_build import FakeCopies
 from autotune.training.workload import Workload
@@ -312,8 +312,10 @@ def _work(counter: WorkCounter, run: TrialRun, parallel: "Wrapping | None") -> S
             op if op.phase == "optimizer" else dataclasses.replace(op, count=max(1, op.count // run.micro_steps))
             for op in work.ops))
     if parallel is not None and parallel.job.wrapper == Parallel.DDP:
-        grads = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
-        work = dataclasses.replace(work, ops=(*work.ops, OpWork("backward", "collective", "fp32", 0, grads, 1,
+        trained = [p for p in run.model.parameters() if p.requires_grad]
+        grads = sum(p.numel() * p.element_size() for p in trained)
+        dtype = dtype_name(trained[0].dtype) if trained else dtype_name(torch.float32)
+        work = dataclasses.replace(work, ops=(*work.ops, OpWork("backward", "collective", dtype, 0, grads, 1,
                                                                 "allreduce_")))
     return work
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from autotune.vocabulary import EAGER, PRECISIONS, Plan, Precision, compile_mode
+from autotune.vocabulary import EAGER, PRECISIONS, Plan, Precision, PrecisionName, compile_mode
 
 __all__ = ["Context", "LIGHTNING_PRECISION", "ACCELERATE_PRECISION", "MP_POLICY", "NAMES", "HF_SWITCHES", "APPLY_HINT"]
 
 # bf16-fsdp does not autocast: the Trainer's and the Accelerator's own setting is fp32's, and FSDP2's policy is the
 # strategy's or the plugin's (the notes say how to pass it)
 # bf16-true is Lightning's own "bf16-true"; accelerate has none (its "no", with the model cast by hand: the note)
-LIGHTNING_PRECISION = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed", "bf16-fsdp": "32-true",
-                       "bf16-true": "bf16-true"}
-ACCELERATE_PRECISION = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "bf16-fsdp": "no", "bf16-true": "no"}
+_N = PrecisionName
+LIGHTNING_PRECISION = {_N.FP32: "32-true", _N.FP16: "16-mixed", _N.BF16: "bf16-mixed", _N.BF16_FSDP: "32-true",
+                       _N.BF16_TRUE: "bf16-true"}  # Lightning's words
+ACCELERATE_PRECISION = {_N.FP32: "no", _N.FP16: "fp16", _N.BF16: "bf16", _N.BF16_FSDP: "no",
+                        _N.BF16_TRUE: "no"}  # accelerate's words
 # FSDP2's MixedPrecisionPolicy of bf16-fsdp, as Python writes it (FullyShardedDataParallelPlugin takes it as an object)
 MP_POLICY = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
 NAMES = {"hf": "Hugging Face", "lightning": "Lightning", "deepspeed": "DeepSpeed", "accelerate": "accelerate"}

@@ -43,7 +43,8 @@ from torch import nn
 from autotune.errors import UsageError
 from autotune.integrations.common import (ModelCopy, distributed_job, eval_batch_of, on_host, recommendation_of,
                                           say_changes, trainer_options, trains_plan)
-from autotune.vocabulary import ALL, FSDP_ONLY, PRECISIONS, TRUE, Parallel
+from autotune.export.context import ACCELERATE_PRECISION
+from autotune.vocabulary import ALL, FSDP_ONLY, PRECISIONS, TRUE, Parallel, PrecisionName
 from autotune.report import Report
 
 __all__ = ["tune_trainer"]
@@ -213,9 +214,9 @@ def _write_back(trainer: Any, report: Report) -> str:
     args.per_device_train_batch_size, args.gradient_accumulation_steps = best.batch_size, steps
     if hasattr(trainer, "_train_batch_size"):
         trainer._train_batch_size = args.train_batch_size  # train() reads it, set once when the trainer was made
-    args.bf16, args.fp16 = best.precision == "bf16", best.precision == "fp16"
+    args.bf16, args.fp16 = best.precision == PrecisionName.BF16, best.precision == PrecisionName.FP16
     if (args.bf16, args.fp16) != before[2:4]:
-        _new_accelerator(trainer, {"fp32": "no"}.get(best.precision, best.precision))
+        _new_accelerator(trainer, ACCELERATE_PRECISION[best.precision])
     library = plan == ALL and report.workload.get("library_checkpointing") is not None  # the switch makes plan all
     _set_checkpointing(args, library)
     _without_library_checkpointing(model)

@@ -29,6 +29,7 @@ from torch import nn
 from autotune.plans.checkpointing import Chain, apply_plan, remove_plan
 from autotune.records import usable_bytes
 from autotune.units import format_bytes
+from autotune.vocabulary import PrecisionName
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Floor:
     kept: int
     recompute: int
     block_weights: int  # the largest block's parameters: what FSDP gathers, or offloading brings back, at once
-    precision: str = "fp32"  # the autocast it was measured under (the caller's)
+    precision: str = PrecisionName.FP32.value  # the autocast it was measured under (the caller's)
 
     @property
     def activations(self) -> int:

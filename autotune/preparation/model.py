@@ -27,7 +27,7 @@ from autotune.training.optimizer import UNPRIMED_NOTICE, measure_optimizer
 from autotune.training.precision import MODES, keep_in_fp32
 from autotune.training.state import held_parts, smaller_state
 from autotune.training.workload import Workload, move_model, to_device
-from autotune.vocabulary import SIXTEEN_BIT, Offload, Parallel, runs_where
+from autotune.vocabulary import SIXTEEN_BIT, Offload, Parallel, PrecisionName, runs_where
 
 __all__ = ["ModelFacts", "preflight", "floor_facts"]
 
@@ -105,7 +105,7 @@ def preflight(target: Target) -> ModelFacts:
                           lambda: _floor_of(workload, facts.chain, target.precisions, target.trial_settings.guard.fp32_modules,
                                             model),
                           lambda parts: smaller_state(model, facts.chain, workload.optimizer, target.trial_settings.lr,
-                                                      parts, true_runs="bf16-true" in runs_where(
+                                                      parts, true_runs=PrecisionName.BF16_TRUE in runs_where(
                                                           target.backend.supported_precisions()),
                                                       true_searched=bool(held)))
         chain = _forward(model, workload, device, batch_size, facts)
@@ -158,7 +158,8 @@ def _floor_of(workload: Workload, chain: Chain | None, precisions: Sequence[str]
     model's takes seconds) on a model built under them; where the model cannot build or run so (a shape that
     depends on values), on the CPU, on ``model`` or a build of it.
     """
-    half = "bf16" if set(SIXTEEN_BIT) & set(precisions) else "fp32"  # bf16-fsdp's activations: bf16's bytes too
+    # bf16-fsdp's activations: bf16's bytes too
+    half = PrecisionName.BF16 if set(SIXTEEN_BIT) & set(precisions) else PrecisionName.FP32
     if model is not None and is_fake(next(model.parameters(), None)):  # a dry run's model: fake already
         return _floor_measured(model, workload, chain, half, contextlib.nullcontext())
     try:

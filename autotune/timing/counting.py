@@ -24,7 +24,7 @@ import torch.utils.flop_counter as flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["WorkCounter", "StepWork", "OpWork", "PHASES", "op_kind", "op_flops"]
+__all__ = ["WorkCounter", "StepWork", "OpWork", "PHASES", "op_kind", "op_flops", "dtype_name"]
 
 FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER = "forward", "backward", "recompute", "optimizer"
 PHASES = (FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER)
@@ -121,6 +121,12 @@ def _nbytes(tensors: Iterable[Any]) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The time model's name of a floating dtype (``fp32``, ``bf16``, ``fp16``: a number format, spelled as the
+    precision modes are); fp32's for any other."""
+    return _DTYPES.get(dtype, "fp32")
 
 
 def _dtype(args: tuple) -> str:

@@ -36,7 +36,7 @@ from autotune.errors import AutotuneError, UsageError
 from autotune.meters.tensor import meter_aside
 from autotune.training.host_state import offload_policy
 from autotune.training.precision import get_mode
-from autotune.vocabulary import PRECISIONS, Parallel
+from autotune.vocabulary import PRECISIONS, Parallel, PrecisionName
 from autotune.device import autocast_type, device_ids
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class Wrapping:
         return workload.kept_model(seed)
 
     def wrap(self, model: nn.Module, blocks: tuple[str, ...], *, offload_state: bool = False,
-             meta: "MetaBuild | None" = None, precision: str = "fp32") -> nn.Module:
+             meta: "MetaBuild | None" = None, precision: str = PrecisionName.FP32) -> nn.Module:
         """``model`` (on its device, plan applied) under DDP, or FSDP2 on each of ``blocks`` and the root.
 
         ``offload_state`` (a ``PLAN+state``, FSDP2 only): the state in host memory under FSDP2's ``CPUOffloadPolicy``

@@ -23,7 +23,7 @@ from autotune.vocabulary.compile import COMPILE_MODES, EAGER, STATIC, compile_la
 from autotune.vocabulary.config import Config, Variant
 from autotune.vocabulary.precision import (FSDP_ONLY, GROWTH_INTERVAL, HALF, INIT_LOSS_SCALE, NOT_OFFERED,
                                            PRECISION_NAMES, PRECISIONS, ROUNDING_NOTE, SIXTEEN_BIT, STOCHASTIC_ROUNDING,
-                                           TRUE, Precision, rounding_notice, runs_where)
+                                           TRUE, Precision, PrecisionName, rounding_notice, runs_where)
 from autotune.vocabulary.autocast import AutocastPolicy
 from autotune.vocabulary.modes import Isolation, Parallel
 from autotune.vocabulary.status import CheckStatus, Status
@@ -31,7 +31,7 @@ from autotune.vocabulary.status import CheckStatus, Status
 HEADROOM = 0.1  # the share of the budget a recommendation leaves free (--headroom's default)
 
 __all__ = ["Plan", "Selective", "Offload", "Modifier", "MODIFIERS", "NONE", "ALL", "SELECTIVE", "parse_plans",
-           "parse_offload", "plan_order", "auto_plans", "with_offload", "Precision", "PRECISIONS", "PRECISION_NAMES",
+           "parse_offload", "plan_order", "auto_plans", "with_offload", "Precision", "PrecisionName", "PRECISIONS", "PRECISION_NAMES",
            "HALF", "SIXTEEN_BIT", "FSDP_ONLY", "TRUE", "NOT_OFFERED", "ROUNDING_NOTE",
            "STOCHASTIC_ROUNDING", "rounding_notice", "runs_where", "INIT_LOSS_SCALE",
            "GROWTH_INTERVAL", "Status", "CheckStatus", "HEADROOM", "EAGER", "COMPILE_MODES", "compile_label", "parse_compile", "Config", "Variant",

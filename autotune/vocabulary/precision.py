@@ -18,12 +18,26 @@ says which run well where (:mod:`autotune.device`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 
-__all__ = ["Precision", "PRECISIONS", "PRECISION_NAMES", "HALF", "SIXTEEN_BIT", "FSDP_ONLY", "TRUE", "INIT_LOSS_SCALE",
+__all__ = ["PrecisionName", "Precision", "PRECISIONS", "PRECISION_NAMES", "HALF", "SIXTEEN_BIT", "FSDP_ONLY", "TRUE", "INIT_LOSS_SCALE",
            "GROWTH_INTERVAL", "NOT_OFFERED", "ROUNDING_NOTE", "STOCHASTIC_ROUNDING", "rounding_notice", "runs_where"]
 
 INIT_LOSS_SCALE = 2.0**16  # fp16's GradScaler starts here (the practitioner's guide): halve on inf/NaN, grow when quiet
 GROWTH_INTERVAL = 2000  # fp16: clean steps before the scale doubles (GradScaler's default, stated for the exports)
+
+
+class PrecisionName(str, enum.Enum):
+    """A precision mode's name, as flags, the JSON and the store spell it (a ``str``: equal to the word it is)."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    BF16_FSDP = "bf16-fsdp"
+    BF16_TRUE = "bf16-true"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +82,14 @@ class Precision:
         return f"MixedPrecisionPolicy(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype})"
 
 
-PRECISIONS = {
-    "fp32": Precision("fp32", None, uses_scaler=False),
-    "fp16": Precision("fp16", "float16", uses_scaler=True),
-    "bf16": Precision("bf16", "bfloat16", uses_scaler=False),
-    "bf16-fsdp": Precision("bf16-fsdp", None, uses_scaler=False, param_dtype="bfloat16", reduce_dtype="float32"),
-    "bf16-true": Precision("bf16-true", None, uses_scaler=False, weight_dtype="bfloat16"),
+_N = PrecisionName
+PRECISIONS = {  # keyed by the words (a PrecisionName member finds its entry: it is equal to its word)
+    _N.FP32.value: Precision(_N.FP32.value, None, uses_scaler=False),
+    _N.FP16.value: Precision(_N.FP16.value, "float16", uses_scaler=True),
+    _N.BF16.value: Precision(_N.BF16.value, "bfloat16", uses_scaler=False),
+    _N.BF16_FSDP.value: Precision(_N.BF16_FSDP.value, None, uses_scaler=False, param_dtype="bfloat16",
+                                  reduce_dtype="float32"),
+    _N.BF16_TRUE.value: Precision(_N.BF16_TRUE.value, None, uses_scaler=False, weight_dtype="bfloat16"),
 }
 PRECISION_NAMES = tuple(PRECISIONS)  # "fp32", "fp16", "bf16", "bf16-fsdp", "bf16-true": the order tables list them in
 HALF = tuple(name for name, p in PRECISIONS.items() if p.autocast_dtype)  # the modes that autocast: fp16, bf16
