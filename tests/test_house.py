@@ -172,29 +172,40 @@ def test_parallel_and_isolation_modes_are_compared_as_members_of_their_enums():
     assert _literal_compares(ast.parse(code), _MODE_NAMES) == [1, 1, 1]
 
 
-# Modules whose strings spell precision names in another vocabulary: the time model's number formats (an op's dtype,
-# a card's peak per dtype), and the words other libraries take (Hugging Face's TrainingArguments flags bf16 and fp16,
-# DeepSpeed's config keys, accelerate's and Lightning's precision settings). A compare of a precision with a string
-# is refused everywhere (test_precisions_are_compared_as_members_of_their_enum_not_as_strings).
+# Modules whose strings spell the vocabulary's words in another vocabulary: the time model's number formats (an op's
+# dtype, a card's peak per dtype), and the words other libraries take (Hugging Face's TrainingArguments flags bf16 and
+# fp16 and its fsdp argument, DeepSpeed's config keys, accelerate's and Lightning's precision and strategy settings).
+# A compare of a precision with a string is refused everywhere (test_precisions_are_compared_as_members_...).
 _OTHER_VOCABULARIES = ("autotune.timing", "autotune.export", "autotune.integrations.transformers")
 
 
-def _precision_literals(tree: ast.Module) -> list[int]:
-    """Lines of a string constant that is a precision mode's name, docstrings left out."""
-    from autotune.vocabulary import PRECISION_NAMES
+def _vocabulary_words() -> set[str]:
+    """The ground floor's words that no other floor spells: precision modes, torch.compile's named modes, the parallel
+    wrappers and the worker isolation ("none" and "default" mean too many other things to be told apart)."""
+    from autotune.vocabulary import COMPILE_MODES, DEFAULT, EAGER, PRECISION_NAMES, Isolation, Parallel
 
+    modes = {m.value for m in (*Parallel, *Isolation)} - {"none", "auto"}
+    return {*PRECISION_NAMES, *(set(COMPILE_MODES) - {EAGER, DEFAULT}), *modes}
+
+
+def _vocabulary_literals(tree: ast.Module, words: set[str]) -> list[int]:
+    """Lines of a string constant that is one of ``words``, docstrings left out."""
     docstrings = {id(node.body[0].value) for node in ast.walk(tree)
                   if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body
                   and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
     return sorted(node.lineno for node in ast.walk(tree) if isinstance(node, ast.Constant)
-                  and node.value in PRECISION_NAMES and id(node) not in docstrings)
+                  and isinstance(node.value, str) and node.value in words and id(node) not in docstrings)
 
 
-def test_precision_names_are_spelled_on_the_ground_floor_only():
+def test_the_vocabularys_words_are_spelled_on_the_ground_floor_only():
+    words = _vocabulary_words()
     found = [f"{name}:{line}" for name, tree in _modules().items()
-             if not name.startswith(("autotune.vocabulary", *_OTHER_VOCABULARIES)) for line in _precision_literals(tree)]
-    assert not found, found  # vocabulary.PrecisionName.BF16, not "bf16"
-    assert _precision_literals(ast.parse('"""fp32 here is a word."""\nmode = "bf16-true"\nx = "bf16x"')) == [2]
+             if not name.startswith(("autotune.vocabulary", *_OTHER_VOCABULARIES))
+             for line in _vocabulary_literals(tree, words)]
+    assert not found, found  # vocabulary.PrecisionName.BF16, Parallel.FSDP: not "bf16", "fsdp"
+    assert {"bf16-true", "max-autotune", "fsdp", "process"} <= words and "none" not in words
+    code = '"""fp32 here is a word."""\nmode = "bf16-true"\nx = "bf16x"\nw = "ddp"'
+    assert _vocabulary_literals(ast.parse(code), words) == [2, 4]
 
 
 def test_precisions_are_compared_as_members_of_their_enum_not_as_strings():

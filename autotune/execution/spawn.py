@@ -58,7 +58,7 @@ from autotune.device import backend_for
 from autotune.errors import UsageError, first_line
 from autotune.execution.work import Place, Venue, Work
 from autotune.training.workload import Workload
-from autotune.vocabulary import Status
+from autotune.vocabulary import Isolation, Status
 
 __all__ = ["Spawned", "Reply", "JobResult", "run_isolated", "check_picklable", "STARTUP_GRACE_S", "WARM_GRACE_S",
            "CLEAN_TOLERANCE_BYTES"]
@@ -408,7 +408,7 @@ def _run_work(workload: Workload, *, work: Work, device: str) -> Any:
 class Spawned(Venue):
     """Each piece of work in a spawned worker process, warm from one piece of work to the next (see the module docstring)."""
 
-    kind = "process"
+    kind = Isolation.PROCESS.value
 
     def __init__(self, device: torch.device | str, trials_per_worker: int | None = None) -> None:
         super().__init__(device)

@@ -30,7 +30,7 @@ __all__ = ["Here", "venue_for"]
 class Here(Venue):
     """In this process, with the device's meter (or ``meter``, when the caller has one)."""
 
-    kind = "none"
+    kind = Isolation.NONE.value
 
     def __init__(self, device: torch.device | str, meter: "Meter | None" = None) -> None:
         super().__init__(device)

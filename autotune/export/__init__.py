@@ -21,7 +21,7 @@ from autotune.errors import UsageError
 from autotune.export.context import APPLY_HINT, HF_SWITCHES, LIGHTNING_PRECISION, MP_POLICY, Context
 from autotune.export.engines import accelerate, deepspeed
 from autotune.export.notes import common_notes, eval_notes
-from autotune.vocabulary import EAGER, Parallel, compile_mode, is_static
+from autotune.vocabulary import DEFAULT, EAGER, Parallel, compile_mode, is_static
 
 if TYPE_CHECKING:
     from autotune.report import Report
@@ -178,7 +178,7 @@ def _hf(ctx: Context, notes: list[str]) -> dict[str, Any]:
         args["per_device_eval_batch_size"] = ctx.eval_batch
     if ctx.compile != EAGER:
         args["torch_compile"] = True
-        if compile_mode(ctx.compile) != "default":
+        if compile_mode(ctx.compile) != DEFAULT:
             args["torch_compile_mode"] = compile_mode(ctx.compile)
     return {"training_arguments": args, **({"from_pretrained": {"dtype": "bfloat16"}} if ctx.true else {})}
 

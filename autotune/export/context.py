@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from autotune.vocabulary import EAGER, PRECISIONS, Plan, Precision, PrecisionName, compile_mode
+from autotune.vocabulary import DEFAULT, EAGER, PRECISIONS, Plan, Precision, PrecisionName, compile_mode
 
 __all__ = ["Context", "LIGHTNING_PRECISION", "ACCELERATE_PRECISION", "MP_POLICY", "NAMES", "HF_SWITCHES", "APPLY_HINT"]
 
@@ -52,7 +52,7 @@ class Context:
     def compile_call(self) -> str:
         """The call that compiles the model as measured (after the plan is applied: autotune.apply's model)."""
         mode = compile_mode(self.compile)  # a static measurement too: see STATIC_NOTE
-        return "model = torch.compile(model" + ("" if mode == "default" else f", mode={mode!r}") + ")"
+        return "model = torch.compile(model" + ("" if mode == DEFAULT else f", mode={mode!r}") + ")"
 
     @property
     def mode(self) -> Precision:

@@ -26,7 +26,7 @@ from torch import nn
 
 from autotune.device import autocast_type
 from autotune.errors import UsageError, first_line
-from autotune.vocabulary import EAGER, compile_mode, is_static
+from autotune.vocabulary import DEFAULT, EAGER, compile_mode, is_static
 
 __all__ = ["compile_model", "CompileCount", "compiling", "CompileFailed", "compile_failure", "cxx_compiler",
            "require_compiler", "mark_batch_dynamic"]
@@ -45,7 +45,7 @@ def compile_model(model: nn.Module, value: str) -> nn.Module:
     if value == EAGER:
         return model
     mode = compile_mode(value)
-    return torch.compile(model, mode=None if mode == "default" else mode, dynamic=False if is_static(value) else None)
+    return torch.compile(model, mode=None if mode == DEFAULT else mode, dynamic=False if is_static(value) else None)
 
 
 def mark_batch_dynamic(batch: Any, batch_size: int, value: str) -> None:

@@ -19,7 +19,7 @@ these names from here; ``tests/test_house.py`` checks that no part imports a par
 
 from autotune.vocabulary.plan import (ALL, MODIFIERS, NONE, SELECTIVE, Modifier, Offload, Plan, Selective, auto_plans,
                                       parse_offload, parse_plans, plan_order, with_offload)
-from autotune.vocabulary.compile import COMPILE_MODES, EAGER, STATIC, compile_label, compile_mode, is_static, parse_compile, static_of
+from autotune.vocabulary.compile import COMPILE_MODES, DEFAULT, EAGER, STATIC, compile_label, compile_mode, is_static, parse_compile, static_of
 from autotune.vocabulary.config import Config, Variant
 from autotune.vocabulary.precision import (FSDP_ONLY, GROWTH_INTERVAL, HALF, INIT_LOSS_SCALE, NOT_OFFERED,
                                            PRECISION_NAMES, PRECISIONS, ROUNDING_NOTE, SIXTEEN_BIT, STOCHASTIC_ROUNDING,
@@ -31,7 +31,8 @@ from autotune.vocabulary.status import CheckStatus, Status
 HEADROOM = 0.1  # the share of the budget a recommendation leaves free (--headroom's default)
 
 __all__ = ["Plan", "Selective", "Offload", "Modifier", "MODIFIERS", "NONE", "ALL", "SELECTIVE", "parse_plans",
-           "parse_offload", "plan_order", "auto_plans", "with_offload", "Precision", "PrecisionName", "PRECISIONS", "PRECISION_NAMES",
+           "parse_offload", "plan_order", "auto_plans", "with_offload", "Precision", "PrecisionName", "PRECISIONS",
+           "PRECISION_NAMES", "DEFAULT",
            "HALF", "SIXTEEN_BIT", "FSDP_ONLY", "TRUE", "NOT_OFFERED", "ROUNDING_NOTE",
            "STOCHASTIC_ROUNDING", "rounding_notice", "runs_where", "INIT_LOSS_SCALE",
            "GROWTH_INTERVAL", "Status", "CheckStatus", "HEADROOM", "EAGER", "COMPILE_MODES", "compile_label", "parse_compile", "Config", "Variant",

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from autotune.errors import UsageError
 
-__all__ = ["EAGER", "COMPILE_MODES", "STATIC", "parse_compile", "compile_label", "compile_mode", "is_static",
+__all__ = ["EAGER", "DEFAULT", "COMPILE_MODES", "STATIC", "parse_compile", "compile_label", "compile_mode", "is_static",
            "static_of"]
 
 EAGER = "none"  # no torch.compile: the model as the user wrote it
-# torch.compile's modes (torch._inductor.list_mode_options()); "default" is mode=None
-COMPILE_MODES = (EAGER, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+DEFAULT = "default"  # torch.compile(model) with mode=None
+# torch.compile's modes (torch._inductor.list_mode_options())
+COMPILE_MODES = (EAGER, DEFAULT, "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 STATIC = "+static"  # MODE+static: compiled for one batch size (dynamic=False)
 
 
