@@ -5,7 +5,7 @@
   batch size alone.
 
 Their trials are the report's, not the study's: their configurations are not the space's (other batch sizes, a
-static compile), so workers sharing a study each run them, and a resumed search runs them again.
+static compile), so peers sharing a study each run them, and a resumed search runs them again.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def exact_limit(report: Report, target: Target, study: Study, events: Any) -> Re
     by a memory line or a plan that needs no more), memory trials bisect in steps of ``--batch-multiple``, and the size
     above the limit is measured failing. The largest size within the budget less its headroom is found the same way
     and timed, so the recommendation considers training at it. These trials are the report's, not the study's (their
-    sizes are not the space's): workers sharing a study each run them, and a resumed search runs them again.
+    sizes are not the space's): peers sharing a study each run them, and a resumed search runs them again.
     """
     rec = report.recommendation
     if rec is None:

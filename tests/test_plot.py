@@ -110,7 +110,7 @@ def test_memory_figure_has_a_panel_per_precision_and_a_line_per_plan(grid):
             fit, measured = fits[f"fit:{p}:{s}"], by_gid(ax, f"measured:{p}:{s}")[f"measured:{p}:{s}"]
             assert fit.get_linestyle() == "--" and fit.get_color() == measured.get_color()
             b = fit.get_xdata()
-            np.testing.assert_allclose(fit.get_ydata(), [model.predict((p, s), x) / MiB for x in b])
+            np.testing.assert_allclose(fit.get_ydata(), [model.estimate((p, s), x) / MiB for x in b])
             ok = sorted((m for m in grid.trials if m.config.variant == (p, s) and m.status == "ok"), key=lambda m: m.batch_size)
             assert list(measured.get_xdata()) == [m.batch_size for m in ok]
             np.testing.assert_allclose(measured.get_ydata(), [m.peak_bytes / MiB for m in ok])

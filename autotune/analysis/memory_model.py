@@ -58,7 +58,9 @@ class MemoryLine:
     def variant(self) -> Variant:
         return Variant(self.precision, self.segments, self.compile)
 
-    def predict(self, batch_size: int) -> float:
+    def estimate(self, batch_size: int) -> float:
+        """The line's peak bytes at ``batch_size``: an estimate from trials (a prediction runs the step under fake
+        tensors)."""
         return self.fixed_bytes + self.per_sample_bytes * batch_size
 
     def to_dict(self) -> dict:
@@ -212,10 +214,11 @@ class MemoryModel:
                                                  compile=variant.compile)
         return cls(models)
 
-    def predict(self, variant: Variant, batch_size: int) -> float | None:
-        """Predicted peak bytes of ``variant`` at ``batch_size``, or None where nothing is known yet."""
+    def estimate(self, variant: Variant, batch_size: int) -> float | None:
+        """The memory line's peak bytes for ``variant`` at ``batch_size`` (an estimate from trials, not a prediction
+        under fake tensors), or None where nothing is known yet."""
         model = self.lines.get(variant)
-        return None if model is None else model.predict(batch_size)
+        return None if model is None else model.estimate(batch_size)
 
     def relative_error(self) -> float:
         """The largest relative residual over lines fitted to three or more points (0 when none)."""

@@ -351,7 +351,7 @@ def batch_limits(measurements: Iterable[Measurement], budget_bytes: int | None, 
             row["bracketed"] = known.closed
             if not row["bracketed"] and model is not None and variant in model.lines:
                 open_ = [sizes[i] for i in known.open
-                         if budget_bytes is None or model.predict(variant, sizes[i]) <= budget_bytes]
+                         if budget_bytes is None or model.estimate(variant, sizes[i]) <= budget_bytes]
                 row["predicted_max_batch_size"] = open_[-1] if open_ else row["max_batch_size"]
         rows.append(row)
     return rows

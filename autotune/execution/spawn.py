@@ -60,7 +60,7 @@ from autotune.execution.work import Place, Venue, Work
 from autotune.training.workload import Workload
 from autotune.vocabulary import Isolation, Status
 
-__all__ = ["Spawned", "Reply", "JobResult", "run_isolated", "check_picklable", "STARTUP_GRACE_S", "WARM_GRACE_S",
+__all__ = ["Spawned", "Reply", "TaskResult", "run_isolated", "check_picklable", "STARTUP_GRACE_S", "WARM_GRACE_S",
            "CLEAN_TOLERANCE_BYTES"]
 
 STARTUP_GRACE_S = 120.0  # importing torch and building a CUDA context can take this long on a busy machine
@@ -71,9 +71,9 @@ _EXIT_GRACE_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
-class JobResult:
-    """What a job handed to a worker came to: ``outcome`` (:attr:`Reply.RESULT`, or the trial's :class:`Status`:
-    ``timeout``, ``crashed`` or ``failed``), ``payload`` (what the job returned, or one line saying why) and the
+class TaskResult:
+    """What a task handed to a worker came to: ``outcome`` (:attr:`Reply.RESULT`, or the trial's :class:`Status`:
+    ``timeout``, ``crashed`` or ``failed``), ``payload`` (what the task returned, or one line saying why) and the
     ``seconds`` it took, the worker's start included."""
 
     outcome: "Reply | Status"
@@ -82,13 +82,13 @@ class JobResult:
 
 
 class Reply(str, enum.Enum):
-    """What a worker says of a job it took (or that it is gone), beside the trial's own statuses (timeout, crashed):
+    """What a worker says of a task it took (or that it is gone), beside the trial's own statuses (timeout, crashed):
     the pipe's words, not a trial's outcome."""
 
-    RESULT = "result"  # the job returned: its payload
-    USAGE = "usage"  # the job found bad input (UsageError): raised again in the parent, one line
+    RESULT = "result"  # the task returned: its payload
+    USAGE = "usage"  # the task found bad input (UsageError): raised again in the parent, one line
     ERROR = "error"  # any other exception: the worker's text, recorded as the trial's failure
-    GONE = "gone"  # the worker died before it took the job (a warm one is replaced once)
+    GONE = "gone"  # the worker died before it took the task (a warm one is replaced once)
 
 
 def _exit_with(parent: int) -> None:
@@ -99,7 +99,7 @@ def _exit_with(parent: int) -> None:
 
 
 def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING) -> None:
-    """The worker: build the workload from ``spec`` at the first job, then run jobs until told to stop."""
+    """The worker: build the workload from ``spec`` at the first task, then run tasks until told to stop."""
     # Ctrl-C reaches the whole process group, and a scheduler's SIGTERM often does (systemd's control group,
     # torchrun's children): the parent decides, and kills this worker. If the parent dies first, the worker exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -109,7 +109,7 @@ def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING)
         log_to_stderr()
         logger.setLevel(log_level)
     workload = backend = baseline = None
-    jobs, frozen = 0, 0  # frozen: the bytes counted when what the first job left was frozen out of the collector
+    tasks, frozen = 0, 0  # frozen: the bytes counted when what the first task left was frozen out of the collector
     while True:
         try:
             message = conn.recv()
@@ -117,7 +117,7 @@ def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING)
             return
         if message[0] == "stop":
             return
-        _, job, job_kwargs = message
+        _, task, task_kwargs = message
         conn.send(("taken",))
         try:
             if workload is None:
@@ -128,7 +128,7 @@ def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING)
                 gc.collect()
                 gc.freeze()
                 baseline = _held(backend, workload)
-            reply: tuple = (Reply.RESULT, job(workload, **job_kwargs))
+            reply: tuple = (Reply.RESULT, task(workload, **task_kwargs))
         except UsageError as exc:
             reply = (Reply.USAGE, str(exc))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which records the trial
@@ -136,16 +136,16 @@ def _serve(conn: Any, spec: dict, device: str, log_level: int = logging.WARNING)
         conn.send(reply)  # the result first: the parent goes on while this worker checks itself
         held = None if workload is None else _held(backend, workload)
         conn.send(("held", None if held is None else held + frozen, baseline))
-        jobs += 1
-        if jobs == 1 and held is not None and held <= baseline + CLEAN_TOLERANCE_BYTES:
-            # What the first job left (lazy imports, library caches) lives on too: frozen as well, its tensors' bytes
-            # counted once here, so that every later collection and check walk only what later jobs made.
+        tasks += 1
+        if tasks == 1 and held is not None and held <= baseline + CLEAN_TOLERANCE_BYTES:
+            # What the first task left (lazy imports, library caches) lives on too: frozen as well, its tensors' bytes
+            # counted once here, so that every later collection and check walk only what later tasks made.
             gc.freeze()
             frozen = held if backend.held_by_scan else 0  # an allocator's count sees frozen tensors anyway
 
 
 def _held(backend: Any, workload: Workload) -> int | None:
-    """What the worker holds on the device once the last job's memory is released; None if the device cannot say."""
+    """What the worker holds on the device once the last task's memory is released; None if the device cannot say."""
     try:
         backend.release()
         return backend.held_bytes(workload.kept_tensors())
@@ -213,8 +213,8 @@ class _Worker:
     def __init__(self, spec: dict, device: str, name: str) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.spec, self.jobs = spec, 0
-        self.checking = False  # its check after the last job is on its way (read before the next job)
+        self.spec, self.tasks = spec, 0
+        self.checking = False  # its check after the last task is on its way (read before the next task)
         self.proc = ctx.Process(target=_serve, args=(child, spec, device, logger.getEffectiveLevel()), name=name,
                                 daemon=True)
         self.proc.start()
@@ -228,18 +228,18 @@ class _Worker:
             same = False
         return same and self.proc.is_alive()
 
-    def hand(self, job: Callable[..., Any], job_kwargs: dict, timeout_s: float | None) -> tuple["Reply | Status", Any]:
-        """Hand the worker a job and wait; return (outcome, payload); its check follows (:meth:`check`).
+    def hand(self, task: Callable[..., Any], task_kwargs: dict, timeout_s: float | None) -> tuple["Reply | Status", Any]:
+        """Hand the worker a task and wait; return (outcome, payload); its check follows (:meth:`check`).
 
         Outcomes: the worker's :class:`Reply` (``RESULT``, ``USAGE``, ``ERROR``: payload its text), :attr:`Status.TIMEOUT`,
-        :attr:`Status.CRASHED` (payload: one line) and :attr:`Reply.GONE`: the worker died before it took the job.
+        :attr:`Status.CRASHED` (payload: one line) and :attr:`Reply.GONE`: the worker died before it took the task.
         """
-        fresh = self.jobs == 0
-        self.jobs += 1
+        fresh = self.tasks == 0
+        self.tasks += 1
         limit = timeout_s + (STARTUP_GRACE_S if fresh else WARM_GRACE_S) if timeout_s else None
         deadline = time.monotonic() + limit if limit is not None else None
         try:
-            self.conn.send(("job", job, job_kwargs))
+            self.conn.send(("task", task, task_kwargs))
         except OSError:  # BrokenPipeError: it is gone
             self.proc.join(_EXIT_GRACE_S)
             return Reply.GONE, None
@@ -263,7 +263,7 @@ class _Worker:
         return message
 
     def check(self) -> tuple[int | None, int | None] | None:
-        """The check the worker sent after its last job: (held bytes, baseline); None if it died or hung first."""
+        """The check the worker sent after its last task: (held bytes, baseline); None if it died or hung first."""
         self.checking = False
         try:
             message = self._receive(time.monotonic() + WARM_GRACE_S)
@@ -313,7 +313,7 @@ class Workers:
         self.device = str(device)
         self.trials_per_worker = trials_per_worker
         self.started = 0  # workers started
-        self.replaced_unclean = 0  # workers retired because they held more than before their first job
+        self.replaced_unclean = 0  # workers retired because they held more than before their first task
         self._worker: _Worker | None = None
 
     @property
@@ -321,16 +321,16 @@ class Workers:
         """The live worker's process id, if one is waiting for work."""
         return self._worker.proc.pid if self._worker is not None else None
 
-    def run_job(self, workload: Workload, job: Callable[..., Any], job_kwargs: dict, *, name: str,
-                timeout_s: float | None) -> JobResult:
-        """Run ``job(workload, **job_kwargs)`` in a worker; its :class:`JobResult`, as :func:`run_isolated`'s."""
+    def run_task(self, workload: Workload, task: Callable[..., Any], task_kwargs: dict, *, name: str,
+                timeout_s: float | None) -> TaskResult:
+        """Run ``task(workload, **task_kwargs)`` in a worker; its :class:`TaskResult`, as :func:`run_isolated`'s."""
         if workload.spec is None:
             raise UsageError("process isolation needs a workload built by Workload.from_specs (or autotune.tune)")
         started = time.monotonic()
-        for _ in range(2):  # a warm worker found dead as it is handed the job: once more, in a new one
+        for _ in range(2):  # a warm worker found dead as it is handed the task: once more, in a new one
             worker = self._worker_for(workload.spec, name)
-            warm = worker.jobs > 0
-            kind, payload = worker.hand(job, job_kwargs, timeout_s)
+            warm = worker.tasks > 0
+            kind, payload = worker.hand(task, task_kwargs, timeout_s)
             if kind != Reply.GONE or not warm:
                 break
             logger.info("the worker died between two pieces of work (%s): a new one runs the next",
@@ -338,14 +338,14 @@ class Workers:
             self._retire()
         if kind == Reply.GONE:
             kind, payload = Status.CRASHED, f"worker process {_exit_cause(self._worker.proc.exitcode)}"
-        if kind != Reply.RESULT or worker.jobs == self.trials_per_worker:
+        if kind != Reply.RESULT or worker.tasks == self.trials_per_worker:
             self._retire()  # a result's worker is checked as the next piece of work comes (_worker_for)
         seconds = time.monotonic() - started
         if kind == Reply.USAGE:
             raise UsageError(payload)
         if kind == Reply.ERROR:
-            return JobResult(Status.FAILED, payload.splitlines()[0], seconds)
-        return JobResult(kind, payload, seconds)
+            return TaskResult(Status.FAILED, payload.splitlines()[0], seconds)
+        return TaskResult(kind, payload, seconds)
 
     def _worker_for(self, spec: dict, name: str) -> _Worker:
         if self._worker is not None and self._worker.checking and not self._clean(self._worker.check()):
@@ -383,19 +383,19 @@ class Workers:
         self._retire()
 
 
-def run_isolated(workload: Workload, job: Callable[..., Any], job_kwargs: dict, *, name: str,
-                 timeout_s: float | None, device: torch.device | str = "cpu") -> JobResult:
-    """Run ``job(workload, **job_kwargs)`` in a fresh spawned process; its :class:`JobResult`.
+def run_isolated(workload: Workload, task: Callable[..., Any], task_kwargs: dict, *, name: str,
+                 timeout_s: float | None, device: torch.device | str = "cpu") -> TaskResult:
+    """Run ``task(workload, **task_kwargs)`` in a fresh spawned process; its :class:`TaskResult`.
 
-    ``job`` is a module-level function (the worker imports it by name) whose result pickles. The
-    outcome is :attr:`Reply.RESULT` (payload: what the job returned), or the trial's :class:`Status`: ``timeout``,
+    ``task`` is a module-level function (the worker imports it by name) whose result pickles. The
+    outcome is :attr:`Reply.RESULT` (payload: what the task returned), or the trial's :class:`Status`: ``timeout``,
     ``crashed`` or ``failed`` (payload: one line saying why; for ``"crashed"``, "worker process killed by SIGKILL").
     Bad input found in the worker is raised here as :class:`UsageError`; ``KeyboardInterrupt`` kills
     the worker. The worker has exited when this returns.
     """
     workers = Workers(device, trials_per_worker=1)
     try:
-        return workers.run_job(workload, job, job_kwargs, name=name, timeout_s=timeout_s)
+        return workers.run_task(workload, task, task_kwargs, name=name, timeout_s=timeout_s)
     finally:
         workers.close()
 
@@ -418,7 +418,7 @@ class Spawned(Venue):
         check_picklable(workload)  # one clear line now, not every trial crashed later
 
     def run(self, workload: Workload, work: Work) -> Any:
-        done = self.workers.run_job(workload, _run_work, {"work": work, "device": str(self.device)}, name=work.name,
+        done = self.workers.run_task(workload, _run_work, {"work": work, "device": str(self.device)}, name=work.name,
                                     timeout_s=work.timeout_s)
         if done.outcome == Reply.RESULT:
             return work.decode(done.payload)

@@ -75,7 +75,7 @@ def make_storage(url: str) -> str | optuna.storages.BaseStorage:
     """Return what Optuna takes for ``url``: an RDB URL as it is, or a journal file for ``journal:///PATH``.
 
     A journal file (``optuna.storages.JournalStorage``) is the storage Optuna recommends for
-    several processes on one machine or a shared file system; SQLite suits one worker.
+    several processes on one machine or a shared file system; SQLite suits one peer.
     """
     if url.startswith("journal://"):
         path = url[len("journal://"):]
@@ -149,7 +149,7 @@ def stored_plan_checks(study_name: str, storage: str, *, workload_key: str, key:
 
 
 def store_plan_checks(study_name: str, storage: str, *, workload_key: str, key: str, checks: list[dict]) -> None:
-    """Keep the plan checks in the study, so that a resumed search (or another worker) reuses them."""
+    """Keep the plan checks in the study, so that a resumed search (or another peer) reuses them."""
     study = open_study(study_name, storage, workload_key=workload_key)
     study.set_user_attr("plan_checks", {**(study.user_attrs.get("plan_checks") or {}), key: checks})
 
@@ -194,7 +194,7 @@ def start_trial(study: optuna.Study, config: Config, distributions: dict, user_a
     """Create a RUNNING trial of ``config`` holding ``user_attrs``, in one write, and return it.
 
     One write, not Optuna's ``enqueue_trial`` + ``ask``: ``ask`` pops the oldest queued trial, which
-    may be another worker's configuration, or one that another worker has popped and closed since
+    may be another peer's configuration, or one that another peer has popped and closed since
     this one listed the queue (Optuna then raises ``UpdateFinishedTrialError`` from ``ask``); and a
     trial's number would be the moment it was queued, not the moment it was claimed. A trial
     created here is numbered when it is written: the claim protocol (:func:`autotune.search.peers.claim`)
@@ -209,11 +209,11 @@ def start_trial(study: optuna.Study, config: Config, distributions: dict, user_a
 
 
 def record(study: optuna.Study, trial: optuna.Trial, m: Measurement, attrs: dict) -> bool:
-    """Store a measurement on its running trial; False when another worker has closed the trial meanwhile.
+    """Store a measurement on its running trial; False when another peer has closed the trial meanwhile.
 
     A write that fails while the trial is still running (a busy SQLite file, a dropped database
     connection) is tried again: storing it as a second trial would count the configuration twice.
-    A trial closed by another worker (judged stale when its heartbeat stalled) is left as it is:
+    A trial closed by another peer (judged stale when its heartbeat stalled) is left as it is:
     the caller decides whether the measurement is still wanted (:meth:`autotune.search.loop._Loop.keep`).
     """
     attrs = {"status": m.status, "figures": m.figures, **attrs, "measurement": m.to_dict()}  # the measurement last:
@@ -263,7 +263,7 @@ def _state_of(study: optuna.Study, number: int) -> TrialState | None:
 
 def abandon(study: optuna.Study, trial: optuna.Trial | FrozenTrial, why: str) -> None:
     """Close a trial that measured nothing, so that its configuration is proposed again."""
-    with contextlib.suppress(Exception):  # it may have been closed meanwhile by its own worker
+    with contextlib.suppress(Exception):  # it may have been closed meanwhile by its own peer
         stamp(study, trial, "status", why)
         study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
 
@@ -272,7 +272,7 @@ def stamp(study: optuna.Study, trial: optuna.Trial | FrozenTrial, key: str, valu
     """Set a user attribute of ``trial``, also one read back from the store or owned by another thread.
 
     Optuna's public ``Trial.set_user_attr`` belongs to the live ``Trial`` object of the process
-    that asked for it; a trial read back from the store (a ``FrozenTrial``: another worker's trial
+    that asked for it; a trial read back from the store (a ``FrozenTrial``: another peer's trial
     that is abandoned, or ours from the heartbeat thread) has no public way to be written. So the
     storage is called with the trial's id: Optuna's private ``_storage`` and ``_trial_id``, used
     here and nowhere else.

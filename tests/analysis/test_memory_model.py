@@ -30,8 +30,8 @@ def test_a_plan_with_several_points_gets_its_exact_line():
     assert (fitted.source, fitted.points, fitted.variant) == ("fit", 4, ("fp32", "0"))
     assert fitted.fixed_bytes == pytest.approx(5000) and fitted.per_sample_bytes == pytest.approx(300)
     assert fitted.max_error_bytes == pytest.approx(0, abs=1e-6) and model.relative_error() == pytest.approx(0, abs=1e-12)
-    assert model.predict(("fp32", "0"), 100) == pytest.approx(35000)
-    assert fitted.predict(0) == pytest.approx(5000)
+    assert model.estimate(("fp32", "0"), 100) == pytest.approx(35000)
+    assert fitted.estimate(0) == pytest.approx(5000)
 
 
 def test_trials_that_did_not_finish_or_read_no_peak_are_not_points():
@@ -72,7 +72,7 @@ def test_a_flat_or_falling_line_keeps_a_positive_per_sample_cost():
                              m("fp32", "2", 8, 4000)], [("fp32", "0"), ("fp32", "2")])
     assert model.lines[("fp32", "0")].per_sample_bytes == 1.0
     assert model.lines[("fp32", "2")].per_sample_bytes == 1.0
-    assert model.predict(("fp32", "0"), 1000) > model.predict(("fp32", "0"), 1)
+    assert model.estimate(("fp32", "0"), 1000) > model.estimate(("fp32", "0"), 1)
 
 
 # --- one point: the shared intercept ---------------------------------------------------------------
@@ -85,7 +85,7 @@ def test_a_one_point_plan_shares_the_intercept_of_its_precisions_other_plans():
     assert (one.source, one.points) == ("shared-intercept", 1)
     assert one.fixed_bytes == pytest.approx(7000) and one.per_sample_bytes == pytest.approx(80)
     assert one.max_error_bytes == pytest.approx(0, abs=1e-6)
-    assert model.predict(("fp32", "all"), 64) == pytest.approx(7000 + 64 * 80)
+    assert model.estimate(("fp32", "all"), 64) == pytest.approx(7000 + 64 * 80)
 
 
 def test_the_shared_intercept_is_the_joint_least_squares_one():
@@ -129,7 +129,7 @@ def test_an_intercept_above_the_point_gives_way_to_the_point():
     # A hint of 1000 bytes cannot be right for a peak of 400: half the point is taken as fixed, half per sample.
     one = MemoryModel.fit([m("fp32", "0", 4, 400)], [("fp32", "0")], fixed_bytes_hint=1000.0).lines[("fp32", "0")]
     assert (one.fixed_bytes, one.per_sample_bytes) == pytest.approx((200, 50))
-    assert one.predict(4) == pytest.approx(400) and one.per_sample_bytes > 0
+    assert one.estimate(4) == pytest.approx(400) and one.per_sample_bytes > 0
 
 
 # --- no point: borrowed slopes ---------------------------------------------------------------------
@@ -144,7 +144,7 @@ def test_an_unmeasured_plan_borrows_from_another_precision_scaled_by_the_median_
     assert predicted.per_sample_bytes == pytest.approx(20 * 0.55)  # not bf16's own recompute line (22)
     assert predicted.fixed_bytes == pytest.approx(800)  # its precision's intercept
     assert predicted.max_error_bytes is None and predicted.max_relative_error is None
-    assert model.predict(("bf16", "all"), 10) == pytest.approx(800 + 110)
+    assert model.estimate(("bf16", "all"), 10) == pytest.approx(800 + 110)
 
 
 def test_an_unmeasured_plan_follows_its_precisions_recompute_share_line():
@@ -223,14 +223,14 @@ def test_a_precisions_own_plans_come_before_element_sizes():
 def test_with_nothing_measured_nothing_is_predicted():
     model = MemoryModel.fit([m("fp32", "0", 8, 100, status="oom")], [("fp32", "0"), ("bf16", "all")], fixed_bytes_hint=10.0)
     assert model.lines == {} and model.to_list() == [] and model.relative_error() == 0.0
-    assert model.predict(("fp32", "0"), 8) is None
+    assert model.estimate(("fp32", "0"), 8) is None
 
 
 def test_measured_variants_outside_the_list_are_fitted_and_repeated_variants_are_one():
     trials = line("fp32", "0", 1000, 100, (1, 2)) + line("bf16", "2", 900, 40, (1, 2))
     model = MemoryModel.fit(trials, [("fp32", "0"), ("fp32", "0")])
     assert set(model.lines) == {("fp32", "0"), ("bf16", "2")}
-    assert model.predict(("fp32", "all"), 4) is None  # not asked for: not predicted
+    assert model.estimate(("fp32", "all"), 4) is None  # not asked for: not predicted
 
 
 def test_to_list_is_sorted_and_rounded():
@@ -247,8 +247,8 @@ def test_to_list_is_sorted_and_rounded():
 
 def test_memory_line_by_hand():
     ml = MemoryLine("fp16", "every2", fixed_bytes=1000.4, per_sample_bytes=99.6, points=0, source="predicted")
-    assert ml.variant == ("fp16", "every2") and ml.predict(10) == pytest.approx(1996.4)
+    assert ml.variant == ("fp16", "every2") and ml.estimate(10) == pytest.approx(1996.4)
     assert ml.to_dict() == {"precision": "fp16", "segments": "every2", "fixed_bytes": 1000, "per_sample_bytes": 100,
                             "points": 0, "source": "predicted", "max_error_bytes": None, "max_relative_error": None,
                             "compile": "none"}
-    assert MemoryModel({ml.variant: ml}).predict(("fp16", "every2"), 0) == pytest.approx(1000.4)
+    assert MemoryModel({ml.variant: ml}).estimate(("fp16", "every2"), 0) == pytest.approx(1000.4)

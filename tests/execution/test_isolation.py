@@ -1,7 +1,7 @@
-"""Jobs in fresh worker processes: what comes back, how a death or a hang is told, and what cannot be sent.
+"""Tasks in fresh worker processes: what comes back, how a death or a hang is told, and what cannot be sent.
 
 Each spawned worker imports torch (seconds): this file starts about twenty of them, one per outcome of
-``run_isolated``, and a few warm workers, each serving several trials. The jobs are module-level functions, which the worker imports by name. A worker
+``run_isolated``, and a few warm workers, each serving several trials. The tasks are module-level functions, which the worker imports by name. A worker
 killed by SIGKILL inside a search is tested in tests/execution/test_reliability.py.
 """
 
@@ -27,28 +27,28 @@ def gpt():
     return Workload.from_specs("autotune.examples:TinyGPT", model_kwargs=GPT)
 
 
-# --- jobs the workers run ----------------------------------------------------------------------
+# --- tasks the workers run ----------------------------------------------------------------------
 
 
-def job_describe(workload, *, tag):
+def task_describe(workload, *, tag):
     model = workload.build_model()
     return {"tag": tag, "name": workload.name, "parameters": sum(p.numel() for p in model.parameters()),
             "pid": os.getpid(), "layers": model.config.n_layer}
 
 
-def job_exit(workload, *, code):
+def task_exit(workload, *, code):
     os._exit(code)  # dies without a word, as a segfault or the OOM killer would leave it
 
 
-def job_hang(workload):
+def task_hang(workload):
     time.sleep(600)
 
 
-def job_usage(workload):
+def task_usage(workload):
     raise UsageError("--data 'x' is an empty dataset")
 
 
-def job_fail(workload):
+def task_fail(workload):
     raise ValueError("boom in the worker\nsecond line of the message")
 
 
@@ -56,7 +56,7 @@ def job_fail(workload):
 
 
 def test_a_result_comes_back_from_another_process():
-    done = run_isolated(gpt(), job_describe, {"tag": "t1"}, name="autotune-test", timeout_s=None)
+    done = run_isolated(gpt(), task_describe, {"tag": "t1"}, name="autotune-test", timeout_s=None)
     outcome, payload, seconds = done.outcome, done.payload, done.seconds
     assert outcome == "result" and seconds > 0
     assert payload["tag"] == "t1" and payload["name"] == "autotune.examples:TinyGPT" and payload["layers"] == 2
@@ -66,16 +66,16 @@ def test_a_result_comes_back_from_another_process():
 
 
 def test_a_worker_that_exits_without_a_word_is_crashed_with_its_exit_code():
-    done = run_isolated(gpt(), job_exit, {"code": 7}, name="autotune-test", timeout_s=None)
+    done = run_isolated(gpt(), task_exit, {"code": 7}, name="autotune-test", timeout_s=None)
     outcome, payload, seconds = done.outcome, done.payload, done.seconds
     assert (outcome, payload) == ("crashed", "worker process exited with code 7")
     assert multiprocessing.active_children() == []
 
 
 def test_a_worker_that_hangs_past_its_limit_is_killed_as_a_timeout(monkeypatch):
-    # The limit is the trial's time limit plus the start-up grace, read in this process when the job starts.
+    # The limit is the trial's time limit plus the start-up grace, read in this process when the task starts.
     monkeypatch.setattr(isolation, "STARTUP_GRACE_S", 1.0)
-    done = run_isolated(gpt(), job_hang, {}, name="autotune-test", timeout_s=1.5)
+    done = run_isolated(gpt(), task_hang, {}, name="autotune-test", timeout_s=1.5)
     outcome, payload, seconds = done.outcome, done.payload, done.seconds
     assert outcome == "timeout"
     assert payload == "the worker ran past 2.5 s and was killed (--trial-timeout plus start-up)"
@@ -85,12 +85,12 @@ def test_a_worker_that_hangs_past_its_limit_is_killed_as_a_timeout(monkeypatch):
 
 def test_bad_input_found_in_the_worker_is_raised_here():
     with pytest.raises(UsageError, match=r"^--data 'x' is an empty dataset$"):
-        run_isolated(gpt(), job_usage, {}, name="autotune-test", timeout_s=60)
+        run_isolated(gpt(), task_usage, {}, name="autotune-test", timeout_s=60)
     assert multiprocessing.active_children() == []
 
 
 def test_an_error_in_the_job_is_failed_with_its_first_line():
-    done = run_isolated(gpt(), job_fail, {}, name="autotune-test", timeout_s=60)
+    done = run_isolated(gpt(), task_fail, {}, name="autotune-test", timeout_s=60)
     outcome, payload, seconds = done.outcome, done.payload, done.seconds
     assert (outcome, payload) == ("failed", "ValueError: boom in the worker")
 
@@ -101,7 +101,7 @@ def test_an_error_in_the_job_is_failed_with_its_first_line():
 def test_a_workload_without_a_spec_cannot_be_isolated():
     bare = Workload(model_factory=lambda: nn.Linear(2, 2), name="bare")
     with pytest.raises(UsageError, match="Workload.from_specs"):
-        run_isolated(bare, job_describe, {"tag": "x"}, name="autotune-test", timeout_s=None)
+        run_isolated(bare, task_describe, {"tag": "x"}, name="autotune-test", timeout_s=None)
     with pytest.raises(UsageError, match="Workload.from_specs"):
         check_picklable(bare)
 
@@ -194,13 +194,13 @@ def test_a_warm_worker_that_hangs_is_killed_after_the_limit_and_a_crashed_one_is
     monkeypatch.setattr(isolation, "WARM_GRACE_S", 1.0)
     workers = Workers("cpu")
     try:
-        assert workers.run_job(gpt(), job_describe, {"tag": "a"}, name="autotune-test", timeout_s=60).outcome == "result"
-        done = workers.run_job(gpt(), job_hang, {}, name="autotune-test", timeout_s=1.5)
+        assert workers.run_task(gpt(), task_describe, {"tag": "a"}, name="autotune-test", timeout_s=60).outcome == "result"
+        done = workers.run_task(gpt(), task_hang, {}, name="autotune-test", timeout_s=1.5)
         outcome, payload, seconds = done.outcome, done.payload, done.seconds
         assert (outcome, payload) == ("timeout", "the worker ran past 2.5 s and was killed (--trial-timeout plus 1 s)")
         assert workers.pid is None and 2.5 < seconds < 30
-        assert workers.run_job(gpt(), job_describe, {"tag": "b"}, name="autotune-test", timeout_s=60).outcome == "result"
-        done = workers.run_job(gpt(), job_exit, {"code": 9}, name="autotune-test", timeout_s=60)
+        assert workers.run_task(gpt(), task_describe, {"tag": "b"}, name="autotune-test", timeout_s=60).outcome == "result"
+        done = workers.run_task(gpt(), task_exit, {"code": 9}, name="autotune-test", timeout_s=60)
         assert (done.outcome, done.payload) == ("crashed", "worker process exited with code 9")
         assert workers.started == 2 and workers.pid is None  # the crashed worker is not waited on for the next
     finally:

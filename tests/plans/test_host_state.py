@@ -125,7 +125,7 @@ def test_plans_with_the_state_on_the_host_share_an_intercept_of_their_own():
     assert abs(model.lines["fp32", "all+state"].fixed_bytes - 2e6) < 1e3
     assert abs(model.lines["fp32", "all"].fixed_bytes - 100e6) < 1e3  # drawn through plan 0's, not the host's
     # all has no point: its per-sample cost is borrowed along plans that keep the state where it keeps it
-    assert model.predict(("fp32", "all"), 8) > 100e6
+    assert model.estimate(("fp32", "all"), 8) > 100e6
 
 
 def test_the_auto_strategy_climbs_plans_with_the_state_on_the_host_apart():

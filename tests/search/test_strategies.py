@@ -210,10 +210,10 @@ def test_the_memory_model_recovers_lines_and_predicts_unmeasured_plans():
     assert fp32.source == "fit" and fp32.fixed_bytes == pytest.approx(8 * MiB, rel=1e-6)
     assert fp32.per_sample_bytes == pytest.approx(18 * MiB, rel=1e-6) and fp32.max_error_bytes < 1
     assert model.lines[("fp32", "4")].source == "shared-intercept"
-    assert model.predict(("fp32", "4"), 64) == pytest.approx(linear(Config("fp32", "4", 64)), rel=1e-6)
+    assert model.estimate(("fp32", "4"), 64) == pytest.approx(linear(Config("fp32", "4", 64)), rel=1e-6)
     bf16_4 = model.lines[("bf16", "4")]  # never measured: fp32's plan scaled by the bf16/fp32 ratio of plan 0
     assert bf16_4.source == "predicted" and bf16_4.points == 0
-    assert bf16_4.predict(64) == pytest.approx(linear(Config("bf16", "4", 64)), rel=0.02)
+    assert bf16_4.estimate(64) == pytest.approx(linear(Config("bf16", "4", 64)), rel=0.02)
     row = model.to_list()[0]
     assert set(row) == {"precision", "segments", "fixed_bytes", "per_sample_bytes", "points", "source",
                         "max_error_bytes", "max_relative_error", "compile"}

@@ -107,7 +107,7 @@ class View:
             guesses = {b: self.guess(variant, b) for b in self.sizes}
             if all(g is not None for g in guesses.values()):
                 return guesses
-        return None if variant not in self.model.lines else {b: self.model.predict(variant, b) for b in self.sizes}
+        return None if variant not in self.model.lines else {b: self.model.estimate(variant, b) for b in self.sizes}
 
     def by_prediction(self, variant: Variant) -> bool:
         """Whether ``variant``'s expected peaks are its predictions."""
@@ -119,7 +119,7 @@ class View:
         """The peak bytes expected at ``b``: predicted (infinite where predicted out of memory, or above a size
         predicted so), else the memory model's line."""
         if not self.by_prediction(variant):
-            return self.model.predict(variant, b)
+            return self.model.estimate(variant, b)
         points: dict[int, float] = {}
         for size in self.sizes:
             p = self.predictions.get(variant.at(size))
@@ -137,7 +137,7 @@ class View:
             return points[b]
         # one point: through the fixed part (the state), where it is known and below the point, else through 0
         line = Line.through(points, self.fixed_bytes_hint) or Line.through(points, 0.0)
-        return line.at(b) if line is not None else self.model.predict(variant, b)
+        return line.at(b) if line is not None else self.model.estimate(variant, b)
 
     def predicted_speed(self, config: Config) -> float | None:
         """The samples/s the time model predicts for ``config``: its own prediction's (``time_source`` predicted),
