@@ -37,7 +37,7 @@ from autotune.errors import AutotuneError, first_line
 from autotune.execution.fake_build import fake_buildable
 from autotune.execution.predict import Unpredictable, fake_tensors, quiet_fake_kernels
 from autotune.records import PREDICTED, Measurement, usable_bytes
-from autotune.report import Report
+from autotune.report import Report, variant_of
 from autotune.search.predicted import let_go
 from autotune.training.evaluation import EvalKind, eval_workload
 from autotune.vocabulary import EAGER, PRECISIONS, Plan, Status, Variant
@@ -120,8 +120,8 @@ def _find(measure: Callable[[Any, EvalKind], Measurement], variant: Variant, pas
           hint: dict[EvalKind, int | None] | None = None) -> dict[EvalKind, dict[str, Any]]:
     """Both limits of ``variant``, each by :func:`largest_within` from ``hint`` (else the training limit, and for
     inference the training state's bytes past the evaluation limit during training)."""
-    rows = [r for r in report.limits if (r["precision"], r["segments"]) == (variant.precision, variant.plan)]
-    row = next((r for r in rows if r.get("compile", EAGER) == EAGER), rows[0] if rows else {})  # eager's, if any
+    rows = [r for r in report.limits if (v := variant_of(r)).precision == variant.precision and v.plan == variant.plan]
+    row = next((r for r in rows if variant_of(r).compile == EAGER), rows[0] if rows else {})  # eager's, if any
     limit, slope = (hint or {}).get(EvalKind.DURING_TRAINING) or (None, None)
     found = {EvalKind.DURING_TRAINING: passes.search(lambda b: measure(variant.at(b), EvalKind.DURING_TRAINING),
                                                      limit or row.get("max_batch_size") or passes.multiple, slope)}

@@ -19,7 +19,7 @@ from autotune.execution.trial import TrialWork
 from autotune.preparation import Study, Target
 from autotune.records import Measurement, completed, usable_bytes
 from autotune.report import Report
-from autotune.vocabulary import EAGER, Status, Variant, compile_label, is_static, static_of
+from autotune.vocabulary import Status, Variant, compile_label, is_static, static_of
 
 __all__ = ["exact_limit", "static_compile"]
 
@@ -132,7 +132,9 @@ def _bisected(trials: _LimitTrials, row: dict, target: Target) -> dict[str, Any]
 
 def _row(report: Report, variant: Variant) -> dict:
     """The report's limit row of ``variant``."""
-    return next(r for r in report.limits if Variant(r["precision"], r["segments"], r.get("compile", EAGER)) == variant)
+    row = report.limit(variant)
+    assert row is not None, variant  # the recommendation's variant has a row: its trials made it
+    return row
 
 
 # -- stage 5c: a compiled recommendation, timed static ---------------------------------------------------------------

@@ -24,7 +24,7 @@ from autotune.report.files import write_atomically
 if TYPE_CHECKING:
     from autotune.report.shortfall import Shortfall
 
-__all__ = ["SCHEMA_VERSION", "Report", "load"]
+__all__ = ["SCHEMA_VERSION", "Report", "load", "variant_of"]
 
 # 2: checkpoint plans by name ("segments": "2", "all", "every2"), the blocks, plan_checks.
 # 3: the gradient-accumulation plan is "accumulation" (was "plan"); oom trials hold oom_held_bytes and
@@ -54,6 +54,11 @@ def _from_version_1(data: dict[str, Any]) -> dict[str, Any]:
     if library and "autotune" in library:
         library = {**library, "autotune": {**library["autotune"], "segments": Plan(library["autotune"]["segments"])}}
     return {**data, "search": search, "library_checkpointing": library}
+
+
+def variant_of(row: dict[str, Any]) -> Variant:
+    """The variant a report's row (a limit, a trial's configuration) is of: a record read back, not strings compared."""
+    return Variant(row["precision"], Plan(row["segments"]), row.get("compile", EAGER))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +105,10 @@ class Report:
             "limits": self._limits(budget_bytes, model=self.memory_model),
             "recommendation": self._trial_dict(rec) if rec else None,
         }
+
+    def limit(self, variant: Variant) -> dict[str, Any] | None:
+        """The limits row of ``variant`` (its precision, plan and compile mode), or None where it has none."""
+        return next((row for row in self.limits if variant_of(row) == variant), None)
 
     def eval_limit(self, precision: str, segments: str) -> dict[str, Any] | None:
         """The evaluation limits of the variant (``precision``, plan ``segments``), or None where there are none."""
