@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["llama3_torchtitan", "torchtitan_step", "bert_classifier", "bert_attention_2022", "zeroed_grads_step"]
+__all__ = ["llama3_torchtitan", "torchtitan_step", "bert_classifier", "bert_attention_2022", "zeroed_grads_step",
+           "mpt_foundry"]
 
 
 class RMSNorm(nn.Module):
@@ -226,3 +227,59 @@ def zeroed_grads_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
     return model(**batch).loss
+
+
+class MPTBlock(nn.Module):
+    """llm-foundry's MPT block as its benchmark configs build it: pre-norm LayerNorms without biases, fused QKV and
+    an output projection, causal attention (FlashAttention there; SDPA, which runs flash on an H100, here), a GELU
+    MLP of ``expansion`` x, no biases anywhere (``no_bias``)."""
+
+    def __init__(self, dim: int, heads: int, expansion: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm_1, self.norm_2 = nn.LayerNorm(dim, bias=False), nn.LayerNorm(dim, bias=False)
+        self.Wqkv, self.out_proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.up_proj, self.down_proj = (nn.Linear(dim, expansion * dim, bias=False),
+                                        nn.Linear(expansion * dim, dim, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in self.Wqkv(self.norm_1(x)).split(d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out_proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.down_proj(F.gelu(self.up_proj(self.norm_2(x))))
+
+
+class MPT(nn.Module):
+    """llm-foundry's ``mpt_causal_lm``: token and learned position embeddings, the blocks, a final LayerNorm, and
+    logits from the token embedding's weight (tied); the batch is ``example_batch``'s ``(tokens, labels)``."""
+
+    def __init__(self, *, dim: int, layers: int, heads: int, expansion: int, vocab: int, seq: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(MPTBlock(dim, heads, expansion) for _ in range(layers))
+        self.norm_f = nn.LayerNorm(dim, bias=False)
+        self.vocab, self.seq = vocab, seq
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.norm_f(x), self.wte.weight)
+
+    def example_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randint(0, self.vocab, (batch_size, self.seq)),
+                torch.randint(0, self.vocab, (batch_size, self.seq)))
+
+
+# llm-foundry's scripts/train/yamls/pretrain/mpt-{1b,7b}.yaml (commit 8c8dd48): d_model, n_heads, n_layers; both
+# expansion_ratio 4, vocab_size 50368, max_seq_len 2048, learned_pos_emb and no_bias by MPTConfig's defaults
+MPT_SIZES = {"1b": (2048, 16, 24), "7b": (4096, 32, 32)}
+
+
+def mpt_foundry(size: str = "7b", seq: int = 2048) -> nn.Module:
+    """llm-foundry's MPT of ``size`` ("1b", "7b") as its training benchmarks build it, trained on ``seq`` tokens."""
+    dim, heads, layers = MPT_SIZES[size]
+    return MPT(dim=dim, layers=layers, heads=heads, expansion=4, vocab=50368, seq=seq)
+

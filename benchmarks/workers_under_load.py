@@ -33,7 +33,7 @@ TINY = '{"n_layer": 2, "block_size": 16, "n_embd": 16, "n_head": 2, "vocab_size"
 # 16 configurations of short trials; under 320,000 bytes segments 0 fits batch 4 and segments 2 batch 8.
 SEARCH = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--device", "cpu", "--budget", "320000",
           "--precisions", "fp32,bf16", "--segments", "0,2", "--batch-sizes", "1..8", "--warmup-steps", "1",
-          "--measure-steps", "2", "--isolation", "none", "--no-probe", "--quiet"]
+          "--measure-steps", "2", "--isolation", "none", "--no-probe", "--no-eval-limits", "--quiet"]
 
 
 def _env() -> dict[str, str]:

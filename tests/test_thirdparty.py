@@ -115,7 +115,7 @@ def test_a_comparison_that_fails_is_a_notice_and_the_report_is_kept(tmp_path, mo
 
     monkeypatch.setattr("autotune.tuner.compare_library_trial", failing)
     report = autotune.tune("autotune.thirdparty:gpt2", model_kwargs=GPT2, device="cpu", budget="40MiB", precisions="fp32",
-                           segments="0,all", batch_sizes="1,2", measure_steps=1, probe=False,
+                           segments="0,all", batch_sizes="1,2", measure_steps=1, probe=False, eval_limits=False,
                            storage=f"sqlite:///{tmp_path}/f.db", study="f")
     assert report.recommendation is not None and report.library_checkpointing is None
     assert any("could not be made (RuntimeError: the library's switch broke)" in n for n in report.notices)

@@ -104,7 +104,7 @@ def test_waiting_for_trials_fails_at_once_on_a_broken_store_and_waits_on_a_missi
 # fp32 and bf16 without checkpointing run out of memory at batch 8, with 2 segments they fit.
 SEARCH = ["--model", "autotune.examples:TinyGPT", "--model-kwargs", TINY, "--device", "cpu", "--budget", "320000",
           "--precisions", "fp32,bf16", "--segments", "0,2", "--batch-sizes", "1..8", "--warmup-steps", "2",
-          "--measure-steps", "40", "--settle-steps", "0", "--isolation", "none", "--strategy", "grid"]
+          "--measure-steps", "40", "--settle-steps", "0", "--isolation", "none", "--no-eval-limits", "--strategy", "grid"]
 
 
 def test_isolated_trial_killed_by_sigkill_is_recorded_and_the_search_finishes(tmp_path):
