@@ -90,8 +90,9 @@ def ddp_run(tmp_path_factory):
     done = torchrun(*args, cwd=tmp, AUTOTUNE_RANK_BUDGETS="1=1.2MiB")
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(out.read_text())
-    # The same command again: every trial comes from rank 0's store, and the answer is the same.
-    again = torchrun(*args, "--no-probe", cwd=tmp, AUTOTUNE_RANK_BUDGETS="1=1.2MiB")
+    # The same command again: every trial comes from rank 0's store, and the answer is the same (the probe and the
+    # evaluation batch's search, which the first run ran on both ranks, left out)
+    again = torchrun(*args, "--no-probe", "--no-eval-limits", cwd=tmp, AUTOTUNE_RANK_BUDGETS="1=1.2MiB")
     assert again.returncode == 0, again.stderr[-3000:]
     return data, done, json.loads(out.read_text())
 
