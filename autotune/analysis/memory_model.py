@@ -192,15 +192,12 @@ class MemoryModel:
             return statistics.median(mine) if mine else (0.0 if state else fixed_bytes_hint or 0.0)
         models: dict[Variant, MemoryLine] = {}
         for variant, pts in points.items():
-            if len(pts) >= 2:
-                line = fit_line(pts)
-                fixed, slope, source = line.intercept, line.slope, "fit"
-            else:
-                fixed = fixed_of(variant)
+            line = Line.through(pts, None if len(pts) >= 2 else fixed_of(variant))
+            if line is None:  # one point at or below the shared intercept: it says more than the guess
                 (b, y), = pts.items()
-                slope, source = (y - fixed) / b, "shared-intercept"
-                if slope <= 0:  # the intercept is too large for this point: it says more than the guess
-                    fixed, slope = y * 0.5, y * 0.5 / b
+                line = Line(y * 0.5, y * 0.5 / b)
+            fixed, slope = line.intercept, line.slope
+            source = "fit" if len(pts) >= 2 else "shared-intercept"
             slope = max(slope, 1.0)
             errors = [abs(y - (fixed + slope * b)) for b, y in pts.items()]
             models[variant] = MemoryLine(variant.precision, variant.plan, fixed, slope, len(pts), source, max(errors),

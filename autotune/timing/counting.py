@@ -131,7 +131,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _dtype(args: tuple) -> str:
     first = next((t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
-    return _DTYPES.get(first.dtype, "fp32") if first is not None else "fp32"
+    return dtype_name(first.dtype if first is not None else torch.float32)
 
 
 def _name(func: Any, args: tuple, kind: str) -> str:
