@@ -246,7 +246,7 @@ def _main(args: argparse.Namespace, progress: Any, stopped: list[int], speaks: b
             except (OSError, ValueError) as write_exc:
                 wrote = f"could not write the partial report ({write_exc})"
             say(f"{how()} after {len(exc.report.trials)} trials; {wrote}; finished trials are kept in "
-                f"{exc.report.search['storage']}: run the same command to continue")
+                f"{exc.report.search.storage}: run the same command to continue")
         return _interrupted_code(stopped)
     except autotune.NothingFits as exc:  # the model's state alone exceeds the budget: no trial ran, no report
         say(str(exc))
@@ -278,7 +278,7 @@ def _finish(args: argparse.Namespace, report: Any, frameworks: tuple[str, ...], 
     except (OSError, ValueError) as exc:
         print(report.table())
         _say(f"error: cannot write the report: {getattr(exc, 'strerror', None) or exc}; the trials are kept in "
-             f"{report.search['storage']}, so run again with another --out")
+             f"{report.search.storage}, so run again with another --out")
         return EXIT_ERROR
     print(report.table())
     try:
@@ -300,7 +300,7 @@ def _finish(args: argparse.Namespace, report: Any, frameworks: tuple[str, ...], 
 
 def _write(report, out: str | None) -> str:
     """Write the JSON report to ``out`` (default ``results/<study>.json``); return the path."""
-    out = out or os.path.join("results", f"{report.search['study']}.json")
+    out = out or os.path.join("results", f"{report.search.study}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     report.to_json(out)
     return out

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["predict", "DryRun", "preflight_under", "Preflighted", "with_dry_run", "DRY_RUN_NOTICE"]
 
+DRY_RUN = "dry-run"  # the strategy a dry run's report names
 DRY_RUN_NOTICE = ("a dry run: every peak is predicted (memory_source predicted: the trial's code under fake tensors, "
                   "counted by the tensor meter), not measured; it has no step times (a CUDA dry run prices them for "
                   "the card named by --card NAME), so it recommends nothing: run without --dry-run to measure which "
@@ -58,11 +59,16 @@ DRY_RUN_NOTICE = ("a dry run: every peak is predicted (memory_source predicted: 
 
 @dataclasses.dataclass(frozen=True)
 class DryRun:
-    """What a dry run's predictions give: the search's ``result``, what the report's ``search`` section adds for a dry
-    run, and the ``notices`` that come first in the report."""
+    """What a dry run's predictions give: the search's ``result``, what the report's ``search`` section says of a dry
+    run (its meter, the limits' step, the time model and CUDA's rules where they priced it), the job whose rank was
+    predicted (``distributed``, with ``--world-size``), and the ``notices`` that come first in the report."""
 
     result: SearchResult
-    search: dict[str, Any]
+    memory_meter: str
+    batch_multiple: int
+    time_model: dict[str, Any] | None
+    cuda: dict[str, Any] | None
+    distributed: dict[str, Any] | None
     notices: tuple[str, ...]
 
 
@@ -91,20 +97,15 @@ def predict(target: "Target", facts: "ModelFacts", study: "Study", events: Any, 
                               state_bytes=facts.fixed_bytes, real_limit_bytes=available_ram_bytes(), mode=mode,
                               ranks=ranks, cuda=cuda, time_model=machine)
         result = _predicted(predictor, target, study, events, multiple, facts.fixed_bytes)
-    measured = predictor.why is not None
-    meter = ("tensor, under fake tensors (predicted)" if cuda is None else
+    meter = ("tensor (measured on the CPU: the model cannot run under fake tensors)" if predictor.why is not None else
+             "tensor, under fake tensors (predicted)" if cuda is None else
              "CUDA's caching allocator modelled over the tensor meter's allocation trace, under fake tensors (predicted)")
-    search = {"strategy": "dry-run", "dry_run": True, "batch_multiple": multiple, "storage": None,
-              "memory_meter": meter if not measured else
-              "tensor (measured on the CPU: the model cannot run under fake tensors)"}
-    if ranks is not None:  # the report's distributed, not its search (with_dry_run)
-        search["distributed"] = ranks.describe(target.precisions)
-    if cuda is not None:
-        search["cuda"] = cuda.describe(predictor.cuda_findings)
-    search["time_model"] = None if machine is None else {**machine.describe(), "checked": checked_error(machine.name)}
     notices = (_notice(machine), *_rank_notice(ranks), *(cuda.notices(predictor.cuda_findings) if cuda else ()),
                *predictor.notices)
-    return DryRun(result, search, notices)
+    return DryRun(result, memory_meter=meter, batch_multiple=multiple,
+                  time_model=None if machine is None else {**machine.describe(), "checked": checked_error(machine.name)},
+                  cuda=None if cuda is None else cuda.describe(predictor.cuda_findings),
+                  distributed=None if ranks is None else ranks.describe(target.precisions), notices=notices)
 
 
 def _time_model(target: "Target", for_cuda: bool) -> Any:
@@ -198,7 +199,7 @@ def _predicted(predictor: Predictor, target: "Target", study: "Study", events: A
         return trials[config]
 
     space, started = study.space, time.monotonic()
-    events.call("search_started", space_size=len(space), planned=None, strategy="dry-run",
+    events.call("search_started", space_size=len(space), planned=None, strategy=DRY_RUN,
                 budget_bytes=target.budget.bytes)
     try:
         for variant in space.variants():
@@ -216,10 +217,10 @@ def _predicted(predictor: Predictor, target: "Target", study: "Study", events: A
                         study_name=study.name, storage=None)
 
 
-def with_dry_run(report: Any, search: dict[str, Any], notices: tuple[str, ...]) -> Any:
-    """The report of a dry run: its search says so (``search``: a :class:`DryRun`'s), with the ``notices`` first;
-    with ``--world-size``, its ``distributed`` says which job's rank was predicted."""
-    search = dict(search)
-    distributed = search.pop("distributed", None) or report.distributed
-    return dataclasses.replace(report, search={**report.search, **search}, notices=notices + report.notices,
-                               distributed=distributed)
+def with_dry_run(report: Any, dry_run: DryRun) -> Any:
+    """The report of a dry run: its search says so, with the ``dry_run``'s notices first; with ``--world-size``, its
+    ``distributed`` says which job's rank was predicted."""
+    search = report.search.but(strategy=DRY_RUN, dry_run=True, storage=None, batch_multiple=dry_run.batch_multiple,
+                               memory_meter=dry_run.memory_meter, time_model=dry_run.time_model, cuda=dry_run.cuda)
+    return dataclasses.replace(report, search=search, notices=dry_run.notices + report.notices,
+                               distributed=dry_run.distributed or report.distributed)

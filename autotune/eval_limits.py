@@ -85,7 +85,7 @@ def eval_limits(report: Report, target: "Target", study: "Study", *, mode: Any =
     logger.info("evaluation limits: %d passes predicted, %d measured, in %.1f s", passes.predicted_passes,
                 passes.measured_passes, summary["wall_s"])
     return dataclasses.replace(report, eval_limits=tuple(rows), notices=report.notices + tuple(passes.notices),
-                               search={**report.search, "eval_limits": summary})
+                               search=report.search.but(eval_limits=summary))
 
 
 def _predicted_rows(variants: list[Variant], rec: Measurement | None, passes: "_Passes", report: Report

@@ -122,10 +122,10 @@ def memory_figure(report: Report) -> Figure:
     unit, scale = _unit(report)
     colors = _segment_colors(report)
     model = report.memory_model
-    space_sizes = (report.search.get("space") or {}).get("batch_sizes") or []
+    space_sizes = (report.search.space or {}).get("batch_sizes") or []
     measured = [m for m in report.trials if m.peak_bytes and m.status.measured_memory]
     all_sizes = sorted({m.batch_size for m in measured} | set(space_sizes))
-    blocks = (report.search.get("space") or {}).get("blocks")
+    blocks = (report.search.space or {}).get("blocks")
     rec = report.recommendation
     budget_handles: list[Any] = []
     for ax, (p, c) in zip(axes, modes):
@@ -198,7 +198,7 @@ def _figure(ncols: int, *, width: float) -> tuple[Figure, Sequence[Axes]]:
 
 def _precisions(report: Report) -> list[str]:
     """Precisions in the space's order, then any other a trial used."""
-    space = (report.search.get("space") or {}).get("precisions") or []
+    space = (report.search.space or {}).get("precisions") or []
     return list(dict.fromkeys([*space, *(m.precision for m in report.trials)]))
 
 
@@ -218,7 +218,7 @@ def _segment_colors(report: Report) -> dict[str, Any]:
     """One colour per checkpoint plan in the report, the same in both plots."""
     from matplotlib import colormaps
 
-    space = report.search.get("space") or {}
+    space = report.search.space or {}
     segments = plan_order({*(space.get("segments") or []), *(m.config.plan for m in report.trials)}, space.get("blocks"))
     cmap = colormaps["tab10" if len(segments) <= 10 else "tab20"]
     return {s: cmap(i % cmap.N) for i, s in enumerate(segments)}

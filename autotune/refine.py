@@ -75,7 +75,7 @@ def exact_limit(report: Report, target: Target, study: Study, events: Any) -> Re
                 min_oom_batch_size=side.get("min_oom_batch_size", row["min_oom_batch_size"]), trials=len(trials.added))
     if not trials.added:
         return report  # the space's top fits, or the limit is exact and measured already
-    return dataclasses.replace(trials.joined(report), search={**report.search, "exact_limit": side})
+    return dataclasses.replace(trials.joined(report), search=report.search.but(exact_limit=side))
 
 
 class _LimitTrials:
@@ -103,8 +103,7 @@ class _LimitTrials:
 
     def joined(self, report: Report) -> Report:
         """``report`` with the trials run so far (a timing replaces its memory trial)."""
-        kept = {m.config: m for m in report.trials} | {m.config: m for m in self.added}
-        return dataclasses.replace(report, trials=tuple(kept.values()))
+        return report.with_trials(*self.added)
 
 
 def _bisected(trials: _LimitTrials, row: dict, target: Target) -> dict[str, Any]:
@@ -171,15 +170,14 @@ def static_compile(report: Report, target: Target, study: Study, events: Any) ->
                                                                    target.budget.enforced, metered=metered))
         events.trial_done(runs[metered], False)
     dynamic, fixed = runs[False], runs[True]
-    kept = {m.config: m for m in report.trials} | {fixed.config: fixed}
-    if dynamic.status == Status.OK:  # the two timed side by side decide between them, not one pooled with an older run
-        kept[rec.config] = completed(kept[rec.config], dynamic, None)
+    # the two timed side by side decide between them, not one pooled with an older run
+    timed = (completed(rec, dynamic, None),) if dynamic.status == Status.OK else ()
     side = {"precision": rec.precision, "segments": str(rec.config.plan), "batch_size": rec.batch_size,
             "compile": rec.config.compile, "static": static.compile,
             "dynamic_step_s": dynamic.step_s, "static_step_s": fixed.step_s, "static_peak_bytes": fixed.peak_bytes,
             "dynamic_peak_bytes": rec.peak_bytes, "static_compile_s": fixed.compile_s, "static_status": str(fixed.status),
             "static_over_dynamic": round(fixed.step_s / dynamic.step_s, 4) if fixed.step_s and dynamic.step_s else None}
-    out = dataclasses.replace(report, trials=tuple(kept.values()), search={**report.search, "static_compile": side})
+    out = dataclasses.replace(report.with_trials(fixed, *timed), search=report.search.but(static_compile=side))
     chosen = out.recommendation
     logger.info("%s: step %.4g s static against %.4g s dynamic; recommended: %s", compile_label(static.compile),
                 fixed.step_s or float("nan"), dynamic.step_s or float("nan"), chosen.config if chosen else None)

@@ -46,7 +46,7 @@ from autotune.execution.predict import fake_tensors, quiet_fake_kernels
 from autotune.execution.probe import ProbeWork
 from autotune.execution.trial import TrialWork
 from autotune.records import Config, Measurement, ProbeResult
-from autotune.report import Report
+from autotune.report import Report, SearchSection
 from autotune.search.space import SearchSpace
 from autotune.search.loop import SearchInterrupted, SearchResult, run_search
 from autotune.search.predicted import Seeding, seed
@@ -121,7 +121,7 @@ def _stages(options: Options, progress: Any, on_trial: Callable[[Measurement, bo
             report = eval_limits(report, target, study)
             return compare_library(report, target, facts, study)
         except KeyboardInterrupt:
-            raise Interrupted(dataclasses.replace(report, search={**report.search, "partial": True})) from None
+            raise Interrupted(dataclasses.replace(report, search=report.search.but(partial=True))) from None
 
 
 def _dry_run(target: Target, events: "_Events") -> Report:
@@ -137,7 +137,7 @@ def _dry_run(target: Target, events: "_Events") -> Report:
         target = dataclasses.replace(target, notices=target.notices + preflighted.notices)
         study = plan_study(target, facts)
         dry_run = predict(target, facts, study, events, mode)
-        report = with_dry_run(analyse(target, facts, study, dry_run.result), dry_run.search, dry_run.notices)
+        report = with_dry_run(analyse(target, facts, study, dry_run.result), dry_run)
         report = _with_floor(report, target, facts)
         return eval_limits(report, target, study, mode=mode)
 
@@ -251,25 +251,21 @@ def analyse(target: Target, facts: ModelFacts, study: Study, result: SearchResul
         workload=_workload_section(target, facts, study),
         budget_bytes=target.budget.bytes,
         headroom=target.budget.headroom,
-        search={
-            "strategy": searching.strategy, "n_trials_limit": searching.n_trials, "n_trials": len(result.measurements),
-            "n_run": result.n_run, "n_reused": result.n_reused, "wall_s": round(result.wall_s, 3),
-            "study": result.study_name, "storage": result.storage, "space": study.space.to_dict(),
-            "warmup_steps": settings.warmup_steps, "measure_steps": settings.measure_steps,
-            "settle_steps": settings.settle_steps, "predictions": result.seeding,
-            "batch_multiple": searching.batch_multiple,  # the step of the limits made exact (predicted, confirmed)
-            "trial_timeout_s": settings.timeout_s, "memory_meter": _meters(target, study.space),
-            "isolation": target.isolation, **target.venue.describe(), "partial": result.partial,
-            # configurations by what their trials measured; those timed after a memory trial of their own
-            "figures": {f: sum(m.figures == f for m in result.measurements) for f in ("memory+time", "memory", "none")},
-            "timed_after_memory_trial": sum(m.memory_from is not None for m in result.measurements),
-            # the trials' seconds before their first step (worker start, imports, model build) and in their steps
-            "setup_s": round(sum(m.setup_s or 0.0 for m in result.measurements), 3),
-            "steps_s": round(sum(m.steps_s or 0.0 for m in result.measurements), 3),
-            # --offload: what offloading plans (PLAN+offload) could hold in host memory, and how that was set
+        search=SearchSection(
+            strategy=searching.strategy, n_trials_limit=searching.n_trials, n_trials=len(result.measurements),
+            n_run=result.n_run, n_reused=result.n_reused, wall_s=round(result.wall_s, 3),
+            study=result.study_name, storage=result.storage, space=study.space.to_dict(),
+            warmup_steps=settings.warmup_steps, measure_steps=settings.measure_steps,
+            settle_steps=settings.settle_steps, predictions=result.seeding, batch_multiple=searching.batch_multiple,
+            trial_timeout_s=settings.timeout_s, memory_meter=_meters(target, study.space),
+            isolation=target.isolation, more=target.venue.describe(), partial=result.partial,
+            figures={f: sum(m.figures == f for m in result.measurements) for f in ("memory+time", "memory", "none")},
+            timed_after_memory_trial=sum(m.memory_from is not None for m in result.measurements),
+            setup_s=round(sum(m.setup_s or 0.0 for m in result.measurements), 3),
+            steps_s=round(sum(m.steps_s or 0.0 for m in result.measurements), 3),
             **({"host_budget_bytes": target.host_budget_bytes, "host_budget_source": target.host_budget_source}
                if any(Plan(s).offload_mode for s in study.space.plans) else {}),
-        },
+        ),
         trials=result.measurements,
         predictions=result.predictions,
         notices=target.notices + study.notices + result.notices,
@@ -339,7 +335,7 @@ def probe(report: Report, target: Target, study: Study, events: "_Events") -> Re
             events.probe_done(results[-1])
     except KeyboardInterrupt:  # the probe is incomplete: report what it did, marked partial
         raise Interrupted(dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict(),
-                                              search={**report.search, "partial": True})) from None
+                                              search=report.search.but(partial=True))) from None
     return dataclasses.replace(report, probe=tuple(results), probe_settings=settings.to_dict())
 
 

@@ -484,11 +484,14 @@ def test_a_dry_run_for_a_card_plans_its_memory_capability_and_time(tiny_gpt_kwar
 
 
 def test_a_dry_runs_report_says_it_is_one_first():
-    from autotune.dry_run import DRY_RUN_NOTICE, with_dry_run
+    from autotune.dry_run import DRY_RUN_NOTICE, DryRun, with_dry_run
+    from autotune.search.loop import SearchResult
     from tests.paths import DATA
 
     report = autotune.load(os.path.join(DATA, "quickstart-v1.json"))
-    dry = with_dry_run(report, {"strategy": "dry-run", "dry_run": True, "batch_multiple": 1}, (DRY_RUN_NOTICE,))
+    dry = with_dry_run(report, DryRun(SearchResult((), 0, 0, 0.0, "", None), memory_meter="tensor", batch_multiple=1,
+                                      time_model=None, cuda=None, distributed=None, notices=(DRY_RUN_NOTICE,)))
     assert dry.dry_run and not report.dry_run and dry.notices[0] == DRY_RUN_NOTICE
+    assert dry.search["strategy"] == "dry-run" and dry.search["storage"] is None
     assert dry.notices[1:] == report.notices and dry.search["space"] == report.search["space"]
     assert all(row["predicted"] for row in dry.limits)  # every limit of a dry run labelled a prediction

@@ -20,11 +20,12 @@ from autotune.analysis.pareto import LineRule, batch_limits, choose, pareto_fron
 from autotune.vocabulary import EAGER, Plan, Variant
 from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan, usable_bytes
 from autotune.report.files import write_atomically
+from autotune.report.sections import SearchSection
 
 if TYPE_CHECKING:
     from autotune.report.shortfall import Shortfall
 
-__all__ = ["SCHEMA_VERSION", "Report", "load", "variant_of"]
+__all__ = ["SCHEMA_VERSION", "Report", "SearchSection", "load", "variant_of"]
 
 # 2: checkpoint plans by name ("segments": "2", "all", "every2"), the blocks, plan_checks.
 # 3: the gradient-accumulation plan is "accumulation" (was "plan"); oom trials hold oom_held_bytes and
@@ -69,7 +70,7 @@ class Report:
     workload: dict[str, Any]
     budget_bytes: int | None
     headroom: float
-    search: dict[str, Any]
+    search: SearchSection  # a mapping given here is read as one (SearchSection.from_dict)
     trials: tuple[Measurement, ...]
     notices: tuple[str, ...] = ()
     guard: GuardRails = GuardRails()
@@ -86,10 +87,14 @@ class Report:
     # None where they were not looked for (--no-eval-limits, a report from before them)
     eval_limits: tuple[dict[str, Any], ...] | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.search, SearchSection):
+            object.__setattr__(self, "search", SearchSection.from_dict(self.search))
+
     @property
     def memory_model(self) -> MemoryModel:
         """``peak = fixed + per_sample x batch`` per variant (precision, plan, compile mode), fitted to the trials."""
-        space = self.search.get("space") or {}
+        space = self.search.space or {}
         variants = [Variant(p, s, c) for c in space.get("compile") or (EAGER,) for p in space.get("precisions", ())
                     for s in space.get("segments", ())]
         hint = self.workload.get("fixed_bytes")  # weights, gradients, optimizer state; before schema 4: AdamW's 4x
@@ -105,6 +110,13 @@ class Report:
             "limits": self._limits(budget_bytes, model=self.memory_model),
             "recommendation": self._trial_dict(rec) if rec else None,
         }
+
+    def with_trials(self, *trials: Measurement) -> "Report":
+        """This report with ``trials`` joined: each takes the place of the trial of its configuration (a timing of a
+        memory trial, a measurement taken again), or comes after the others; the one door a trial enters a report by
+        after the analysis."""
+        kept = {m.config: m for m in self.trials} | {m.config: m for m in trials}
+        return dataclasses.replace(self, trials=tuple(kept.values()))
 
     def limit(self, variant: Variant) -> dict[str, Any] | None:
         """The limits row of ``variant`` (its precision, plan and compile mode), or None where it has none."""
@@ -136,7 +148,7 @@ class Report:
     def dry_run(self) -> bool:
         """Whether the trials were predicted (``--dry-run``), not measured: their step times (where a time model priced
         them) and the recommendation are estimates."""
-        return bool(self.search.get("dry_run"))
+        return bool(self.search.dry_run)
 
     @property
     def nothing_fits(self) -> bool:
@@ -171,18 +183,16 @@ class Report:
         return LineRule.of(self.workload.get("fixed_bytes"), optimizer.get("state_bytes") is not None, shapes_vary, held)
 
     def _limits(self, budget_bytes: int | None, model: MemoryModel | None = None) -> list[dict]:
-        space = self.search.get("space") or {}
+        space, step = self.search.space or {}, self.search.batch_multiple
         rows = batch_limits(self.trials, budget_bytes, batch_sizes=space.get("batch_sizes"), model=model,
                             plans=space.get("segments", ()), blocks=space.get("blocks"), line_rule=self.line_rule,
                             predictions={m.config: m for m in self.predictions})
         if self.dry_run:  # bisected: exact where the next multiple of --batch-multiple was predicted not to fit
-            step = self.search["batch_multiple"]
             for row in rows:
                 row.update(predicted=True, exact=row["min_oom_batch_size"] is not None
                            and (row["max_batch_size"] or 0) + step >= row["min_oom_batch_size"])
-        elif self.predictions and "batch_multiple" in self.search:  # the search's predictions make each limit exact
-            rows = exact_limits(rows, self.trials, {m.config: m for m in self.predictions}, budget_bytes,
-                                self.search["batch_multiple"])
+        elif self.predictions and step is not None:  # the search's predictions make each limit exact
+            rows = exact_limits(rows, self.trials, {m.config: m for m in self.predictions}, budget_bytes, step)
         return rows
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,7 +203,7 @@ class Report:
             "workload": self.workload,
             "budget_bytes": self.budget_bytes,
             "headroom": self.headroom,
-            "search": self.search,
+            "search": self.search.to_dict(),
             "trials": [self._trial_dict(m) for m in self.trials],
             "predictions": [m.to_dict() for m in self.predictions],
             "limits": self.limits,
@@ -250,7 +260,7 @@ class Report:
             workload=data["workload"],
             budget_bytes=data["budget_bytes"],
             headroom=data["headroom"],
-            search=data["search"],
+            search=SearchSection.from_dict(data["search"]),
             trials=tuple(Measurement.from_dict(t) for t in data["trials"]),
             predictions=tuple(Measurement.from_dict(t) for t in data.get("predictions", ())),
             eval_limits=None if data.get("eval_limits") is None else tuple(data["eval_limits"]),

@@ -76,7 +76,7 @@ def shortfall(report: Any) -> Shortfall:
                          probe_rejections=tuple((str(r.config), r.reason) for r in report.probe))
     measured = [m for m in report.trials if m.peak_bytes is not None and m.status.measured_memory]
     smallest = min(measured, key=lambda m: m.peak_bytes, default=None)
-    space = report.search["space"]
+    space = report.search.space
     plans = [Plan(s) for s in space["segments"]]
     state = report.workload.get("fixed_bytes")
     held = [sum(parts.values()) for name, parts in (report.workload.get("state_by_precision") or {}).items()

@@ -70,34 +70,34 @@ def _named(row: dict[str, Any]) -> str:
 def _search_lines(report: Any) -> list[str]:
     """Where the trials' time went: set-up (a worker's start, imports, the model's build) against their steps."""
     search = report.search
-    if "setup_s" not in search:  # a report from before set-up was measured
+    if search.setup_s is None:  # a report from before set-up was measured
         return []
     if report.dry_run:
-        return [f"dry run: {search['n_trials']} configurations in {search['wall_s']:.1f} s, {search['memory_meter']}; "
-                f"limits exact in steps of {search['batch_multiple']} (--batch-multiple)"]
-    setup, steps = search["setup_s"], search["steps_s"]
+        return [f"dry run: {search.n_trials} configurations in {search.wall_s:.1f} s, {search.memory_meter}; "
+                f"limits exact in steps of {search.batch_multiple} (--batch-multiple)"]
+    setup, steps = search.setup_s, search.steps_s
     share = f"{setup / (setup + steps):.0%}, " if setup + steps > 0 else ""
-    lines = [f"search: {search['n_trials']} configurations in {search['wall_s']:.1f} s; the trials spent {setup:.1f} s "
+    lines = [f"search: {search.n_trials} configurations in {search.wall_s:.1f} s; the trials spent {setup:.1f} s "
              f"setting up ({share}a worker's start, imports, the model's build) and {steps:.1f} s in steps"]
-    seeding = search.get("predictions") or {}
+    seeding = search.predictions or {}
     if seeding.get("not_timed_predicted_slower"):
         lines.append(f"time model ({seeding['time_model']}, median error {seeding['time_error']:.0%} against measured "
                      f"steps): {seeding['not_timed_predicted_slower']} configurations within the budget were not timed, "
                      f"their predicted steps losing to the fastest predicted by more than "
                      f"{2 * seeding['time_error']:.0%} (twice the error)")
-    confirmed = search.get("exact_limit") or {}
+    confirmed = search.exact_limit or {}
     if "confirmed" in confirmed:
         lines.append(f"the recommended variant's limit, {confirmed['precision']}/{confirmed['segments']}: "
                      + (f"{confirmed['max_batch_size']} fits and {confirmed['min_oom_batch_size']} does not, the "
                         f"predictions confirmed by a trial at each" if confirmed["confirmed"] else
                         f"the predictions were not confirmed by trials; bisected by trials: "
                         f"{confirmed['max_batch_size']} fits, {confirmed['min_oom_batch_size']} does not"))
-    if "host_budget_source" in search:  # offloaded plans were searched
+    if search.host_budget_source is not None:  # offloaded plans were searched
         held = max((m.host_peak_bytes for m in report.trials if m.host_peak_bytes is not None), default=None)
-        budget = search.get("host_budget_bytes")
+        budget = search.host_budget_bytes
         lines.append(f"host: offloaded plans (PLAN+offload, PLAN+state) held up to "
                      f"{format_bytes(held) if held else 'nothing'} in host memory, under a host budget of "
-                     f"{format_bytes(budget) if budget else 'none'} ({search['host_budget_source']})")
+                     f"{format_bytes(budget) if budget else 'none'} ({search.host_budget_source})")
     shares = sorted(m.optimizer_step_share for m in report.trials if m.optimizer_step_share is not None)
     if shares:  # the state in host memory: the optimizer steps on the CPU
         lines.append(f"state: with the state in host memory (PLAN+state) the optimizer's step on the CPU took "
@@ -189,7 +189,7 @@ def _probe_lines(report: Any) -> list[str]:
 
 def _estimate_lines(report: Any, rec: Any, budget: str) -> list[str]:
     """A dry run's recommendation: its memory and its time predicted, an estimate with the model's checked error."""
-    model = report.search.get("time_model") or {}
+    model = report.search.time_model or {}
     checked = model.get("checked")
     error = (f"median error {checked['median_abs_error']:.0%} measured ({checked['source']})" if checked
              else f"its error not measured on {model.get('name')}")
@@ -222,7 +222,7 @@ def _recommendation_lines(report: Any) -> list[str]:
     way = f", {compile_label(rec.config.compile)} (torch.compile)" if rec.config.compiled else ""
     lines = [f"recommendation: {rec.precision}, segments {rec.config.plan}{way}, batch size {rec.batch_size}: "
              f"{speed:.1f} samples/s, {where} {format_bytes(peak)}{share}"]
-    static = report.search.get("static_compile")
+    static = report.search.static_compile
     if static and static.get("static_over_dynamic"):
         lines.append(f"compiled static (dynamic=False) at batch {static['batch_size']}: step "
                      f"{static['static_over_dynamic']:.3f}x the dynamic graph's ({static['static_step_s']:.4g} s against "
@@ -262,7 +262,7 @@ def _eval_lines(report: Any) -> list[str]:
         which = "every plan" if every else "plan " + ", ".join(r["segments"] for r in group)
         parts.append(f"{precision} ({which}): {size(group[0], 'during_training')} / {size(group[0], 'inference')} "
                      f"({source})")
-    search = report.search.get("eval_limits") or {}
+    search = report.search.eval_limits or {}
     top = f"; N+: the largest looked for ({search['top']})" if any(r[k]["at_top"] for r in rows for k in (
         "during_training", "inference")) and search.get("top") else ""
     return [f"largest evaluation batch (forward and loss under torch.no_grad(), on the worst batch of "
