@@ -8,8 +8,9 @@ each configuration of its grid (fp32 and bf16, plans 0 and all, three batch size
 run's trial under fake tensors, its ops counted and priced) and then timed for real (``run_trial``: the median of its
 timed steps), one after the other. Reported: per model and over all, Spearman's rank correlation of predicted and
 measured step times, the median absolute error of the prediction, and the measured throughput of the configuration
-the prediction recommends (as a dry run does: the fastest predicted, near ties broken toward the larger batch,
-``autotune.analysis.pareto.predicted_choice``) against the measured best.
+the prediction recommends (as a dry run does: the fastest predicted, those within the model's median error of it not
+told apart and the largest batch among them chosen, ``autotune.analysis.pareto.predicted_choice``) against the
+measured best.
 
 Writes ``results/time_model-cpu.json`` and ``.md``, and ``autotune/timing/checked.json`` (the error a dry run quotes);
 ``--cards`` writes ``results/time_model-cards.md`` (the card table, from ``autotune/timing/cards.json``) only.
@@ -111,14 +112,16 @@ def _rows(name: str, machine, quick: bool) -> list[dict]:
     return rows
 
 
-def summary(rows: list[dict], median: bool = False) -> dict:
+def summary(rows: list[dict], tie: float, median: bool = False) -> dict:
     """Spearman, median absolute error and the recommendation's measured throughput against the best's, against
-    each configuration's fastest timed step (``median``: its median step, the search's figure)."""
+    each configuration's fastest timed step (``median``: its median step, the search's figure). ``tie``: the error a
+    dry run will quote after this run (the pooled median error against fastest steps, ``checked.json``)."""
     step, per_s, error = (("measured_median_step_s", "measured_median_per_s", "error_median") if median else
                           ("measured_step_s", "measured_per_s", "error"))
     predicted, measured = [r["predicted_step_s"] for r in rows], [r[step] for r in rows]
-    # what a dry run recommends from the predictions: the fastest predicted, near ties broken toward the larger batch
-    chosen = predicted_choice(rows, lambda r: r["predicted_per_s"], lambda r: r["batch_size"])
+    # what a dry run recommends from the predictions: the fastest predicted, those within the model's error of it not
+    # told apart and the largest batch among them chosen
+    chosen = predicted_choice(rows, lambda r: r["predicted_per_s"], lambda r: r["batch_size"], tie=tie)
     best = max(rows, key=lambda r: r[per_s])
     return {"configurations": len(rows), "spearman": spearman(predicted, measured),
             "median_abs_error": statistics.median(abs(r[error]) for r in rows),
@@ -135,7 +138,9 @@ def markdown(result: dict) -> str:
              f"tensors, its ops' FLOPs and bytes priced on this CPU, calibrated: {result['machine']}) and then timed "
              f"for real: {STEPS} timed steps, the fastest its measurement (the machine is shared: other processes only "
              f"slow a step down; the calibration takes the fastest runs too), the median beside it. Load average when "
-             f"it ran (1, 5, 15 min): {env['load']}.", "",
+             f"it ran (1, 5, 15 min): {env['load']}. The recommendation is a dry run's: the fastest predicted, the "
+             f"predictions within the model's median error ({result['near_tie']:.1%}) of it not told apart and the "
+             f"largest batch among them chosen.", "",
              "| model | configurations | Spearman | median abs error | recommended (predicted) | measured best | "
              "recommended / best (measured samples/s) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in [*result["models"].items(), ("all", result["all"]),
@@ -190,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.models.split(","):
         rows += _rows(name, machine, args.quick)
-    models = {name: summary([r for r in rows if r["model"] == name]) for name in dict.fromkeys(r["model"] for r in rows)}
-    pooled, against_median = summary(rows), summary(rows, median=True)
+    tie = statistics.median(abs(r["error"]) for r in rows)  # the error a dry run quotes after this run
+    models = {name: summary([r for r in rows if r["model"] == name], tie)
+              for name in dict.fromkeys(r["model"] for r in rows)}
+    pooled, against_median = summary(rows, tie), summary(rows, tie, median=True)
     for figures, per_model in ((pooled, models), (against_median, {n: summary([r for r in rows if r["model"] == n],
-                                                                              median=True) for n in models})):
+                                                                              tie, median=True) for n in models})):
         # a recommendation is one model's: over all, the worst model's recommendation against its best
         worst = min(per_model, key=lambda n: per_model[n]["recommended_over_best"])
         figures.update(recommended=f"worst: {worst}, {per_model[worst]['recommended']}",
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
               "environment": {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": args.threads,
                               "torch": torch.__version__, "load": " ".join(f"{x:.2f}" for x in os.getloadavg())},
               "machine": machine.source, "models": models, "all": pooled,
-              "all_against_median_steps": against_median, "rows": rows,
+              "all_against_median_steps": against_median, "near_tie": round(tie, 4), "rows": rows,
               "wall_s": round(time.monotonic() - started, 1)}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "time_model-cpu.json"), "w") as f:

@@ -51,12 +51,20 @@ def pareto_front(measurements: Iterable[Measurement], budget_bytes: int | None) 
     return front
 
 
-def recommend(measurements: Iterable[Measurement], budget_bytes: int | None, headroom: float = HEADROOM) -> Measurement | None:
+# Predicted step times within this share of the fastest predicted are not told apart where the time model's error was
+# not measured (a card's, unchecked): the 5% of the best that a recommendation is held to. Where it was measured
+# (autotune/timing/checked.json), a report uses that error instead (Report.predicted_tie).
+PREDICTED_TIE = 0.05
+
+
+def recommend(measurements: Iterable[Measurement], budget_bytes: int | None, headroom: float = HEADROOM, *,
+              tie: float = PREDICTED_TIE) -> Measurement | None:
     """Return the fastest feasible trial whose peak stays within ``budget x (1 - headroom)``, or None.
 
     The headroom leaves room for what short trials do not see: fragmentation, longer batches,
     a framework's own buffers. On a tie in throughput the smaller peak wins. Where the step times are predicted
-    (a dry run's), near ties are broken toward the larger batch (:func:`predicted_choice`).
+    (a dry run's), those within ``tie`` of the fastest (the time model's measured error) are not told apart, and the
+    largest batch among them wins (:func:`predicted_choice`).
     """
     candidates = feasible(measurements, usable_bytes(budget_bytes, headroom))
     if not candidates:
@@ -65,24 +73,18 @@ def recommend(measurements: Iterable[Measurement], budget_bytes: int | None, hea
     if best.time_source != PREDICTED:
         return best
     return predicted_choice([m for m in candidates if m.time_source == PREDICTED], lambda m: m.samples_per_s,
-                            lambda m: m.batch_size, lambda m: -m.peak_bytes)
-
-
-# Predicted step times within this share of the fastest predicted do not tell which is faster: the time model's
-# median error is larger (results/time_model-cpu.md), and every one of them is, by the prediction, within the 5% of
-# the best that a recommendation is held to.
-PREDICTED_TIE = 0.05
+                            lambda m: m.batch_size, lambda m: -m.peak_bytes, tie=tie)
 
 
 def predicted_choice(options: Sequence[T], speed: Callable[[T], float], batch_size: Callable[[T], int],
-                     then: Callable[[T], float] = lambda _: 0.0) -> T:
-    """Of ``options`` whose ``speed`` (samples/s) is predicted: the largest batch among those within
-    :data:`PREDICTED_TIE` of the fastest, then the fastest, then ``then``'s largest. A larger batch spreads the
-    step's fixed costs (the optimizer's step, each op's dispatch) over more samples, the costs a time model prices
-    least well: on this CPU every bundled model's measured throughput grows with the batch, where near ties in the
-    prediction pointed the other way (GPT-2 and a Llama at batch 8, 90% and 89% of the measured best at 32)."""
+                     then: Callable[[T], float] = lambda _: 0.0, *, tie: float = PREDICTED_TIE) -> T:
+    """Of ``options`` whose ``speed`` (samples/s) is predicted: the largest batch among those within ``tie`` of the
+    fastest (predictions the time model cannot tell apart: its measured error), then the fastest, then ``then``'s
+    largest. A larger batch spreads the step's fixed costs (the optimizer's step, each op's dispatch) over more
+    samples, the costs a time model prices least well: on our CPUs the bundled models' measured throughput mostly
+    grows with the batch, where near ties in the prediction pointed the other way (results/time_model-cpu.md)."""
     fastest = max(speed(o) for o in options)
-    near = [o for o in options if speed(o) >= (1 - PREDICTED_TIE) * fastest]
+    near = [o for o in options if speed(o) >= (1 - tie) * fastest]
     return max(near, key=lambda o: (batch_size(o), speed(o), then(o)))
 
 

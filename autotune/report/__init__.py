@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.analysis.exact import exact_limits
 from autotune.analysis.memory_model import MemoryModel
-from autotune.analysis.pareto import LineRule, batch_limits, choose, pareto_front, recommend
+from autotune.analysis.pareto import PREDICTED_TIE, LineRule, batch_limits, choose, pareto_front, recommend
 from autotune.vocabulary import EAGER, Plan, Variant
 from autotune.records import GuardRails, Measurement, PlanCheck, ProbeResult, accumulation_plan, usable_bytes
 from autotune.report.files import write_atomically
@@ -104,7 +104,7 @@ class Report:
 
     def for_budget(self, budget_bytes: int | None) -> dict[str, Any]:
         """Limits and recommendation (from the short trials) for another budget, with the same headroom."""
-        rec = recommend(self.trials, budget_bytes, self.headroom)
+        rec = recommend(self.trials, budget_bytes, self.headroom, tie=self.predicted_tie)
         return {
             "budget_bytes": budget_bytes,
             "limits": self._limits(budget_bytes, model=self.memory_model),
@@ -142,7 +142,14 @@ class Report:
         if self.probe is not None:
             chosen = choose(self.probe)
             return next((m for m in self.trials if chosen is not None and m.config == chosen.config), None)
-        return recommend(self.trials, self.budget_bytes, self.headroom)
+        return recommend(self.trials, self.budget_bytes, self.headroom, tie=self.predicted_tie)
+
+    @property
+    def predicted_tie(self) -> float:
+        """How close predicted throughputs must be not to be told apart: the time model's measured median error where
+        a benchmark checked it (``search.time_model.checked``), else :data:`PREDICTED_TIE`."""
+        checked = (self.search.time_model or {}).get("checked") or {}
+        return checked.get("median_abs_error") or PREDICTED_TIE
 
     @property
     def dry_run(self) -> bool:

@@ -273,7 +273,7 @@ def _eval_lines(report: Any) -> list[str]:
 def _budget_lines(report: Any) -> list[str]:
     lines = []
     for budget in report.budgets:
-        other = recommend(report.trials, budget, report.headroom)
+        other = recommend(report.trials, budget, report.headroom, tie=report.predicted_tie)
         limits = ", ".join(f"{_named(r)}: {r['max_batch_size'] or 'none'}"
                            + ("" if r.get("bracketed", True) else f" (model: {r.get('predicted_max_batch_size') or 'none'})")
                            for r in report.for_budget(budget)["limits"])

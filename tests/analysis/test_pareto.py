@@ -52,6 +52,9 @@ def test_a_dry_runs_near_ties_go_to_the_larger_batch_and_measured_ones_to_the_fa
     assert recommend(predicted, 200 * MiB).config == Config("bf16", "0", 8)  # the tie's other side does not fit
     batch = {3.0: 8, 2.9: 16, 2.0: 64}.get  # 2.9 ties with 3.0 and has the larger batch; 2.0's larger still is no tie
     assert predicted_choice([3.0, 2.9, 2.0], lambda s: s, batch) == 2.9
+    # within the time model's measured error (a tie of 40%), 2.0 is not told apart either: its batch is the largest
+    assert predicted_choice([3.0, 2.9, 2.0], lambda s: s, batch, tie=0.4) == 2.0
+    assert recommend(predicted, None, tie=0.15).config == Config("fp32", "0", 64)  # 13% slower: within a 15% error
 
 
 def test_limits_per_precision_and_plan():

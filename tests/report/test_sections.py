@@ -59,3 +59,22 @@ def test_a_report_made_with_a_mapping_holds_a_record():
     assert isinstance(report.search, SearchSection) and report.search.storage == "x"
     assert dataclasses.replace(report, search=report.search.but(partial=True)).search["partial"] is True
 
+
+
+def test_a_dry_runs_recommendation_does_not_tell_apart_what_its_time_model_cannot():
+    """Predicted throughputs within the time model's checked error (``search.time_model.checked``) tie: the largest
+    batch among them is recommended; where the error was not checked (a card's), 5%."""
+    from autotune.records import PREDICTED, Config, Measurement
+
+    def trial(batch, per_s):
+        return Measurement(Config("fp32", "0", batch), "ok", peak_bytes=batch, samples_per_s=per_s,
+                           step_s=batch / per_s, time_source=PREDICTED)
+
+    trials = (trial(8, 100.0), trial(32, 90.0))  # the larger batch predicted 10% slower
+    unchecked = Report(environment={}, workload={}, budget_bytes=None, headroom=0.1,
+                       search=SearchSection(strategy="dry-run", dry_run=True, time_model={"name": "rtx4090"}),
+                       trials=trials)
+    assert unchecked.predicted_tie == 0.05 and unchecked.recommendation.batch_size == 8
+    checked = dataclasses.replace(unchecked, search=unchecked.search.but(
+        time_model={"name": "cpu", "checked": {"median_abs_error": 0.134}}))
+    assert checked.predicted_tie == 0.134 and checked.recommendation.batch_size == 32
