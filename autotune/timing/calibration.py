@@ -31,15 +31,16 @@ from torch.utils._pytree import tree_leaves
 from autotune.timing.counting import OpWork, StepWork, WorkCounter, _dtype, _name, _nbytes, op_flops, op_kind
 from autotune.timing.model import Machine, Rates, roofline_s, step_time
 
-__all__ = ["this_cpu", "calibrate_cpu", "cache_path"]
+__all__ = ["this_cpu", "calibrate_cpu", "cache_path", "OpTimes"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _GEMM_SIZES = (32, 128, 384, 1024)
 _SUITE_BATCHES = (2, 16)
 _SUITE_REPEATS = 10
+_DROPOUT = 0.1  # GPT-2's and BERT's attention and residual dropout
 _MIN_OP_S = 20e-6  # an op priced below this by the roofline is mostly dispatch: its efficiency is not measured
 _ELEMENTS = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
-_VERSION = 8  # of the calibration's method: a cache of another is measured again
+_VERSION = 9  # of the calibration's method: a cache of another is measured again
 
 
 def _seconds(fn: Callable[[], Any], *, budget_s: float = 0.1, run_s: float = 1e-3, runs: int = 5) -> float:
@@ -98,15 +99,17 @@ def _memory_rates(dispatch_s: float) -> dict[str, Rates]:
     return memory
 
 
-class _TimedOps(TorchDispatchMode):
-    """Each op's own seconds (the CPU runs an op to its end before it returns), by op and dtype, beside its
-    roofline seconds on ``machine``; ops under ``_MIN_OP_S`` by the roofline are left out (their dispatch is the
-    overhead's)."""
+class OpTimes(TorchDispatchMode):
+    """Each op's own seconds (the CPU runs an op to its end before it returns) beside its ``price`` on ``machine``
+    (its roofline, by default), summed by op and dtype (``rows``: "op/dtype" -> [measured, priced, ops]); ops priced
+    under ``least_s`` are left out (the calibration's: their dispatch is the overhead's). The calibration measures
+    each op's efficiency with it; ``benchmarks/time_per_op.py`` holds a real step's ops against the model's prices."""
 
-    def __init__(self, machine: Machine) -> None:
+    def __init__(self, machine: Machine, *, price: Callable[[Machine, OpWork], float] = roofline_s,
+                 least_s: float = 0.0) -> None:
         super().__init__()
-        self.machine = machine
-        self.seconds: dict[str, list[float]] = {}  # "op/dtype" -> [measured, roofline]
+        self.machine, self.price, self.least_s = machine, price, least_s
+        self.rows: dict[str, list[float]] = {}
         self.kinds: dict[str, str] = {}  # op -> its class
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -118,17 +121,21 @@ class _TimedOps(TorchDispatchMode):
         flops = op_flops(func, args, kwargs, out) if kind in ("matmul", "conv", "conv_backward", "attention") else 0
         moved = 0 if kind == "view" else _nbytes(tree_leaves((args, kwargs))) + _nbytes(tree_leaves(out))
         op = OpWork("", kind, _dtype(args), flops, moved, 1, _name(func, args, kind))
-        roofline = roofline_s(self.machine, op)
-        if roofline >= _MIN_OP_S:
-            row = self.seconds.setdefault(f"{op.name}/{op.dtype}", [0.0, 0.0])
+        priced = self.price(self.machine, op)
+        if priced >= self.least_s:
+            row = self.rows.setdefault(f"{op.name}/{op.dtype}", [0.0, 0.0, 0])
             row[0] += seconds
-            row[1] += roofline
+            row[1] += priced
+            row[2] += 1
             self.kinds[op.name] = kind
         return out
 
 
-def _attention_block(sdpa: bool) -> torch.nn.Module:
-    """A transformer block of torch.nn's parts, its attention written out or fused, and a vocabulary head."""
+def _attention_block(sdpa: bool, dropout: float = 0.0) -> torch.nn.Module:
+    """A transformer block of torch.nn's parts, its attention written out or fused, and a vocabulary head; with
+    ``dropout``, dropped out as a model trains (GPT-2's and BERT's attention and residual dropout): random numbers
+    drawn per element (``bernoulli_``), which cost far more than the bytes they write, and a fused attention that
+    drops out runs PyTorch's math path (``_safe_softmax``)."""
 
     class Block(torch.nn.Module):
         def __init__(self) -> None:
@@ -141,14 +148,16 @@ def _attention_block(sdpa: bool) -> torch.nn.Module:
             x = self.embed(idx)
             b, t, c = x.shape
             q, k, v = (z.view(b, t, 4, 32).transpose(1, 2) for z in self.qkv(self.norm1(x)).split(c, dim=2))
+            drop = lambda z: torch.nn.functional.dropout(z, dropout, self.training) if dropout else z  # noqa: E731
             if sdpa:
-                y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                     dropout_p=dropout if self.training else 0.0)
             else:
                 scores = (q @ k.transpose(-2, -1)) / 32 ** 0.5
                 mask = torch.ones(t, t, dtype=torch.bool).tril()
-                y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-            x = x + self.mlp(self.norm2(x))
+                y = drop(scores.masked_fill(~mask, float("-inf")).softmax(-1)) @ v
+            x = x + drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+            x = x + drop(self.mlp(self.norm2(x)))
             return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1).float(), idx.flatten())
 
     return Block()
@@ -166,13 +175,15 @@ def _conv_block() -> torch.nn.Module:
 
 def _suite() -> list[tuple[torch.nn.Module, Callable[[int], Any]]]:
     """The calibration's models (none of autotune's bundled ones: those are what it is checked on) and their
-    batches: a transformer block written out, one with fused attention, a convolutional classifier, and the first
-    and the last recomputed in the backward pass (torch.utils.checkpoint: the recompute's own overhead)."""
+    batches: a transformer block written out and dropped out, one with fused attention, one fused and dropped out, a
+    convolutional classifier, and the first and the last recomputed in the backward pass (torch.utils.checkpoint: the
+    recompute's own overhead)."""
     torch.manual_seed(0)
     tokens = lambda b: torch.randint(0, 256, (b, 128))  # noqa: E731
     images = lambda b: (torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,)))  # noqa: E731
-    return [(_attention_block(False), tokens), (_attention_block(True), tokens), (_Classifier(_conv_block()), images),
-            (_Recomputed(_attention_block(False)), tokens), (_Recomputed(_Classifier(_conv_block())), images)]
+    return [(_attention_block(False, _DROPOUT), tokens), (_attention_block(True), tokens),
+            (_attention_block(True, _DROPOUT), tokens), (_Classifier(_conv_block()), images),
+            (_Recomputed(_attention_block(False, _DROPOUT)), tokens), (_Recomputed(_Classifier(_conv_block())), images)]
 
 
 class _Recomputed(torch.nn.Module):
@@ -220,13 +231,13 @@ def _run_suite(machine: Machine) -> tuple[list[tuple[dict[str, float], StepWork]
                         fn()
                 runs = []
                 for _ in range(5):
-                    runs.append(_TimedOps(machine))
+                    runs.append(OpTimes(machine, least_s=_MIN_OP_S))
                     with runs[-1]:
                         for fn in phases.values():
                             fn()
                 kinds.update(runs[0].kinds)
-                for key in runs[0].seconds:
-                    m, r = min((run.seconds.get(key, (float("inf"), 0.0)) for run in runs), key=lambda x: x[0])
+                for key in runs[0].rows:
+                    m, r, _ = min((run.rows.get(key, (float("inf"), 0.0, 0)) for run in runs), key=lambda x: x[0])
                     row = ratios.setdefault(key, [0.0, 0.0])
                     row[0], row[1] = row[0] + m, row[1] + r
                 best = _fastest(phases)
@@ -262,19 +273,22 @@ def _fastest(phases: dict[str, Callable[[], Any]]) -> dict[str, float]:
 
 def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
     """``(scale, per_op_s)`` fitting seconds = scale x ops' own time + per_op_s x ops over ``points`` of (seconds,
-    own time, ops), least squares, neither below zero."""
-    sxx = sum(d * d for _, d, _ in points)
-    sxy = sum(d * n for _, d, n in points)
-    syy = sum(n * n for _, _, n in points)
-    sx = sum(t * d for t, d, _ in points)
-    sy = sum(t * n for t, _, n in points)
+    own time, ops), neither below zero: least squares of the relative error (each point weighted by 1 / seconds²),
+    the error a prediction is judged by. Unweighted, the largest steps decided the fit alone, and two calibrations of
+    one machine gave per-op overheads 4x apart (a backward op's 3.8 and 16.1 us)."""
+    w = [1.0 / (t * t) if t > 0 else 0.0 for t, _, _ in points]
+    sxx = sum(wi * d * d for wi, (_, d, _) in zip(w, points))
+    sxy = sum(wi * d * n for wi, (_, d, n) in zip(w, points))
+    syy = sum(wi * n * n for wi, (_, _, n) in zip(w, points))
+    sx = sum(wi * t * d for wi, (t, d, _) in zip(w, points))
+    sy = sum(wi * t * n for wi, (t, _, n) in zip(w, points))
     det = sxx * syy - sxy * sxy
     if det > 0:
         scale, per_op = (sx * syy - sy * sxy) / det, (sy * sxx - sx * sxy) / det
         if scale >= 0 and per_op >= 0:
             return scale, per_op
     fits = [(sx / sxx if sxx else 0.0, 0.0), (0.0, sy / syy if syy else 0.0)]  # one of them zero: the better
-    return min(fits, key=lambda f: sum((t - f[0] * d - f[1] * n) ** 2 for t, d, n in points))
+    return min(fits, key=lambda f: sum(wi * (t - f[0] * d - f[1] * n) ** 2 for wi, (t, d, n) in zip(w, points)))
 
 
 def _host(machine: Machine, steps: list[tuple[dict[str, float], StepWork]]) -> tuple[dict[str, float], dict[str, float]]:

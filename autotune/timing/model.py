@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from autotune.timing.cards import Card
     from autotune.timing.counting import StepWork
 
-__all__ = ["Rates", "Machine", "StepTime", "step_time", "roofline_s", "card_machine", "GPU_EFFICIENCY", "with_predicted_time", "checked_error"]
+__all__ = ["Rates", "Machine", "StepTime", "step_time", "roofline_s", "op_seconds", "card_machine", "GPU_EFFICIENCY", "with_predicted_time", "checked_error"]
 
 # A card's achieved share of its data sheet's peaks on large ops, and the fixed time of one kernel, in seconds: a
 # kernel of w work takes w / (share x peak) + latency. Assumed from public measurements (large bf16 GEMMs reach about
@@ -125,7 +125,9 @@ def roofline_s(machine: Machine, op: Any) -> float:
     return max(compute_s, memory_s)
 
 
-def _op_seconds(machine: Machine, op: Any) -> float:
+def op_seconds(machine: Machine, op: Any) -> float:
+    """One ``op``'s price: its roofline, times its measured efficiency where the calibration measured one (and the
+    roofline is above the dispatch's share)."""
     seconds = roofline_s(machine, op)
     return seconds * machine.factor(op) if seconds >= machine.factor_from_s else seconds
 
@@ -146,7 +148,7 @@ def step_time(work: "StepWork", machine: Machine, *, world_size: int = 1) -> Ste
     phases: dict[str, float] = {}
     device_s = host_s = 0.0
     for op in work.ops:
-        seconds = _op_seconds(machine, op) * op.count * machine.scale.get(op.phase, 1.0)
+        seconds = op_seconds(machine, op) * op.count * machine.scale.get(op.phase, 1.0)
         host = machine.overhead_s.get(op.phase, machine.overhead_s.get("forward", 0.0)) * op.count
         device_s += seconds
         host_s += host
