@@ -1,12 +1,13 @@
 """The time model against measurement on this CPU: every configuration's step predicted, then measured.
 
-    python benchmarks/time_model.py [--out results] [--threads 1] [--quick]
+    python benchmarks/time_model.py [--out results] [--threads 1] [--quick] [--passes 2]
 
 This CPU is calibrated first (``autotune.timing.calibration``, measured afresh, at ``--threads``). Then for each
 model (the bundled TinyGPT and ResNetish, and Hugging Face GPT-2, Llama and BERT shapes built from their configs), and
 each configuration of its grid (fp32 and bf16, plans 0 and all, three batch sizes), its step is predicted (the dry
-run's trial under fake tensors, its ops counted and priced) and then timed for real (``run_trial``: the median of its
-timed steps), one after the other. Reported: per model and over all, Spearman's rank correlation of predicted and
+run's trial under fake tensors, its ops counted and priced) and then timed for real (``run_trial``), in ``--passes``
+passes over the grid (2: a slow spell of the machine falls on one pass of a configuration, not on all its steps),
+its fastest step of all passes its measurement. Reported: per model and over all, Spearman's rank correlation of predicted and
 measured step times, the median absolute error of the prediction, and the measured throughput of the configuration
 the prediction recommends (as a dry run does: the fastest predicted, those within the model's median error of it not
 told apart and the largest batch among them chosen, ``autotune.analysis.pareto.predicted_choice``) against the
@@ -55,7 +56,8 @@ MODELS = {  # name -> (spec, model kwargs, batch sizes)
              (2, 8, 32)),
 }
 PRECISIONS, PLANS = ("fp32", "bf16"), ("0", "all")
-STEPS = 8  # timed steps per configuration; the fastest is the measurement (other processes only slow a step down)
+STEPS = 8  # timed steps per configuration and pass; the fastest is the measurement (others only slow a step down)
+PASSES = 2  # each configuration timed in two passes over its model's grid
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -85,30 +87,41 @@ def _workload(spec: str, kwargs: dict | None) -> Workload:
     return workload.with_chain(find_chain(workload.build_model()))
 
 
-def _rows(name: str, machine, quick: bool) -> list[dict]:
+def _rows(name: str, machine, quick: bool, passes: int) -> list[dict]:
+    """Each configuration of ``name``'s grid predicted, then timed in ``passes`` passes over the grid (the second
+    after every configuration's first: a slow spell of the machine falls on one pass of a configuration, not on all
+    its steps); its measurement is its fastest step of all passes, its median over all their steps."""
     spec, kwargs, sizes = MODELS[name]
     workload = _workload(spec, kwargs)
+    configs = [Config(precision, Plan(plan), b) for precision in PRECISIONS for plan in PLANS
+               for b in (sizes[:2] if quick else sizes)]
+    predicted = {config: predict_trial(workload, config, time_model=machine) for config in configs}
+    steps: dict[Config, list[float]] = {config: [] for config in configs}
+    failed: set[Config] = {c for c, p in predicted.items() if p.status != Status.OK}
+    for _ in range(passes):
+        for config in configs:
+            if config in failed:
+                continue
+            measured = run_trial(workload, config, device="cpu", meter=TensorMeter("cpu"),
+                                 settings=TrialSettings(measure_steps=STEPS, settle_steps=0, timeout_s=None))
+            if measured.status != Status.OK:
+                failed.add(config)
+                print(f"  {name} {config}: {predicted[config].status} / {measured.status}", flush=True)
+                continue
+            steps[config] += measured.step_times_s
     rows = []
-    for precision in PRECISIONS:
-        for plan in PLANS:
-            for b in sizes[:2] if quick else sizes:
-                config = Config(precision, Plan(plan), b)
-                predicted = predict_trial(workload, config, time_model=machine)
-                measured = run_trial(workload, config, device="cpu", meter=TensorMeter("cpu"),
-                                     settings=TrialSettings(measure_steps=STEPS, settle_steps=0, timeout_s=None))
-                if predicted.status != Status.OK or measured.status != Status.OK:
-                    print(f"  {name} {config}: {predicted.status} / {measured.status}", flush=True)
-                    continue
-                fastest = min(measured.step_times_s)
-                rows.append({"model": name, **config.to_dict(), "predicted_step_s": predicted.step_s,
-                             "measured_step_s": fastest, "measured_median_step_s": measured.step_s,
-                             "measured_step_s_spread": measured.step_s_spread,
-                             "predicted_per_s": predicted.samples_per_s, "measured_per_s": b / fastest,
-                             "measured_median_per_s": measured.samples_per_s,
-                             "error": predicted.step_s / fastest - 1,
-                             "error_median": predicted.step_s / measured.step_s - 1})
-                print(f"  {name} {config}: predicted {predicted.step_s:.4f} s, measured {fastest:.4f} s fastest, "
-                      f"{measured.step_s:.4f} s median ({rows[-1]['error']:+.0%})", flush=True)
+    for config in configs:
+        if config in failed:
+            continue
+        times, b, p = steps[config], config.batch_size, predicted[config]
+        fastest, median = min(times), statistics.median(times)
+        rows.append({"model": name, **config.to_dict(), "predicted_step_s": p.step_s, "measured_step_s": fastest,
+                     "measured_median_step_s": median, "measured_step_s_spread": (max(times) - min(times)) / median,
+                     "measured_steps": len(times), "predicted_per_s": p.samples_per_s, "measured_per_s": b / fastest,
+                     "measured_median_per_s": b / median, "error": p.step_s / fastest - 1,
+                     "error_median": p.step_s / median - 1})
+        print(f"  {name} {config}: predicted {p.step_s:.4f} s, measured {fastest:.4f} s fastest, "
+              f"{median:.4f} s median ({rows[-1]['error']:+.0%})", flush=True)
     return rows
 
 
@@ -136,7 +149,9 @@ def markdown(result: dict) -> str:
              f"{env['torch']})", "",
              f"Command: `{result['command']}`. Each configuration's step predicted (the dry run's trial under fake "
              f"tensors, its ops' FLOPs and bytes priced on this CPU, calibrated: {result['machine']}) and then timed "
-             f"for real: {STEPS} timed steps, the fastest its measurement (the machine is shared: other processes only "
+             f"for real: {STEPS} timed steps in each of {result.get('passes', 1)} passes over the model's grid (the second "
+             f"after every configuration's first), the fastest step of all its measurement (the machine is shared: "
+             f"other processes only "
              f"slow a step down; the calibration takes the fastest runs too), the median beside it. Load average when "
              f"it ran (1, 5, 15 min): {env['load']}. The recommendation is a dry run's: the fastest predicted, the "
              f"predictions within the model's median error ({result['near_tie']:.1%}) of it not told apart and the "
@@ -184,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="two batch sizes per model")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--cards", action="store_true", help="write results/time_model-cards.md only")
+    parser.add_argument("--passes", type=int, default=PASSES, help="passes over each grid, each timing every "
+                        "configuration (default %(default)s)")
     args = parser.parse_args(argv)
     if args.cards:
         with open(os.path.join(args.out, "time_model-cards.md"), "w") as f:
@@ -194,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = this_cpu(refresh=True)
     rows = []
     for name in args.models.split(","):
-        rows += _rows(name, machine, args.quick)
+        rows += _rows(name, machine, args.quick, args.passes)
     tie = statistics.median(abs(r["error"]) for r in rows)  # the error a dry run quotes after this run
     models = {name: summary([r for r in rows if r["model"] == name], tie)
               for name in dict.fromkeys(r["model"] for r in rows)}
@@ -210,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
               "environment": {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": args.threads,
                               "torch": torch.__version__, "load": " ".join(f"{x:.2f}" for x in os.getloadavg())},
               "machine": machine.source, "models": models, "all": pooled,
-              "all_against_median_steps": against_median, "near_tie": round(tie, 4), "rows": rows,
+              "all_against_median_steps": against_median, "near_tie": round(tie, 4), "passes": args.passes,
+              "rows": rows,
               "wall_s": round(time.monotonic() - started, 1)}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "time_model-cpu.json"), "w") as f:

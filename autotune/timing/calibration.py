@@ -28,7 +28,7 @@ import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autotune.timing.counting import OpWork, StepWork, WorkCounter, _dtype, _name, _nbytes, op_flops, op_kind
+from autotune.timing.counting import OpWork, StepWork, WorkCounter, _dtype, _name, _nbytes, matrices, op_flops, op_kind
 from autotune.timing.model import Machine, Rates, roofline_s, step_time
 
 __all__ = ["this_cpu", "calibrate_cpu", "cache_path", "OpTimes"]
@@ -40,7 +40,7 @@ _SUITE_REPEATS = 10
 _DROPOUT = 0.1  # GPT-2's and BERT's attention and residual dropout
 _MIN_OP_S = 20e-6  # an op priced below this by the roofline is mostly dispatch: its efficiency is not measured
 _ELEMENTS = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
-_VERSION = 9  # of the calibration's method: a cache of another is measured again
+_VERSION = 10  # of the calibration's method: a cache of another is measured again
 
 
 def _seconds(fn: Callable[[], Any], *, budget_s: float = 0.1, run_s: float = 1e-3, runs: int = 5) -> float:
@@ -69,12 +69,22 @@ def _work(fn: Callable[[], Any]) -> tuple[int, int, int]:
     return (sum(o.flops * o.count for o in ops), sum(o.bytes * o.count for o in ops), sum(o.count for o in ops))
 
 
-def _rate(fn: Callable[[], Any], dispatch_s: float, flops: bool) -> tuple[float, float]:
-    """(work per op, work per second) of ``fn``'s one op: its FLOPs or its bytes, the dispatch taken off."""
+def _rate(fn: Callable[[], Any], dispatch_s: float, flops: bool) -> tuple[float, float] | None:
+    """(work per op, work per second) of ``fn``'s one op: its FLOPs or its bytes, the dispatch taken off; None where
+    the op's own time is less than its dispatch's (what is left is noise: a 32x32 fp32 matmul here, whose rate came
+    out as its FLOPs over the nanosecond floor, 65 TFLOP/s, and priced every small matmul as free). Sizes below the
+    smallest kept one take its rate."""
     f, b, n = _work(fn)
     work = f if flops else b
-    seconds = max(_seconds(fn) - n * dispatch_s, 1e-9)
-    return float(work / n), float(work / seconds)
+    own = _seconds(fn) - n * dispatch_s
+    if own < n * dispatch_s:
+        return None
+    return float(work / n), float(work / own)
+
+
+def _curve(points: list[tuple[float, float] | None]) -> Rates:
+    """The rates measured, by ascending work, those lost in the dispatch left out."""
+    return Rates(tuple(sorted(p for p in points if p is not None)))
 
 
 def _compute_rates(dispatch_s: float) -> dict[str, dict[str, Rates]]:
@@ -84,7 +94,7 @@ def _compute_rates(dispatch_s: float) -> dict[str, dict[str, Rates]]:
         for n in _GEMM_SIZES:
             a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
             gemms.append(_rate(lambda: torch.mm(a, b), dispatch_s, flops=True))
-        matmul[name] = Rates(tuple(sorted(gemms)))
+        matmul[name] = _curve(gemms)
     return {"matmul": matmul}
 
 
@@ -95,7 +105,7 @@ def _memory_rates(dispatch_s: float) -> dict[str, Rates]:
         for n in _ELEMENTS:  # into a tensor already there: a step's allocator hands back memory it has used before
             a, b, c = torch.randn(n).to(dtype), torch.randn(n).to(dtype), torch.empty(n, dtype=dtype)
             points.append(_rate(lambda: torch.add(a, b, out=c), dispatch_s, flops=False))
-        memory[name] = Rates(tuple(sorted(points)))
+        memory[name] = _curve(points)
     return memory
 
 
@@ -120,7 +130,8 @@ class OpTimes(TorchDispatchMode):
         kind = op_kind(func)
         flops = op_flops(func, args, kwargs, out) if kind in ("matmul", "conv", "conv_backward", "attention") else 0
         moved = 0 if kind == "view" else _nbytes(tree_leaves((args, kwargs))) + _nbytes(tree_leaves(out))
-        op = OpWork("", kind, _dtype(args), flops, moved, 1, _name(func, args, kind))
+        op = OpWork("", kind, _dtype(args), flops, moved, 1, _name(func, args, kind),
+                    matrices(func, args) if kind == "matmul" else 1)
         priced = self.price(self.machine, op)
         if priced >= self.least_s:
             row = self.rows.setdefault(f"{op.name}/{op.dtype}", [0.0, 0.0, 0])

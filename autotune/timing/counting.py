@@ -53,6 +53,9 @@ class OpWork:
     bytes: int
     count: int = 1
     name: str = ""  # the aten op ("mm", "convolution", "convolution.grouped": groups > 1): its efficiency is its own
+    # the independent products a batched matmul holds (bmm, baddbmm: its batch): it runs at the rate of one of them, a
+    # small GEMM's, not at the rate of one GEMM of all its FLOPs (attention's many head-sized products)
+    matrices: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +147,16 @@ def _name(func: Any, args: tuple, kind: str) -> str:
     return name
 
 
+def matrices(func: Any, args: tuple) -> int:
+    """The independent matrix products of a batched matmul (``bmm``: its first operand's leading dimension;
+    ``baddbmm``: its second's); 1 for any other op."""
+    packet = func.overloadpacket
+    operand = args[0] if packet is _aten.bmm else args[1] if packet is _aten.baddbmm else None
+    if isinstance(operand, torch.Tensor) and operand.dim() == 3:
+        return max(int(operand.shape[0]), 1)
+    return 1
+
+
 def _phase() -> str:
     if torch._C._current_graph_task_id() != -1:  # inside a backward pass
         return RECOMPUTE if torch.is_grad_enabled() else BACKWARD
@@ -169,11 +182,11 @@ class WorkCounter(TorchDispatchMode):
         else:
             moved = 0 if kind == VIEW else _nbytes(tree_leaves((args, kwargs))) + _nbytes(tree_leaves(out))
         name = _name(func, args, kind)
-        self._ops[(_phase(), kind, _dtype(args), flops, moved, name)] += 1
+        self._ops[(_phase(), kind, _dtype(args), flops, moved, name, matrices(func, args) if kind == MATMUL else 1)] += 1
         return out
 
     def work(self, offload_bytes: int = 0) -> StepWork:
         """What was counted so far, with ``offload_bytes`` copied to the host (an offloading plan's)."""
-        ops = tuple(OpWork(phase, kind, dtype, flops, moved, count, name)
-                    for (phase, kind, dtype, flops, moved, name), count in sorted(self._ops.items()))
+        ops = tuple(OpWork(phase, kind, dtype, flops, moved, count, name, products)
+                    for (phase, kind, dtype, flops, moved, name, products), count in sorted(self._ops.items()))
         return StepWork(ops, offload_bytes)

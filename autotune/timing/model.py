@@ -121,7 +121,7 @@ def roofline_s(machine: Machine, op: Any) -> float:
     if op.kind in ("view", "collective"):
         return 0.0
     memory_s = op.bytes / machine.memory_rate(op.dtype, op.bytes) if op.bytes else 0.0
-    compute_s = op.flops / machine.compute_rate(op.kind, op.dtype, op.flops) if op.flops else 0.0
+    compute_s = op.flops / machine.compute_rate(op.kind, op.dtype, op.flops / op.matrices) if op.flops else 0.0
     return max(compute_s, memory_s)
 
 

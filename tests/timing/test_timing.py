@@ -20,7 +20,7 @@ from autotune.plans.checkpointing import find_chain
 from autotune.records import MEASURED, PREDICTED, Config, Measurement, TrialSettings
 from autotune.timing import calibration
 from autotune.timing.cards import CARDS_FILE, card, cards
-from autotune.timing.counting import WorkCounter
+from autotune.timing.counting import StepWork, WorkCounter
 from autotune.timing.model import Machine, Rates, card_machine, checked_error, step_time
 from autotune.training.workload import Workload
 from autotune.vocabulary import Plan, Status
@@ -54,6 +54,21 @@ def test_flops_equal_flop_counter_modes_on_a_real_step():
     with FlopCounterMode(display=False) as reference:
         model(**batch).loss.backward()
     assert counter.work().flops == reference.get_total_flops() > 0
+
+
+def test_a_batched_matmul_is_priced_at_the_rate_of_one_of_its_products():
+    """Attention's bmm of many head-sized products runs at a small GEMM's rate, not at the rate of one GEMM of all
+    its FLOPs: the rate curve is read at one product's FLOPs."""
+    a, b = torch.randn(8, 16, 32), torch.randn(8, 32, 16)
+    with WorkCounter() as counter:
+        torch.bmm(a, b)
+        torch.mm(a[0], b[0])
+    bmm, mm = sorted((op for op in counter.work().ops if op.kind == "matmul"), key=lambda op: op.name)
+    assert (bmm.name, bmm.matrices, bmm.flops) == ("bmm", 8, 8 * mm.flops) and mm.matrices == 1
+    rising = Machine(name="cpu", compute={"matmul": {"fp32": Rates(((1e4, 1e9), (1e6, 1e11)))}},
+                     memory={"fp32": Rates(((1.0, 1e15),))}, overhead_s={}, overlapped=False)
+    # 8 products of mm's size: 8 times mm's time at mm's rate, not the faster rate of a GEMM of 8x the FLOPs
+    assert step_time(StepWork((bmm,)), rising).device_s == pytest.approx(8 * step_time(StepWork((mm,)), rising).device_s)
 
 
 @pytest.mark.parametrize("plan", ["0", "all"])
@@ -188,3 +203,14 @@ def test_a_gpus_own_name_finds_its_card(device_name, card):
     from autotune.timing.cards import card_named, cards
 
     assert card_named(device_name) == card and (card is None or card in cards())
+
+
+def test_a_rate_lost_in_the_dispatch_is_left_out_of_the_curve():
+    """An op that takes no longer than its dispatch says nothing of its rate (its FLOPs over what is left of its time
+    gave 65 TFLOP/s for a 32x32 matmul): the calibration leaves it out, and smaller sizes take the smallest rate kept."""
+    a = torch.randn(32, 32)
+    assert calibration._rate(lambda: torch.mm(a, a), dispatch_s=1.0, flops=True) is None  # a second's dispatch
+    kept = calibration._rate(lambda: torch.mm(a, a), dispatch_s=0.0, flops=True)
+    assert kept is not None and kept[0] == 2 * 32 ** 3
+    curve = calibration._curve([None, (1e6, 2e9), (1e4, 1e9)])
+    assert curve.points == ((1e4, 1e9), (1e6, 2e9)) and curve.at(10.0) == 1e9
