@@ -88,8 +88,7 @@ class Report:
     eval_limits: tuple[dict[str, Any], ...] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.search, SearchSection):
-            object.__setattr__(self, "search", SearchSection.from_dict(self.search))
+        object.__setattr__(self, "search", SearchSection.from_dict(self.search))  # a section as it is
 
     @property
     def memory_model(self) -> MemoryModel:
@@ -267,7 +266,7 @@ class Report:
             workload=data["workload"],
             budget_bytes=data["budget_bytes"],
             headroom=data["headroom"],
-            search=SearchSection.from_dict(data["search"]),
+            search=data["search"],
             trials=tuple(Measurement.from_dict(t) for t in data["trials"]),
             predictions=tuple(Measurement.from_dict(t) for t in data.get("predictions", ())),
             eval_limits=None if data.get("eval_limits") is None else tuple(data["eval_limits"]),

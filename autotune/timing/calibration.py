@@ -26,9 +26,8 @@ import torch
 import torch.utils.checkpoint
 
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from autotune.timing.counting import OpWork, StepWork, WorkCounter, _dtype, _name, _nbytes, matrices, op_flops, op_kind
+from autotune.timing.counting import OpWork, StepWork, WorkCounter, op_work
 from autotune.timing.model import Machine, Rates, roofline_s, step_time
 
 __all__ = ["this_cpu", "calibrate_cpu", "cache_path", "OpTimes"]
@@ -127,18 +126,14 @@ class OpTimes(TorchDispatchMode):
         began = time.perf_counter()
         out = func(*args, **kwargs)
         seconds = time.perf_counter() - began
-        kind = op_kind(func)
-        flops = op_flops(func, args, kwargs, out) if kind in ("matmul", "conv", "conv_backward", "attention") else 0
-        moved = 0 if kind == "view" else _nbytes(tree_leaves((args, kwargs))) + _nbytes(tree_leaves(out))
-        op = OpWork("", kind, _dtype(args), flops, moved, 1, _name(func, args, kind),
-                    matrices(func, args) if kind == "matmul" else 1)
+        op = op_work(func, args, kwargs, out)
         priced = self.price(self.machine, op)
         if priced >= self.least_s:
             row = self.rows.setdefault(f"{op.name}/{op.dtype}", [0.0, 0.0, 0])
             row[0] += seconds
             row[1] += priced
             row[2] += 1
-            self.kinds[op.name] = kind
+            self.kinds[op.name] = op.kind
         return out
 
 

@@ -147,7 +147,7 @@ def _name(func: Any, args: tuple, kind: str) -> str:
     return name
 
 
-def matrices(func: Any, args: tuple) -> int:
+def _matrices(func: Any, args: tuple) -> int:
     """The independent matrix products of a batched matmul (``bmm``: its first operand's leading dimension;
     ``baddbmm``: its second's); 1 for any other op."""
     packet = func.overloadpacket
@@ -155,6 +155,20 @@ def matrices(func: Any, args: tuple) -> int:
     if isinstance(operand, torch.Tensor) and operand.dim() == 3:
         return max(int(operand.shape[0]), 1)
     return 1
+
+
+def op_work(func: Any, args: tuple, kwargs: dict, out: Any, phase: str = "") -> OpWork:
+    """One call of aten op ``func`` (``args``, ``kwargs``, its ``out``) as the time model prices it: its class,
+    dtype, FLOPs, the bytes it reads and writes (a collective's: what crosses the link, the buffer reduced or the
+    whole gathered), its name and, for a batched matmul, its products. The counter's and the calibration's alike."""
+    kind = op_kind(func)
+    flops = op_flops(func, args, kwargs, out) if kind in (MATMUL, CONV, CONV_BACKWARD, ATTENTION) else 0
+    if kind == COLLECTIVE:
+        moved = max(_nbytes(tree_leaves((args, kwargs))), _nbytes(tree_leaves(out)))
+    else:
+        moved = 0 if kind == VIEW else _nbytes(tree_leaves((args, kwargs))) + _nbytes(tree_leaves(out))
+    return OpWork(phase, kind, _dtype(args), flops, moved, 1, _name(func, args, kind),
+                  _matrices(func, args) if kind == MATMUL else 1)
 
 
 def _phase() -> str:
@@ -175,18 +189,11 @@ class WorkCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.namespace == "prim":  # a tensor's metadata asked for (fake tensors ask prim.device): no work
             return out
-        kind = op_kind(func)
-        flops = op_flops(func, args, kwargs, out) if kind in (MATMUL, CONV, CONV_BACKWARD, ATTENTION) else 0
-        if kind == COLLECTIVE:  # what crosses the link: the buffer reduced, the whole gathered or scattered
-            moved = max(_nbytes(tree_leaves((args, kwargs))), _nbytes(tree_leaves(out)))
-        else:
-            moved = 0 if kind == VIEW else _nbytes(tree_leaves((args, kwargs))) + _nbytes(tree_leaves(out))
-        name = _name(func, args, kind)
-        self._ops[(_phase(), kind, _dtype(args), flops, moved, name, matrices(func, args) if kind == MATMUL else 1)] += 1
+        self._ops[op_work(func, args, kwargs, out, _phase())] += 1  # alike ops merged: each OpWork of count 1
         return out
 
     def work(self, offload_bytes: int = 0) -> StepWork:
         """What was counted so far, with ``offload_bytes`` copied to the host (an offloading plan's)."""
-        ops = tuple(OpWork(phase, kind, dtype, flops, moved, count, name, products)
-                    for (phase, kind, dtype, flops, moved, name, products), count in sorted(self._ops.items()))
+        ops = tuple(dataclasses.replace(op, count=count)
+                    for op, count in sorted(self._ops.items(), key=lambda item: dataclasses.astuple(item[0])))
         return StepWork(ops, offload_bytes)
